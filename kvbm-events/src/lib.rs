@@ -1,0 +1,23 @@
+//! kvbm-events: the vocabulary that kvbm's engine side and router side share.
+//!
+//! Owns: block and sequence hashes (bit-for-bit Dynamo's KV-router hash), the storage [`Tier`]s and
+//! their wire medium names, the KV cache event model, and a bounded in-process event bus.
+//! Does not own: anything about memory, copies or pools (kvbm-cuda, kvbm-core), nor the wire codec,
+//! ZMQ transports and the router (a later addition to this crate).
+//!
+//! Invariants:
+//! - A hash is computed only over a full block; a partial trailing block has no hash.
+//! - Publishing an event never blocks: a subscriber that falls behind loses events, the loss is
+//!   counted, and the subscriber sees it as a gap in the per-publisher sequence numbers.
+
+mod bus;
+mod event;
+mod hash;
+mod tier;
+
+pub use bus::{Delivery, EventPublisher, EventSubscriber, SUBSCRIBER_CAPACITY_MAX};
+pub use event::{BlockRemoved, BlockStored, EventRecord, KvEvent};
+pub use hash::{
+    BlockHash, BlockHasher, SequenceHash, BLOCK_HASH_SEED, LORA_NAME_SEED, NAMESPACE_SEED,
+};
+pub use tier::{Tier, TierParseError};
