@@ -97,15 +97,17 @@ impl EventPublisher {
             return seq;
         }
         let record = Arc::new(EventRecord { seq, event });
-        state.subscribers.retain(|slot| match slot.sender.try_send(record.clone()) {
-            Ok(()) => true,
-            Err(TrySendError::Full(_)) => {
-                slot.dropped.fetch_add(1, Ordering::Relaxed);
-                self.shared.dropped_total.fetch_add(1, Ordering::Relaxed);
-                true
-            }
-            Err(TrySendError::Disconnected(_)) => false,
-        });
+        state
+            .subscribers
+            .retain(|slot| match slot.sender.try_send(record.clone()) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_)) => {
+                    slot.dropped.fetch_add(1, Ordering::Relaxed);
+                    self.shared.dropped_total.fetch_add(1, Ordering::Relaxed);
+                    true
+                }
+                Err(TrySendError::Disconnected(_)) => false,
+            });
         seq
     }
 
@@ -177,7 +179,10 @@ impl EventSubscriber {
     }
 
     fn deliver(&mut self, record: Arc<EventRecord>) -> Delivery {
-        debug_assert!(record.seq >= self.expected_seq, "sequence numbers went backwards");
+        debug_assert!(
+            record.seq >= self.expected_seq,
+            "sequence numbers went backwards"
+        );
         let missed_before = record.seq - self.expected_seq;
         self.gaps_seen_events += missed_before;
         self.expected_seq = record.seq + 1;

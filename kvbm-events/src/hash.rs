@@ -54,7 +54,10 @@ impl BlockHasher {
     /// A hasher for blocks of `block_size_tokens` tokens (must be at least 1), with optional
     /// LoRA adapter name and cache namespace (empty strings count as absent).
     pub fn new(block_size_tokens: usize, lora_name: Option<&str>, namespace: Option<&str>) -> Self {
-        assert!(block_size_tokens > 0, "block size must be at least one token");
+        assert!(
+            block_size_tokens > 0,
+            "block size must be at least one token"
+        );
         let mut seed = BLOCK_HASH_SEED;
         if let Some(name) = lora_name.filter(|s| !s.is_empty()) {
             seed = seed.wrapping_add(xxh3_64_with_seed(name.as_bytes(), LORA_NAME_SEED));
@@ -95,7 +98,11 @@ impl BlockHasher {
 
     /// Sequence hashes of every full block of `tokens`, continuing from `parent` (the sequence
     /// hash of the block before `tokens[0]`, if any); a partial tail is ignored.
-    pub fn sequence_hashes(&self, parent: Option<SequenceHash>, tokens: &[u32]) -> Vec<SequenceHash> {
+    pub fn sequence_hashes(
+        &self,
+        parent: Option<SequenceHash>,
+        tokens: &[u32],
+    ) -> Vec<SequenceHash> {
         let mut out = Vec::with_capacity(tokens.len() / self.block_size_tokens);
         let mut last = parent;
         for block in tokens.chunks_exact(self.block_size_tokens) {

@@ -34,9 +34,17 @@ fn every_vector_case_matches() {
             case["cache_namespace"].as_str(),
         );
         let got: Vec<u64> = hasher.block_hashes(&tokens).iter().map(|h| h.0).collect();
-        assert_eq!(got, parse_hashes(&case["local_block_hashes"]), "case {name}: block hashes");
+        assert_eq!(
+            got,
+            parse_hashes(&case["local_block_hashes"]),
+            "case {name}: block hashes"
+        );
         if let Some(expected) = case.get("sequence_hashes") {
-            let got: Vec<u64> = hasher.sequence_hashes(None, &tokens).iter().map(|h| h.0).collect();
+            let got: Vec<u64> = hasher
+                .sequence_hashes(None, &tokens)
+                .iter()
+                .map(|h| h.0)
+                .collect();
             assert_eq!(got, parse_hashes(expected), "case {name}: sequence hashes");
             checked_sequences += 1;
         }

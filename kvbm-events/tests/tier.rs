@@ -26,6 +26,10 @@ fn other_engines_names_map_to_tiers() {
         ("TAPE", None),
     ];
     for (name, expected) in cases {
-        assert_eq!(Tier::from_medium_name(name).ok(), expected, "medium {name:?}");
+        assert_eq!(
+            Tier::from_medium_name(name).ok(),
+            expected,
+            "medium {name:?}"
+        );
     }
 }

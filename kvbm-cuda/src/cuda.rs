@@ -1,0 +1,230 @@
+//! The CUDA back end: context, allocation, copy streams and events, through cudarc's driver API
+//! with the driver library loaded at run time.
+//!
+//! Invariants:
+//! - `CudaBackend::open` is the only way in, and it calls `is_culib_present()` before any other
+//!   CUDA function: cudarc panics instead of failing when the library is missing.
+//! - `cuMemcpyBatchAsync` is called only when the driver reports 12.8 or later and exports the
+//!   symbol (cudarc also panics on a missing symbol).
+//! - A stream's in-flight table owns each transfer's regions until its event has completed.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use parking_lot::Mutex;
+
+use crate::region::{GpuRegion, Region};
+use crate::stream::{CopyPiece, Direction, STREAM_QUEUE_MAX};
+use crate::DeviceError;
+
+/// First driver version (12.8, encoded as CUDA does) with `cuMemcpyBatchAsync`.
+pub(crate) const BATCH_COPY_MIN_DRIVER: i32 = 12080;
+
+/// True when a CUDA driver library can be loaded. Never panics.
+pub(crate) fn driver_present() -> bool {
+    // SAFETY: only attempts to dlopen the driver library by its usual names.
+    unsafe { sys::is_culib_present() }
+}
+
+pub(crate) struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    driver_version: i32,
+    name: String,
+    batch_copy_available: bool,
+}
+
+impl CudaBackend {
+    pub(crate) fn open(ordinal: usize) -> Result<Self, DeviceError> {
+        if !driver_present() {
+            return Err(DeviceError::NoDriver);
+        }
+        // cudarc panics on a driver that lacks a symbol it needs; keep that out of our callers.
+        let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| DeviceError::Driver {
+                call: "cuInit/cuDevicePrimaryCtxRetain",
+                code: "the driver library is incomplete (cudarc panicked)".into(),
+            })?
+            .map_err(|e| DeviceError::driver("cuDevicePrimaryCtxRetain", e))?;
+        let mut driver_version = 0;
+        // SAFETY: the driver library is loaded; the out-pointer is a live local.
+        unsafe { sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .map_err(|e| DeviceError::driver("cuDriverGetVersion", e))?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let batch_copy_available =
+            driver_version >= BATCH_COPY_MIN_DRIVER && has_symbol("cuMemcpyBatchAsync");
+        Ok(Self {
+            ctx,
+            driver_version,
+            name,
+            batch_copy_available,
+        })
+    }
+
+    pub(crate) fn description(&self) -> String {
+        format!(
+            "{} (GPU {}, driver {}.{})",
+            self.name,
+            self.ctx.ordinal(),
+            self.driver_version / 1000,
+            (self.driver_version % 1000) / 10
+        )
+    }
+
+    pub(crate) fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    pub(crate) fn context(&self) -> Arc<CudaContext> {
+        self.ctx.clone()
+    }
+
+    pub(crate) fn alloc(&self, len: usize) -> Result<GpuRegion, DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
+        // SAFETY: the context is current; the allocation is owned by the region and freed on drop.
+        let addr = unsafe { result::malloc_sync(len) }
+            .map_err(|e| DeviceError::driver("cuMemAlloc", e))?;
+        Ok(GpuRegion::cuda_owned(addr, len, self.ctx.clone()))
+    }
+}
+
+fn has_symbol(name: &str) -> bool {
+    // SAFETY: only looks a symbol up in the already loaded driver library; nothing is called.
+    unsafe { sys::culib().get::<*const ()>(name.as_bytes()).is_ok() }
+}
+
+/// A CUDA event recorded after a transfer's copies.
+#[derive(Clone)]
+pub(crate) struct CudaCompletion(Arc<CudaEvent>);
+
+impl CudaCompletion {
+    pub(crate) fn poll(&self) -> Result<bool, DeviceError> {
+        self.0
+            .context()
+            .bind_to_thread()
+            .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
+        self.0
+            .try_is_complete()
+            .map_err(|e| DeviceError::driver("cuEventQuery", e))
+    }
+
+    pub(crate) fn wait(&self) -> Result<(), DeviceError> {
+        self.0
+            .synchronize()
+            .map_err(|e| DeviceError::driver("cuEventSynchronize", e))
+    }
+}
+
+pub(crate) struct CudaCopyStream {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    batch_copy: bool,
+    inflight: Mutex<VecDeque<(CudaCompletion, Vec<Region>)>>,
+}
+
+impl CudaCopyStream {
+    pub(crate) fn new(backend: &CudaBackend, batch_copy: bool) -> Result<Self, DeviceError> {
+        let stream = backend
+            .ctx
+            .new_stream()
+            .map_err(|e| DeviceError::driver("cuStreamCreate", e))?;
+        Ok(Self {
+            ctx: backend.ctx.clone(),
+            stream,
+            batch_copy: batch_copy && backend.batch_copy_available,
+            inflight: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    pub(crate) fn uses_batch_copy(&self) -> bool {
+        self.batch_copy
+    }
+
+    pub(crate) fn submit(
+        &self,
+        _direction: Direction,
+        pieces: &[CopyPiece],
+        regions: Vec<Region>,
+    ) -> Result<CudaCompletion, DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
+        let mut inflight = self.inflight.lock();
+        // Release regions of transfers the stream has finished; bound the table.
+        while let Some((front, _)) = inflight.front() {
+            let done = if inflight.len() >= STREAM_QUEUE_MAX {
+                front.wait()?;
+                true
+            } else {
+                front.poll()?
+            };
+            if !done {
+                break;
+            }
+            inflight.pop_front();
+        }
+        if self.batch_copy && pieces.len() > 1 {
+            self.copy_batched(pieces)?;
+        } else {
+            for p in pieces {
+                // SAFETY: `validate` checked both ranges against regions that the in-flight
+                // table keeps alive until this transfer's event completes; with unified
+                // addressing cuMemcpyAsync infers the direction from the pointers.
+                unsafe { sys::cuMemcpyAsync(p.dst, p.src, p.len, self.stream.cu_stream()) }
+                    .result()
+                    .map_err(|e| DeviceError::driver("cuMemcpyAsync", e))?;
+            }
+        }
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| DeviceError::driver("cuEventRecord", e))?;
+        let completion = CudaCompletion(Arc::new(event));
+        inflight.push_back((completion.clone(), regions));
+        Ok(completion)
+    }
+
+    fn copy_batched(&self, pieces: &[CopyPiece]) -> Result<(), DeviceError> {
+        let mut dsts: Vec<sys::CUdeviceptr> = pieces.iter().map(|p| p.dst).collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = pieces.iter().map(|p| p.src).collect();
+        let mut sizes: Vec<usize> = pieces.iter().map(|p| p.len).collect();
+        // SAFETY: an all-zero CUmemcpyAttributes is a valid value (location hints "invalid",
+        // which the driver ignores for non-managed memory); the access order is set next.
+        let mut attrs: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+        attrs.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        let mut attr_index: usize = 0;
+        let mut fail_index: usize = usize::MAX;
+        // SAFETY: the driver is 12.8+ and exports the symbol (checked at open); the arrays hold
+        // `pieces.len()` entries each and outlive the call; the ranges were validated and are kept
+        // alive by the in-flight table until the event recorded after this call completes.
+        unsafe {
+            sys::cuMemcpyBatchAsync(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                pieces.len(),
+                &mut attrs,
+                &mut attr_index,
+                1,
+                &mut fail_index,
+                self.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(|e| DeviceError::Driver {
+            call: "cuMemcpyBatchAsync",
+            code: format!("{:?} (failed at piece {fail_index})", e.0),
+        })
+    }
+}
+
+impl Drop for CudaCopyStream {
+    fn drop(&mut self) {
+        // Wait for every queued copy before the regions they use can be released.
+        let _ = self.stream.synchronize();
+        self.inflight.get_mut().clear();
+    }
+}

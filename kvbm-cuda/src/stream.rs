@@ -1,0 +1,459 @@
+//! Copy streams: ordered queues of transfers in one direction, each finished by a [`Completion`].
+//!
+//! Invariants:
+//! - Transfers on one stream complete in submission order (CUDA stream semantics; the emulated
+//!   stream has one worker per stream).
+//! - The stream, not the caller, holds a transfer's regions until the stream has seen the
+//!   transfer complete (STYLE.md habit 5).
+//! - A submit is validated before anything is queued: every piece inside the transfer's regions
+//!   of the right kind, host bytes inside the ready prefix, nothing of length 0.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::cuda::{CudaBackend, CudaCompletion, CudaCopyStream};
+use crate::emulated::EmulatedStream;
+use crate::region::Region;
+use crate::DeviceError;
+
+/// Most transfers queued on one stream before `submit` waits for the oldest.
+pub const STREAM_QUEUE_MAX: usize = 256;
+/// Environment variable: `0` turns coalescing of adjacent pieces off (default on).
+pub const COALESCE_ENV: &str = "KVBM_COPY_COALESCE";
+/// Environment variable: `0` turns `cuMemcpyBatchAsync` off (default: on where the driver has it).
+pub const BATCH_COPY_ENV: &str = "KVBM_COPY_BATCH";
+
+/// The two directions kvbm copies in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Direction {
+    /// GPU to pinned host (offload).
+    DeviceToHost,
+    /// Pinned host to GPU (onboard).
+    HostToDevice,
+}
+
+impl Direction {
+    /// "d2h" or "h2d".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::DeviceToHost => "d2h",
+            Direction::HostToDevice => "h2d",
+        }
+    }
+}
+
+/// One contiguous copy: `len` bytes from address `src` to address `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyPiece {
+    /// Source address.
+    pub src: u64,
+    /// Target address.
+    pub dst: u64,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// A batch of copies in one direction, with the regions they read and write.
+#[derive(Debug, Default)]
+pub struct Transfer {
+    pieces: Vec<CopyPiece>,
+    regions: Vec<Region>,
+}
+
+impl Transfer {
+    /// An empty transfer with room for `pieces` pieces.
+    pub fn with_capacity(pieces: usize) -> Self {
+        Self {
+            pieces: Vec::with_capacity(pieces),
+            regions: Vec::new(),
+        }
+    }
+
+    /// Adds a piece.
+    pub fn push(&mut self, src: u64, dst: u64, len: usize) {
+        self.pieces.push(CopyPiece { src, dst, len });
+    }
+
+    /// Adds a region the pieces may read or write; the stream keeps it alive until completion.
+    pub fn keep(&mut self, region: impl Into<Region>) {
+        self.regions.push(region.into());
+    }
+
+    /// The pieces, in submission order.
+    pub fn pieces(&self) -> &[CopyPiece] {
+        &self.pieces
+    }
+
+    /// Total bytes copied.
+    pub fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len as u64).sum()
+    }
+}
+
+/// Merges consecutive pieces that continue each other on both sides; returns the new count.
+pub fn coalesce(pieces: &mut Vec<CopyPiece>) -> usize {
+    let mut out = 0usize;
+    for i in 0..pieces.len() {
+        let p = pieces[i];
+        if out > 0 {
+            let last = &mut pieces[out - 1];
+            if last.src + last.len as u64 == p.src && last.dst + last.len as u64 == p.dst {
+                last.len += p.len;
+                continue;
+            }
+        }
+        pieces[out] = p;
+        out += 1;
+    }
+    pieces.truncate(out);
+    out
+}
+
+/// How a stream copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamOptions {
+    /// Merge adjacent pieces before copying. Default true.
+    pub coalesce: bool,
+    /// Use `cuMemcpyBatchAsync` where the driver has it (CUDA 12.8+). Default true.
+    pub batch_copy: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        Self {
+            coalesce: true,
+            batch_copy: true,
+        }
+    }
+}
+
+impl StreamOptions {
+    /// Defaults, overridden by [`COALESCE_ENV`] and [`BATCH_COPY_ENV`] (`0`/`1`/`false`/`true`).
+    pub fn from_env() -> Result<Self, DeviceError> {
+        let mut options = Self::default();
+        if let Some(v) = env_flag(COALESCE_ENV)? {
+            options.coalesce = v;
+        }
+        if let Some(v) = env_flag(BATCH_COPY_ENV)? {
+            options.batch_copy = v;
+        }
+        Ok(options)
+    }
+}
+
+fn env_flag(name: &str) -> Result<Option<bool>, DeviceError> {
+    let Ok(value) = std::env::var(name) else {
+        return Ok(None);
+    };
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Ok(Some(true)),
+        "0" | "false" | "off" | "no" => Ok(Some(false)),
+        _ => Err(DeviceError::InvalidArgument(format!(
+            "{name}={value:?}: expected 0 or 1"
+        ))),
+    }
+}
+
+/// Counters of one stream.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Transfers submitted.
+    pub transfers: u64,
+    /// Pieces as submitted.
+    pub pieces_submitted: u64,
+    /// Copies issued after coalescing.
+    pub copies_issued: u64,
+    /// Bytes submitted.
+    pub bytes: u64,
+}
+
+#[derive(Default)]
+struct StatCounters {
+    transfers: AtomicU64,
+    pieces_submitted: AtomicU64,
+    copies_issued: AtomicU64,
+    bytes: AtomicU64,
+}
+
+enum Backend {
+    Emulated(EmulatedStream),
+    Cuda(CudaCopyStream),
+}
+
+/// An ordered queue of transfers in one direction.
+pub struct CopyStream {
+    direction: Direction,
+    options: StreamOptions,
+    backend: Backend,
+    stats: StatCounters,
+}
+
+impl std::fmt::Debug for CopyStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CopyStream")
+            .field("direction", &self.direction)
+            .field("options", &self.options)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl CopyStream {
+    pub(crate) fn emulated(
+        direction: Direction,
+        options: StreamOptions,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self {
+            direction,
+            options,
+            backend: Backend::Emulated(EmulatedStream::new(direction)?),
+            stats: StatCounters::default(),
+        })
+    }
+
+    pub(crate) fn cuda(
+        backend: &CudaBackend,
+        direction: Direction,
+        options: StreamOptions,
+    ) -> Result<Self, DeviceError> {
+        Ok(Self {
+            direction,
+            options,
+            backend: Backend::Cuda(CudaCopyStream::new(backend, options.batch_copy)?),
+            stats: StatCounters::default(),
+        })
+    }
+
+    /// The direction of every transfer on this stream.
+    pub fn direction(&self) -> Direction {
+        self.direction
+    }
+
+    /// Whether this stream issues batched copies (`cuMemcpyBatchAsync`).
+    pub fn uses_batch_copy(&self) -> bool {
+        match &self.backend {
+            Backend::Emulated(_) => false,
+            Backend::Cuda(s) => s.uses_batch_copy(),
+        }
+    }
+
+    /// Validates and queues `transfer`. The returned completion can be polled or waited on;
+    /// dropping it does not cancel the copy.
+    pub fn submit(&self, transfer: Transfer) -> Result<Completion, DeviceError> {
+        let Transfer {
+            mut pieces,
+            regions,
+        } = transfer;
+        validate(self.direction, &pieces, &regions)?;
+        let submitted = pieces.len() as u64;
+        let bytes: u64 = pieces.iter().map(|p| p.len as u64).sum();
+        if self.options.coalesce {
+            coalesce(&mut pieces);
+        }
+        self.stats.transfers.fetch_add(1, Ordering::Relaxed);
+        self.stats
+            .pieces_submitted
+            .fetch_add(submitted, Ordering::Relaxed);
+        self.stats
+            .copies_issued
+            .fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        self.stats.bytes.fetch_add(bytes, Ordering::Relaxed);
+        match &self.backend {
+            Backend::Emulated(s) => s.submit(pieces, regions).map(Completion::signal),
+            Backend::Cuda(s) => s
+                .submit(self.direction, &pieces, regions)
+                .map(Completion::cuda),
+        }
+    }
+
+    /// Counters since the stream was created.
+    pub fn stats(&self) -> StreamStats {
+        StreamStats {
+            transfers: self.stats.transfers.load(Ordering::Relaxed),
+            pieces_submitted: self.stats.pieces_submitted.load(Ordering::Relaxed),
+            copies_issued: self.stats.copies_issued.load(Ordering::Relaxed),
+            bytes: self.stats.bytes.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// (start, end, ready end) of the regions of one kind, sorted by start.
+fn spans(regions: &[Region], want_gpu: bool) -> Vec<(u64, u64, u64)> {
+    let mut spans: Vec<(u64, u64, u64)> = regions
+        .iter()
+        .filter_map(|r| match (r, want_gpu) {
+            (Region::Gpu(g), true) => Some((g.addr(), g.addr() + g.len() as u64, u64::MAX)),
+            (Region::Host(h), false) => Some((
+                h.addr(),
+                h.addr() + h.len() as u64,
+                h.addr() + h.ready_bytes() as u64,
+            )),
+            _ => None,
+        })
+        .collect();
+    spans.sort_unstable();
+    spans
+}
+
+/// Ok when `[addr, addr+len)` is inside one span and inside its ready prefix; `Err(Some(ready))`
+/// when inside but not ready yet; `Err(None)` when outside every span.
+fn find_span(spans: &[(u64, u64, u64)], addr: u64, len: usize) -> Result<(), Option<u64>> {
+    let i = spans.partition_point(|s| s.0 <= addr);
+    if i == 0 {
+        return Err(None);
+    }
+    let (start, end, ready_end) = spans[i - 1];
+    let piece_end = addr.checked_add(len as u64).ok_or(None)?;
+    if piece_end > end {
+        return Err(None);
+    }
+    if piece_end > ready_end {
+        return Err(Some(ready_end - start));
+    }
+    Ok(())
+}
+
+fn validate(
+    direction: Direction,
+    pieces: &[CopyPiece],
+    regions: &[Region],
+) -> Result<(), DeviceError> {
+    let gpu = spans(regions, true);
+    let host = spans(regions, false);
+    let (src_spans, dst_spans) = match direction {
+        Direction::DeviceToHost => (&gpu, &host),
+        Direction::HostToDevice => (&host, &gpu),
+    };
+    for (index, p) in pieces.iter().enumerate() {
+        if p.len == 0 {
+            return Err(DeviceError::InvalidArgument(format!(
+                "copy piece {index} has length 0"
+            )));
+        }
+        for (side, spans, addr) in [("source", src_spans, p.src), ("target", dst_spans, p.dst)] {
+            match find_span(spans, addr, p.len) {
+                Ok(()) => {}
+                Err(None) => {
+                    return Err(DeviceError::OutOfBounds {
+                        index,
+                        src: p.src,
+                        dst: p.dst,
+                        len: p.len,
+                        side,
+                    })
+                }
+                Err(Some(ready_bytes)) => {
+                    return Err(DeviceError::NotReady {
+                        index,
+                        ready_bytes: ready_bytes as usize,
+                    })
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A one-shot completion signal set by an emulated stream's worker.
+#[derive(Default)]
+pub(crate) struct Signal {
+    state: Mutex<Option<Result<(), DeviceError>>>,
+    cv: Condvar,
+}
+
+impl Signal {
+    pub(crate) fn set(&self, result: Result<(), DeviceError>) {
+        *self.state.lock() = Some(result);
+        self.cv.notify_all();
+    }
+}
+
+#[derive(Clone)]
+enum CompletionInner {
+    Signal(Arc<Signal>),
+    Cuda(CudaCompletion),
+}
+
+/// The end of one transfer: poll it or wait on it. Cloning shares it.
+#[derive(Clone)]
+pub struct Completion {
+    inner: CompletionInner,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion").finish_non_exhaustive()
+    }
+}
+
+impl Completion {
+    fn signal(signal: Arc<Signal>) -> Self {
+        Self {
+            inner: CompletionInner::Signal(signal),
+        }
+    }
+
+    fn cuda(event: CudaCompletion) -> Self {
+        Self {
+            inner: CompletionInner::Cuda(event),
+        }
+    }
+
+    /// `Ok(true)` when the transfer finished, `Ok(false)` while it runs, `Err` if it failed.
+    pub fn poll(&self) -> Result<bool, DeviceError> {
+        match &self.inner {
+            CompletionInner::Signal(s) => match &*s.state.lock() {
+                None => Ok(false),
+                Some(result) => result.clone().map(|()| true),
+            },
+            CompletionInner::Cuda(e) => e.poll(),
+        }
+    }
+
+    /// Waits until the transfer finished.
+    pub fn wait(&self) -> Result<(), DeviceError> {
+        match &self.inner {
+            CompletionInner::Signal(s) => {
+                let mut state = s.state.lock();
+                loop {
+                    if let Some(result) = &*state {
+                        return result.clone();
+                    }
+                    s.cv.wait(&mut state);
+                }
+            }
+            CompletionInner::Cuda(e) => e.wait(),
+        }
+    }
+
+    /// Waits at most `timeout`; `Ok(true)` when finished.
+    pub fn wait_timeout(&self, timeout: Duration) -> Result<bool, DeviceError> {
+        match &self.inner {
+            CompletionInner::Signal(s) => {
+                let mut state = s.state.lock();
+                if state.is_none() {
+                    let _ = s.cv.wait_for(&mut state, timeout);
+                }
+                match &*state {
+                    None => Ok(false),
+                    Some(result) => result.clone().map(|()| true),
+                }
+            }
+            CompletionInner::Cuda(e) => {
+                let deadline = std::time::Instant::now() + timeout;
+                loop {
+                    if e.poll()? {
+                        return Ok(true);
+                    }
+                    if std::time::Instant::now() >= deadline {
+                        return Ok(false);
+                    }
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! The device layer on a machine without a GPU, and the emulated back end end to end.
+
+use std::time::Duration;
+
+use kvbm_cuda::{
+    coalesce, BackendChoice, CopyPiece, Device, DeviceError, DeviceKind, Direction,
+    HostRegionOptions, PinStatus, StreamOptions, Transfer,
+};
+use rand::{Rng, RngCore, SeedableRng};
+
+fn small_host_options() -> HostRegionOptions {
+    HostRegionOptions {
+        chunk_bytes: 64 << 10,
+        pin_threads: 2,
+        huge_pages: false,
+    }
+}
+
+fn ready_host(device: &Device, len: usize) -> kvbm_cuda::HostRegion {
+    let host = device.alloc_host(len, small_host_options()).unwrap();
+    assert!(
+        host.wait_ready(len, Duration::from_secs(60)),
+        "host region never became ready"
+    );
+    host
+}
+
+#[test]
+fn backend_names_parse_and_nonsense_is_refused() {
+    assert_eq!(
+        "auto".parse::<BackendChoice>().unwrap(),
+        BackendChoice::Auto
+    );
+    assert_eq!(
+        "CUDA".parse::<BackendChoice>().unwrap(),
+        BackendChoice::Cuda
+    );
+    assert_eq!(
+        "emulated".parse::<BackendChoice>().unwrap(),
+        BackendChoice::Emulated
+    );
+    let err = "tpu".parse::<BackendChoice>().unwrap_err().to_string();
+    assert!(err.contains("KVBM_DEVICE") && err.contains("tpu"), "{err}");
+}
+
+#[test]
+fn without_a_driver_cuda_is_an_error_and_auto_falls_back() {
+    // SAFETY-free check of the environment this test runs in: on a GPU machine both asserts
+    // below would be wrong, so the test only asserts the no-driver behaviour where it applies.
+    let auto = Device::open(BackendChoice::Auto, 0).expect("auto never fails");
+    match Device::open(BackendChoice::Cuda, 0) {
+        Err(DeviceError::NoDriver) => assert_eq!(auto.kind(), DeviceKind::Emulated),
+        Err(other) => {
+            // A driver without a usable GPU: still an error, and auto still falls back.
+            assert_eq!(auto.kind(), DeviceKind::Emulated, "{other}");
+        }
+        Ok(cuda) => assert_eq!(cuda.kind(), DeviceKind::Cuda),
+    }
+    assert_eq!(
+        Device::open(BackendChoice::Emulated, 0).unwrap().kind(),
+        DeviceKind::Emulated
+    );
+}
+
+#[test]
+fn gather_offload_and_scatter_onboard_are_byte_exact() {
+    let seed = rand::random::<u64>();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let device = Device::emulated();
+    let len = 1 << 20;
+    let gpu = device.alloc_gpu(len).unwrap();
+    let host = ready_host(&device, len);
+    let mut original = vec![0u8; len];
+    rng.fill_bytes(&mut original);
+    gpu.write(0, &original).unwrap();
+
+    // Random disjoint pieces: a permutation of 4 KiB pages, gathered into host order.
+    let page = 4096;
+    let pages = len / page;
+    let mut order: Vec<usize> = (0..pages).collect();
+    for i in (1..pages).rev() {
+        order.swap(i, rng.gen_range(0..=i));
+    }
+    let d2h = device.copy_stream(Direction::DeviceToHost).unwrap();
+    let h2d = device.copy_stream(Direction::HostToDevice).unwrap();
+    let mut t = Transfer::with_capacity(pages);
+    for (host_page, &gpu_page) in order.iter().enumerate() {
+        t.push(
+            gpu.addr() + (gpu_page * page) as u64,
+            host.addr() + (host_page * page) as u64,
+            page,
+        );
+    }
+    t.keep(gpu.clone());
+    t.keep(host.clone());
+    d2h.submit(t).unwrap().wait().unwrap();
+    let mut staged = vec![0u8; len];
+    host.read(0, &mut staged).unwrap();
+    for (host_page, &gpu_page) in order.iter().enumerate() {
+        assert_eq!(
+            staged[host_page * page..][..page],
+            original[gpu_page * page..][..page],
+            "host page {host_page}"
+        );
+    }
+
+    gpu.write(0, &vec![0xA5; len]).unwrap();
+    let mut t = Transfer::with_capacity(pages);
+    for (host_page, &gpu_page) in order.iter().enumerate() {
+        t.push(
+            host.addr() + (host_page * page) as u64,
+            gpu.addr() + (gpu_page * page) as u64,
+            page,
+        );
+    }
+    t.keep(gpu.clone());
+    t.keep(host.clone());
+    let done = h2d.submit(t).unwrap();
+    assert!(done.wait_timeout(Duration::from_secs(30)).unwrap());
+    assert!(done.poll().unwrap());
+    let mut back = vec![0u8; len];
+    gpu.read(0, &mut back).unwrap();
+    assert!(
+        back == original,
+        "onboarded bytes differ from the originals"
+    );
+    assert_eq!(d2h.stats().pieces_submitted, pages as u64);
+}
+
+#[test]
+fn transfers_on_one_stream_complete_in_order() {
+    let device = Device::emulated();
+    let gpu = device.alloc_gpu(4096).unwrap();
+    let host = ready_host(&device, 4096);
+    let stream = device.copy_stream(Direction::HostToDevice).unwrap();
+    // Each transfer writes its own value over the same bytes; the last one must win.
+    let mut completions = Vec::new();
+    for v in 0..50u8 {
+        host.write(usize::from(v) * 64 % 4096, &[v; 64]).unwrap();
+    }
+    for v in 0..50u8 {
+        let mut t = Transfer::default();
+        t.push(
+            host.addr() + (usize::from(v) * 64 % 4096) as u64,
+            gpu.addr(),
+            64,
+        );
+        t.keep(gpu.clone());
+        t.keep(host.clone());
+        completions.push(stream.submit(t).unwrap());
+    }
+    completions.last().unwrap().wait().unwrap();
+    assert!(
+        completions.iter().all(|c| c.poll().unwrap()),
+        "an earlier transfer is unfinished"
+    );
+    let mut out = [0u8; 64];
+    gpu.read(0, &mut out).unwrap();
+    assert_eq!(out, [49u8; 64]);
+}
+
+#[test]
+fn the_stream_keeps_regions_alive_after_the_caller_lets_go() {
+    let device = Device::emulated();
+    let len = 8 << 20;
+    let host = ready_host(&device, len);
+    host.write(0, &vec![7u8; len]).unwrap();
+    let gpu = device.alloc_gpu(len).unwrap();
+    let stream = device.copy_stream(Direction::HostToDevice).unwrap();
+    let mut t = Transfer::default();
+    for i in 0..(len / 4096) {
+        t.push(
+            host.addr() + (i * 4096) as u64,
+            gpu.addr() + (i * 4096) as u64,
+            4096,
+        );
+    }
+    t.keep(host);
+    t.keep(gpu.clone());
+    // Drop the completion and our only handle to the source at once.
+    drop(stream.submit(t).unwrap());
+    drop(stream); // finishes queued work
+    let mut out = vec![0u8; len];
+    gpu.read(0, &mut out).unwrap();
+    assert!(out.iter().all(|&b| b == 7));
+}
+
+fn check_refused(
+    direction: Direction,
+    build: impl FnOnce(&mut Transfer, &kvbm_cuda::GpuRegion, &kvbm_cuda::HostRegion),
+) -> DeviceError {
+    let device = Device::emulated();
+    let gpu = device.alloc_gpu(8192).unwrap();
+    let host = ready_host(&device, 8192);
+    let stream = device.copy_stream(direction).unwrap();
+    let mut t = Transfer::default();
+    build(&mut t, &gpu, &host);
+    stream.submit(t).expect_err("submit should be refused")
+}
+
+#[test]
+fn pieces_outside_their_regions_are_refused() {
+    // Past the end of the source.
+    let err = check_refused(Direction::DeviceToHost, |t, g, h| {
+        t.push(g.addr() + 8000, h.addr(), 4096);
+        t.keep(g.clone());
+        t.keep(h.clone());
+    });
+    assert!(
+        matches!(err, DeviceError::OutOfBounds { side: "source", .. }),
+        "{err}"
+    );
+    // Right addresses, wrong direction: a host source on a D2H stream.
+    let err = check_refused(Direction::DeviceToHost, |t, g, h| {
+        t.push(h.addr(), g.addr(), 4096);
+        t.keep(g.clone());
+        t.keep(h.clone());
+    });
+    assert!(matches!(err, DeviceError::OutOfBounds { .. }), "{err}");
+    // A region not handed in with the transfer.
+    let err = check_refused(Direction::HostToDevice, |t, g, h| {
+        t.push(h.addr(), g.addr(), 4096);
+        t.keep(h.clone());
+    });
+    assert!(
+        matches!(err, DeviceError::OutOfBounds { side: "target", .. }),
+        "{err}"
+    );
+    // Zero length.
+    let err = check_refused(Direction::HostToDevice, |t, g, h| {
+        t.push(h.addr(), g.addr(), 0);
+        t.keep(g.clone());
+        t.keep(h.clone());
+    });
+    assert!(matches!(err, DeviceError::InvalidArgument(_)), "{err}");
+}
+
+#[test]
+fn coalescing_merges_only_pieces_that_continue_on_both_sides() {
+    let p = |src, dst, len| CopyPiece { src, dst, len };
+    let cases: Vec<(Vec<CopyPiece>, Vec<CopyPiece>)> = vec![
+        (vec![], vec![]),
+        (
+            vec![p(0, 100, 10), p(10, 110, 10), p(20, 120, 5)],
+            vec![p(0, 100, 25)],
+        ),
+        (
+            vec![p(0, 100, 10), p(10, 200, 10)],
+            vec![p(0, 100, 10), p(10, 200, 10)],
+        ),
+        (
+            vec![p(0, 100, 10), p(50, 110, 10)],
+            vec![p(0, 100, 10), p(50, 110, 10)],
+        ),
+        (
+            vec![p(0, 0, 4), p(4, 4, 4), p(100, 8, 4), p(104, 12, 4)],
+            vec![p(0, 0, 8), p(100, 8, 8)],
+        ),
+    ];
+    for (input, expected) in cases {
+        let mut pieces = input.clone();
+        assert_eq!(coalesce(&mut pieces), expected.len());
+        assert_eq!(pieces, expected, "input {input:?}");
+    }
+}
+
+#[test]
+fn coalescing_off_and_on_copy_the_same_bytes() {
+    let device = Device::emulated();
+    let gpu = device.alloc_gpu(1 << 16).unwrap();
+    let host = ready_host(&device, 1 << 16);
+    let data: Vec<u8> = (0..1 << 16).map(|i| (i * 31 % 251) as u8).collect();
+    gpu.write(0, &data).unwrap();
+    for coalesce in [false, true] {
+        let stream = device
+            .copy_stream_with(
+                Direction::DeviceToHost,
+                StreamOptions {
+                    coalesce,
+                    batch_copy: true,
+                },
+            )
+            .unwrap();
+        host.write(0, &vec![0u8; 1 << 16]).unwrap();
+        let mut t = Transfer::default();
+        for i in 0..16 {
+            t.push(gpu.addr() + i * 4096, host.addr() + i * 4096, 4096);
+        }
+        t.keep(gpu.clone());
+        t.keep(host.clone());
+        stream.submit(t).unwrap().wait().unwrap();
+        let mut out = vec![0u8; 1 << 16];
+        host.read(0, &mut out).unwrap();
+        assert!(out == data, "coalesce={coalesce}");
+        let stats = stream.stats();
+        assert_eq!(stats.pieces_submitted, 16);
+        assert_eq!(stats.copies_issued, if coalesce { 1 } else { 16 });
+    }
+}
+
+#[test]
+fn host_regions_become_ready_in_chunks_and_report_how_they_are_pinned() {
+    let device = Device::emulated();
+    let len = (1 << 20) + 123;
+    let host = device.alloc_host(len, small_host_options()).unwrap();
+    assert!(host.wait_ready(len, Duration::from_secs(60)));
+    assert_eq!(host.ready_bytes(), len);
+    assert!(host.is_fully_ready());
+    let (first, full) = host.ready_times();
+    assert!(first.unwrap() <= full.unwrap());
+    match host.pin_status() {
+        PinStatus::Locked => {}
+        PinStatus::Unpinned(reason) => assert!(reason.contains("mlock"), "{reason}"),
+        other => panic!("unexpected pin status {other:?}"),
+    }
+    host.write(len - 3, &[1, 2, 3]).unwrap();
+    let mut out = [0u8; 3];
+    host.read(len - 3, &mut out).unwrap();
+    assert_eq!(out, [1, 2, 3]);
+    assert!(host.write(len - 2, &[1, 2, 3]).is_err());
+    assert!(device.alloc_host(0, small_host_options()).is_err());
+    assert!(device.alloc_gpu(0).is_err());
+}
+
+#[test]
+fn external_gpu_memory_is_used_but_not_owned() {
+    let device = Device::emulated();
+    let mut engine_tensor = vec![3u8; 8192];
+    let addr = engine_tensor.as_mut_ptr() as u64;
+    // SAFETY: `engine_tensor` outlives the region and every transfer below.
+    let region = unsafe { device.register_gpu(addr, 8192, 0) }.unwrap();
+    assert!(region.is_external());
+    // SAFETY: the arguments are refused before anything is touched.
+    assert!(unsafe { device.register_gpu(addr, 8192, 1) }.is_err());
+    let host = ready_host(&device, 8192);
+    let stream = device.copy_stream(Direction::DeviceToHost).unwrap();
+    let mut t = Transfer::default();
+    t.push(region.addr(), host.addr(), 8192);
+    t.keep(region.clone());
+    t.keep(host.clone());
+    stream.submit(t).unwrap().wait().unwrap();
+    drop(region);
+    drop(stream);
+    let mut out = vec![0u8; 8192];
+    host.read(0, &mut out).unwrap();
+    assert!(out.iter().all(|&b| b == 3));
+    engine_tensor[0] = 9; // still ours to use
+    assert_eq!(engine_tensor[0], 9);
+}
