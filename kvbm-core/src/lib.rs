@@ -1,1 +1,33 @@
+//! kvbm-core: the block manager. Policy lives here; mechanisms live in the leaf crates.
+//!
+//! Owns: KV layouts and the copy pieces between them ([`layout`]), per-tier pools with the block
+//! lifecycle and the registry ([`pool`]), eviction policies ([`eviction`]), the offload/onboard
+//! engine ([`transfer`]), the manager that ties a GPU and a host tier together ([`manager`]),
+//! configuration from Dynamo's environment variables ([`config`]) and counters ([`metrics`]).
+//! Does not own: moving bytes (kvbm-cuda), hashing and events (kvbm-events).
+//!
+//! Invariant: no `unsafe` in this crate.
+#![forbid(unsafe_code)]
 
+pub mod config;
+mod error;
+pub mod eviction;
+pub mod layout;
+pub mod manager;
+pub mod metrics;
+pub mod pool;
+pub mod transfer;
+
+pub use config::{ConfigError, KvbmConfig, TierSize};
+pub use error::CoreError;
+pub use eviction::{EvictionPolicy, LruPriority};
+pub use layout::{BlockLayout, KvLayout, LayerShape, LayoutKind, BLOCK_ALIGN_BYTES};
+pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
+pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
+pub use pool::{
+    match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock, ImmutableBlock,
+    MutableBlock, PoolCounts, Rejected,
+};
+pub use transfer::{
+    BatchLatency, TierStorage, TransferEngine, TransferLimits, TransferOutcome, TransferTicket,
+};

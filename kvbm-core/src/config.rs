@@ -1,0 +1,244 @@
+//! Configuration from the environment, with Dynamo KVBM's variable names, validated once.
+//!
+//! Invariants: a value that does not parse, is negative, is not finite, or does not fit the
+//! machine is an error naming the variable and the value; both tiers at zero is an error naming
+//! both variables; nothing downstream re-checks these values.
+
+use std::num::NonZeroUsize;
+
+/// Host tier size in GB (10^9 bytes, float, total across tensor-parallel ranks).
+pub const CPU_CACHE_GB: &str = "DYN_KVBM_CPU_CACHE_GB";
+/// Exact host tier size in blocks; wins over [`CPU_CACHE_GB`].
+pub const CPU_CACHE_OVERRIDE_NUM_BLOCKS: &str = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS";
+/// Disk tier size in GB.
+pub const DISK_CACHE_GB: &str = "DYN_KVBM_DISK_CACHE_GB";
+/// Exact disk tier size in blocks; wins over [`DISK_CACHE_GB`].
+pub const DISK_CACHE_OVERRIDE_NUM_BLOCKS: &str = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS";
+/// Blocks per transfer batch.
+pub const MAX_TRANSFER_BATCH_SIZE: &str = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE";
+/// Transfer batches in flight.
+pub const MAX_CONCURRENT_TRANSFERS: &str = "DYN_KVBM_MAX_CONCURRENT_TRANSFERS";
+/// Serve Prometheus metrics.
+pub const METRICS: &str = "DYN_KVBM_METRICS";
+/// Port of the metrics server.
+pub const METRICS_PORT: &str = "DYN_KVBM_METRICS_PORT";
+/// Log filter (tracing `EnvFilter` syntax).
+pub const LOG: &str = "DYN_LOG";
+
+/// Largest accepted [`MAX_TRANSFER_BATCH_SIZE`].
+pub const TRANSFER_BATCH_BLOCKS_MAX: usize = 1024;
+/// Largest accepted [`MAX_CONCURRENT_TRANSFERS`].
+pub const CONCURRENT_TRANSFERS_MAX: usize = 64;
+/// Bytes in the GB of the size variables.
+pub const BYTES_PER_GB: f64 = 1e9;
+
+/// A configuration value that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// One variable's value is wrong.
+    #[error("{variable}={value:?}: {reason}")]
+    Invalid {
+        /// The variable.
+        variable: &'static str,
+        /// Its value as given.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Neither tier has any capacity.
+    #[error(
+        "no cache tier configured: {CPU_CACHE_GB} and {DISK_CACHE_GB} are both 0 or unset \
+         (set one of them, or {CPU_CACHE_OVERRIDE_NUM_BLOCKS} / {DISK_CACHE_OVERRIDE_NUM_BLOCKS}, above 0)"
+    )]
+    NoTier,
+}
+
+/// A tier's size as configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierSize {
+    /// From the GB variable, in bytes.
+    Bytes(u64),
+    /// From the override variable, in blocks.
+    Blocks(usize),
+}
+
+impl TierSize {
+    /// Blocks of `bytes_per_block` this size holds for one of `world_size` ranks.
+    pub fn blocks(self, bytes_per_block: usize, world_size: usize) -> usize {
+        match self {
+            TierSize::Blocks(n) => n,
+            TierSize::Bytes(bytes) => {
+                let per_rank = bytes / world_size.max(1) as u64;
+                (per_rank / bytes_per_block.max(1) as u64) as usize
+            }
+        }
+    }
+
+    fn is_zero(self) -> bool {
+        matches!(self, TierSize::Bytes(0) | TierSize::Blocks(0))
+    }
+}
+
+/// kvbm's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvbmConfig {
+    /// Host tier size. Default 0.
+    pub host: TierSize,
+    /// Disk tier size. Default 0.
+    pub disk: TierSize,
+    /// Blocks per transfer batch. Default 16.
+    pub transfer_batch_blocks_max: NonZeroUsize,
+    /// Transfer batches in flight. Default 4.
+    pub transfers_inflight_max: NonZeroUsize,
+    /// Port to serve Prometheus metrics on, when enabled. Default off (port 6880 when on).
+    pub metrics_port: Option<u16>,
+    /// Log filter. Default "info".
+    pub log_filter: String,
+}
+
+impl KvbmConfig {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_lookup(|name| std::env::var(name).ok(), machine_memory_bytes())
+    }
+
+    /// Reads variables through `lookup`, checking host sizes against `machine_memory_bytes`.
+    pub fn from_lookup(
+        lookup: impl Fn(&str) -> Option<String>,
+        machine_memory_bytes: u64,
+    ) -> Result<Self, ConfigError> {
+        let host = tier_size(
+            &lookup,
+            CPU_CACHE_GB,
+            CPU_CACHE_OVERRIDE_NUM_BLOCKS,
+            Some(machine_memory_bytes),
+        )?;
+        let disk = tier_size(&lookup, DISK_CACHE_GB, DISK_CACHE_OVERRIDE_NUM_BLOCKS, None)?;
+        if host.is_zero() && disk.is_zero() {
+            return Err(ConfigError::NoTier);
+        }
+        let transfer_batch_blocks_max = count(
+            &lookup,
+            MAX_TRANSFER_BATCH_SIZE,
+            16,
+            TRANSFER_BATCH_BLOCKS_MAX,
+        )?;
+        let transfers_inflight_max = count(
+            &lookup,
+            MAX_CONCURRENT_TRANSFERS,
+            4,
+            CONCURRENT_TRANSFERS_MAX,
+        )?;
+        let metrics_on = match lookup(METRICS) {
+            None => false,
+            Some(v) => parse_flag(&v)
+                .ok_or_else(|| invalid(METRICS, &v, "expected 0, 1, true or false"))?,
+        };
+        let port = match lookup(METRICS_PORT) {
+            None => 6880,
+            Some(v) => v
+                .trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p > 0)
+                .ok_or_else(|| {
+                    invalid(METRICS_PORT, &v, "expected a port number from 1 to 65535")
+                })?,
+        };
+        Ok(Self {
+            host,
+            disk,
+            transfer_batch_blocks_max,
+            transfers_inflight_max,
+            metrics_port: metrics_on.then_some(port),
+            log_filter: lookup(LOG).unwrap_or_else(|| "info".to_owned()),
+        })
+    }
+}
+
+fn invalid(variable: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        variable,
+        value: value.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn parse_flag(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "on" | "yes" => Some(true),
+        "0" | "false" | "off" | "no" | "" => Some(false),
+        _ => None,
+    }
+}
+
+fn tier_size(
+    lookup: &impl Fn(&str) -> Option<String>,
+    gb_var: &'static str,
+    blocks_var: &'static str,
+    memory_limit_bytes: Option<u64>,
+) -> Result<TierSize, ConfigError> {
+    // Validate the GB value even when the override wins: a typo should not pass silently.
+    let bytes = match lookup(gb_var) {
+        None => 0,
+        Some(v) => {
+            let gb: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| invalid(gb_var, &v, "not a number of GB"))?;
+            if !gb.is_finite() {
+                return Err(invalid(gb_var, &v, "not a finite number"));
+            }
+            if gb < 0.0 {
+                return Err(invalid(gb_var, &v, "negative"));
+            }
+            let bytes = gb * BYTES_PER_GB;
+            if let Some(limit) = memory_limit_bytes {
+                if bytes > limit as f64 {
+                    return Err(invalid(
+                        gb_var,
+                        &v,
+                        format!(
+                            "larger than this machine's memory ({:.1} GB)",
+                            limit as f64 / BYTES_PER_GB
+                        ),
+                    ));
+                }
+            }
+            bytes as u64
+        }
+    };
+    match lookup(blocks_var) {
+        None => Ok(TierSize::Bytes(bytes)),
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .map(TierSize::Blocks)
+            .map_err(|_| invalid(blocks_var, &v, "not a non-negative whole number of blocks")),
+    }
+}
+
+fn count(
+    lookup: &impl Fn(&str) -> Option<String>,
+    var: &'static str,
+    default: usize,
+    max: usize,
+) -> Result<NonZeroUsize, ConfigError> {
+    let value = match lookup(var) {
+        None => default,
+        Some(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| invalid(var, &v, format!("expected a whole number from 1 to {max}")))?,
+    };
+    Ok(NonZeroUsize::new(value).expect("checked above zero"))
+}
+
+/// Total physical memory of this machine in bytes (u64::MAX when it cannot be read).
+pub fn machine_memory_bytes() -> u64 {
+    nix::sys::sysinfo::sysinfo()
+        .map(|info| info.ram_total())
+        .unwrap_or(u64::MAX)
+}

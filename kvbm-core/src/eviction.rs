@@ -1,0 +1,114 @@
+//! Eviction policies: which idle registered block leaves a tier first.
+//!
+//! A pool tells its policy when a block becomes idle (registered, no holder) and when it stops
+//! being idle (acquired again, or evicted); the policy names victims. The policy never touches
+//! pool state itself.
+
+use std::collections::BTreeMap;
+
+use crate::pool::BlockId;
+
+/// Chooses victims among idle blocks.
+pub trait EvictionPolicy: Send + std::fmt::Debug + 'static {
+    /// `id` became idle with eviction priority `priority` (lower leaves first).
+    fn insert(&mut self, id: BlockId, priority: u32);
+    /// `id` is no longer idle. It was inserted before.
+    fn remove(&mut self, id: BlockId);
+    /// The next victim, removed from the policy.
+    fn pop_victim(&mut self) -> Option<BlockId>;
+    /// Idle blocks tracked.
+    fn len(&self) -> usize;
+    /// True when no block is idle.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+const NIL: u32 = u32::MAX;
+
+/// Least recently used first, lower priority first: one intrusive LRU list per priority, O(1)
+/// insert and remove (plus a map operation when a priority's list appears or empties).
+#[derive(Debug)]
+pub struct LruPriority {
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    priority: Vec<u32>,
+    linked: Vec<bool>,
+    /// priority -> (head = least recent, tail = most recent)
+    lists: BTreeMap<u32, (u32, u32)>,
+    len: usize,
+}
+
+impl LruPriority {
+    /// A policy for block ids `0..capacity_blocks`.
+    pub fn new(capacity_blocks: usize) -> Self {
+        Self {
+            prev: vec![NIL; capacity_blocks],
+            next: vec![NIL; capacity_blocks],
+            priority: vec![0; capacity_blocks],
+            linked: vec![false; capacity_blocks],
+            lists: BTreeMap::new(),
+            len: 0,
+        }
+    }
+}
+
+impl EvictionPolicy for LruPriority {
+    fn insert(&mut self, id: BlockId, priority: u32) {
+        let i = id.index();
+        assert!(!self.linked[i], "block {id:?} is already idle");
+        self.linked[i] = true;
+        self.priority[i] = priority;
+        self.next[i] = NIL;
+        match self.lists.get_mut(&priority) {
+            Some((_, tail)) => {
+                self.prev[i] = *tail;
+                self.next[*tail as usize] = id.0;
+                *tail = id.0;
+            }
+            None => {
+                self.prev[i] = NIL;
+                self.lists.insert(priority, (id.0, id.0));
+            }
+        }
+        self.len += 1;
+    }
+
+    fn remove(&mut self, id: BlockId) {
+        let i = id.index();
+        assert!(self.linked[i], "block {id:?} is not idle");
+        self.linked[i] = false;
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p != NIL {
+            self.next[p as usize] = n;
+        }
+        if n != NIL {
+            self.prev[n as usize] = p;
+        }
+        let priority = self.priority[i];
+        let (head, tail) = self
+            .lists
+            .get_mut(&priority)
+            .expect("list of a linked block");
+        match (p == NIL, n == NIL) {
+            (true, true) => {
+                self.lists.remove(&priority);
+            }
+            (true, false) => *head = n,
+            (false, true) => *tail = p,
+            (false, false) => {}
+        }
+        self.len -= 1;
+    }
+
+    fn pop_victim(&mut self) -> Option<BlockId> {
+        let (_, &(head, _)) = self.lists.iter().next()?;
+        let id = BlockId(head);
+        self.remove(id);
+        Some(id)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}

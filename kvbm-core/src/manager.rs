@@ -1,0 +1,424 @@
+//! The block manager: a GPU tier and a pinned host tier, their registry, and the engine that moves
+//! blocks between them, publishing a tier-annotated event for every change.
+//!
+//! Invariants:
+//! - Both tiers share one event publisher, so one subscriber sees every tier's changes in order.
+//! - The host tier is fully contiguous with 4 KiB-aligned block strides, and its memory is pinned
+//!   in chunks that are whole multiples of the stride, so no block straddles two pinned chunks.
+//! - Host blocks become allocatable only once their memory is pinned.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use kvbm_cuda::{Device, DeviceKind, Direction, GpuRegion, HostRegion, HostRegionOptions, Region};
+use kvbm_events::{EventPublisher, EventSubscriber, SequenceHash, Tier};
+
+use crate::config::KvbmConfig;
+use crate::layout::{BlockLayout, KvLayout, LayerShape};
+use crate::metrics::{add, Metrics, MetricsSnapshot};
+use crate::pool::{match_across, BlockId, BlockPool, CompleteBlock, ImmutableBlock, MutableBlock};
+use crate::transfer::{TierStorage, TransferEngine, TransferLimits, TransferTicket};
+use crate::CoreError;
+
+/// Target size of one pinning chunk; rounded to whole host blocks.
+pub const HOST_PIN_CHUNK_BYTES: usize = 256 << 20;
+
+/// Where the GPU tier's memory comes from.
+#[derive(Debug)]
+pub enum GpuMemory {
+    /// Allocate one tensor per layer on the device.
+    Allocate,
+    /// The engine's per-layer tensors (one region per layer, each `kv.layer_bytes(gpu_blocks)`).
+    External(Vec<GpuRegion>),
+}
+
+/// What a block manager manages.
+#[derive(Debug, Clone)]
+pub struct ManagerOptions {
+    /// The KV shape of one block.
+    pub kv: KvLayout,
+    /// Blocks in the GPU tier.
+    pub gpu_blocks: usize,
+    /// The GPU tensors' shape.
+    pub gpu_shape: LayerShape,
+    /// Blocks in the host tier (at least 1).
+    pub host_blocks: usize,
+    /// Transfer batching and concurrency.
+    pub limits: TransferLimits,
+    /// Threads pinning host memory.
+    pub pin_threads: usize,
+}
+
+impl ManagerOptions {
+    /// Options for `kv` and `gpu_blocks` with the host tier and limits taken from `config`
+    /// (sizes split across `world_size` tensor-parallel ranks).
+    pub fn from_config(
+        config: &KvbmConfig,
+        kv: KvLayout,
+        gpu_blocks: usize,
+        gpu_shape: LayerShape,
+        world_size: usize,
+    ) -> Self {
+        Self {
+            kv,
+            gpu_blocks,
+            gpu_shape,
+            host_blocks: config.host.blocks(kv.contiguous_stride_bytes(), world_size),
+            limits: TransferLimits {
+                batch_blocks_max: config.transfer_batch_blocks_max.get(),
+                inflight_max: config.transfers_inflight_max.get(),
+                ..TransferLimits::default()
+            },
+            pin_threads: HostRegionOptions::default().pin_threads,
+        }
+    }
+}
+
+/// Blocks matched for a request, fastest tier first per block, contiguous from the first hash.
+#[derive(Debug, Default)]
+pub struct PrefixMatch {
+    /// The matched blocks, held.
+    pub blocks: Vec<ImmutableBlock>,
+}
+
+impl PrefixMatch {
+    /// Matched blocks in `tier`.
+    pub fn count_in(&self, tier: Tier) -> usize {
+        self.blocks.iter().filter(|b| b.tier() == tier).count()
+    }
+}
+
+/// The block manager over the GPU and host tiers.
+pub struct BlockManager {
+    device: Device,
+    kv: KvLayout,
+    events: EventPublisher,
+    metrics: Arc<Metrics>,
+    engine: TransferEngine,
+}
+
+impl std::fmt::Debug for BlockManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockManager")
+            .field("device", &self.device.kind())
+            .field("kv", &self.kv)
+            .field("gpu", &self.gpu_pool().counts())
+            .field("host", &self.host_pool().counts())
+            .finish()
+    }
+}
+
+impl BlockManager {
+    /// Builds both tiers on `device`: GPU memory allocated or registered, host memory mapped and
+    /// pinned in the background (usable as it becomes ready).
+    pub fn new(
+        device: Device,
+        options: ManagerOptions,
+        gpu_memory: GpuMemory,
+    ) -> Result<Self, CoreError> {
+        let kv = options.kv;
+        if options.gpu_blocks == 0 || options.host_blocks == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "both tiers need blocks: gpu {} host {}",
+                options.gpu_blocks, options.host_blocks
+            )));
+        }
+        let events = EventPublisher::new();
+        let metrics = Arc::new(Metrics::default());
+
+        let layer_bytes = kv.layer_bytes(options.gpu_blocks);
+        let gpu_regions = match gpu_memory {
+            GpuMemory::Allocate => (0..kv.num_layers)
+                .map(|_| device.alloc_gpu(layer_bytes))
+                .collect::<Result<Vec<_>, _>>()?,
+            GpuMemory::External(regions) => {
+                if regions.len() != kv.num_layers || regions.iter().any(|r| r.len() < layer_bytes) {
+                    return Err(CoreError::InvalidLayout(format!(
+                        "{} GPU tensors for {} layers of {layer_bytes} bytes",
+                        regions.len(),
+                        kv.num_layers
+                    )));
+                }
+                regions
+            }
+        };
+        let gpu_layout = BlockLayout::layer_separate(
+            kv,
+            options.gpu_blocks,
+            options.gpu_shape,
+            gpu_regions.iter().map(GpuRegion::addr).collect(),
+        )?;
+        let gpu = TierStorage {
+            pool: BlockPool::new(
+                Tier::Gpu,
+                options.gpu_blocks,
+                kv.block_size_tokens,
+                Some(events.clone()),
+            ),
+            layout: gpu_layout,
+            regions: gpu_regions.into_iter().map(Region::from).collect(),
+            host_region: None,
+        };
+
+        let stride = kv.contiguous_stride_bytes();
+        let host_bytes = stride
+            .checked_mul(options.host_blocks)
+            .ok_or_else(|| CoreError::InvalidArgument("host tier size overflows".into()))?;
+        let host_region = device.alloc_host(
+            host_bytes,
+            HostRegionOptions {
+                chunk_bytes: HOST_PIN_CHUNK_BYTES.div_ceil(stride).max(1) * stride,
+                pin_threads: options.pin_threads.max(1),
+                huge_pages: true,
+            },
+        )?;
+        let host = TierStorage {
+            pool: BlockPool::with_policy(
+                Tier::Host,
+                options.host_blocks,
+                kv.block_size_tokens,
+                Some(events.clone()),
+                Box::new(crate::eviction::LruPriority::new(options.host_blocks)),
+                0,
+            ),
+            layout: BlockLayout::fully_contiguous(kv, options.host_blocks, host_region.addr()),
+            regions: vec![Region::from(host_region.clone())],
+            host_region: Some(host_region),
+        };
+        host.refresh_available();
+
+        let d2h = device.copy_stream(Direction::DeviceToHost)?;
+        let h2d = device.copy_stream(Direction::HostToDevice)?;
+        let engine = TransferEngine::new(gpu, host, d2h, h2d, options.limits, metrics.clone())?;
+        Ok(Self {
+            device,
+            kv,
+            events,
+            metrics,
+            engine,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// "cuda" or "emulated".
+    pub fn device_kind(&self) -> DeviceKind {
+        self.device.kind()
+    }
+
+    /// The KV shape.
+    pub fn kv(&self) -> &KvLayout {
+        &self.kv
+    }
+
+    /// The event publisher of every tier.
+    pub fn events(&self) -> &EventPublisher {
+        &self.events
+    }
+
+    /// A subscription to every tier's events from now on.
+    pub fn subscribe(&self, capacity_events: usize) -> EventSubscriber {
+        self.events.subscribe(capacity_events)
+    }
+
+    /// The counters.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// The counters now, with the host tier's pinned bytes.
+    pub fn metrics_snapshot(&self) -> MetricsSnapshot {
+        let mut snapshot = self.metrics.snapshot();
+        snapshot.host_pinned_bytes_ready = self.host_region().ready_bytes() as u64;
+        snapshot
+    }
+
+    /// The GPU tier's pool.
+    pub fn gpu_pool(&self) -> &BlockPool {
+        &self.engine.gpu().pool
+    }
+
+    /// The host tier's pool.
+    pub fn host_pool(&self) -> &BlockPool {
+        &self.engine.host().pool
+    }
+
+    /// The host tier's memory.
+    pub fn host_region(&self) -> &HostRegion {
+        self.engine
+            .host()
+            .host_region
+            .as_ref()
+            .expect("the host tier has a host region")
+    }
+
+    /// The transfer engine's limits.
+    pub fn limits(&self) -> TransferLimits {
+        self.engine.limits()
+    }
+
+    /// Makes the host blocks whose memory is pinned by now allocatable; returns how many are.
+    pub fn refresh_host_available(&self) -> usize {
+        self.engine.host().refresh_available();
+        self.host_pool().available()
+    }
+
+    /// Takes `count` GPU blocks for writing (evicting idle ones if needed).
+    pub fn allocate_gpu(&self, count: usize) -> Result<Vec<MutableBlock>, CoreError> {
+        self.gpu_pool().allocate(count)
+    }
+
+    /// Registers complete GPU blocks (publishing `BlockStored` for tier Gpu).
+    pub fn register_gpu(
+        &self,
+        blocks: Vec<CompleteBlock>,
+    ) -> Result<Vec<ImmutableBlock>, CoreError> {
+        self.gpu_pool()
+            .register_all(blocks)
+            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))
+    }
+
+    /// Registers complete GPU blocks and offloads them to the host tier (write-through).
+    pub fn register_gpu_write_through(
+        &self,
+        blocks: Vec<CompleteBlock>,
+    ) -> Result<(Vec<ImmutableBlock>, TransferTicket), CoreError> {
+        let registered = self.register_gpu(blocks)?;
+        let ticket = self.offload(&registered)?;
+        Ok((registered, ticket))
+    }
+
+    /// Copies registered GPU blocks to the host tier.
+    pub fn offload(&self, blocks: &[ImmutableBlock]) -> Result<TransferTicket, CoreError> {
+        self.engine.offload(blocks)
+    }
+
+    /// Copies held host blocks into the given GPU blocks; each becomes a registered GPU block.
+    pub fn onboard(
+        &self,
+        sources: Vec<ImmutableBlock>,
+        targets: Vec<MutableBlock>,
+    ) -> Result<TransferTicket, CoreError> {
+        self.engine.onboard(sources, targets)
+    }
+
+    /// Matches `hashes` from the first across GPU then host, each block from the fastest tier
+    /// that holds it, stopping at the first miss.
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> PrefixMatch {
+        PrefixMatch {
+            blocks: match_across(&[self.gpu_pool(), self.host_pool()], hashes),
+        }
+    }
+
+    /// Matches `hashes` in the host tier alone (what a connector loads beyond the engine's own GPU
+    /// prefix cache), counting lookups and hits for the hit-rate metrics.
+    pub fn match_host(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+        let blocks = self.host_pool().match_prefix(hashes);
+        add(&self.metrics.host_lookup_blocks, hashes.len() as u64);
+        add(&self.metrics.host_hit_blocks, blocks.len() as u64);
+        add(
+            &self.metrics.matched_tokens,
+            (blocks.len() * self.kv.block_size_tokens) as u64,
+        );
+        blocks
+    }
+
+    /// Waits until no transfer is pending or in flight.
+    pub fn wait_idle(&self) {
+        self.engine.wait_idle();
+    }
+
+    /// Every (tier, hash) registered now.
+    pub fn residency(&self) -> HashSet<(Tier, SequenceHash)> {
+        let mut set = HashSet::new();
+        for pool in [self.gpu_pool(), self.host_pool()] {
+            set.extend(
+                pool.registered_hashes()
+                    .into_iter()
+                    .map(|h| (pool.tier(), h)),
+            );
+        }
+        set
+    }
+
+    /// Writes one GPU block from `bytes` in canonical order (layer, then outer), for filling
+    /// blocks in tests and benchmarks. `bytes` is exactly one block.
+    pub fn write_gpu_block(&self, id: BlockId, bytes: &[u8]) -> Result<(), CoreError> {
+        self.block_io(
+            self.engine.gpu(),
+            id,
+            bytes.len(),
+            |region, offset, range| match region {
+                Region::Gpu(g) => g.write(offset, &bytes[range]),
+                Region::Host(h) => h.write(offset, &bytes[range]),
+            },
+        )
+    }
+
+    /// Reads one GPU block into `out` in canonical order.
+    pub fn read_gpu_block(&self, id: BlockId, out: &mut [u8]) -> Result<(), CoreError> {
+        let len = out.len();
+        self.block_io(
+            self.engine.gpu(),
+            id,
+            len,
+            |region, offset, range| match region {
+                Region::Gpu(g) => g.read(offset, &mut out[range]),
+                Region::Host(h) => h.read(offset, &mut out[range]),
+            },
+        )
+    }
+
+    /// Reads one host block into `out` in canonical order.
+    pub fn read_host_block(&self, id: BlockId, out: &mut [u8]) -> Result<(), CoreError> {
+        let len = out.len();
+        self.block_io(
+            self.engine.host(),
+            id,
+            len,
+            |region, offset, range| match region {
+                Region::Gpu(g) => g.read(offset, &mut out[range]),
+                Region::Host(h) => h.read(offset, &mut out[range]),
+            },
+        )
+    }
+
+    fn block_io(
+        &self,
+        tier: &TierStorage,
+        id: BlockId,
+        len: usize,
+        mut io: impl FnMut(&Region, usize, std::ops::Range<usize>) -> Result<(), kvbm_cuda::DeviceError>,
+    ) -> Result<(), CoreError> {
+        let kv = self.kv;
+        if len != kv.bytes_per_block() || id.index() >= tier.layout.num_blocks() {
+            return Err(CoreError::InvalidArgument(format!(
+                "block {id:?} with {len} bytes; blocks are {} bytes",
+                kv.bytes_per_block()
+            )));
+        }
+        let chunk = kv.chunk_bytes();
+        for layer in 0..kv.num_layers {
+            for outer in 0..kv.outer_dim {
+                let addr = tier.layout.chunk_addr(id.index(), layer, outer);
+                let region = tier
+                    .regions
+                    .iter()
+                    .find(|r| r.addr() <= addr && addr + chunk as u64 <= r.addr() + r.len() as u64)
+                    .ok_or_else(|| {
+                        CoreError::InvalidLayout(format!("chunk at {addr:#x} outside every region"))
+                    })?;
+                let start = (layer * kv.outer_dim + outer) * chunk;
+                io(
+                    region,
+                    (addr - region.addr()) as usize,
+                    start..start + chunk,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,736 @@
+//! Per-tier block pools: block ids, their lifecycle, and the tier's registry.
+//!
+//! Lifecycle (DESIGN.md): `Free` -> `Filling` ([`MutableBlock`]) -> `Complete` ([`CompleteBlock`])
+//! -> `Registered` ([`ImmutableBlock`], findable by sequence hash). A registered block with no
+//! holder is *idle*: it stays findable and may be evicted, which returns it to `Free` and
+//! publishes `BlockRemoved`. Registering publishes `BlockStored`.
+//!
+//! Invariants:
+//! - Each block is in exactly one state; `free + filling + complete + registered + reserved ==
+//!   capacity`, where reserved blocks are those not yet made available (a host pool grows as its
+//!   memory gets pinned; ids below `available` are usable, and `available` only grows).
+//! - Only a `MutableBlock` may be written; a registered block cannot be (no handle gives access).
+//! - A block with a holder (a handle, or a transfer in flight) is never evicted or reused; the
+//!   eviction policy holds exactly the idle blocks.
+//! - A sequence hash maps to at most one block per tier; registering a hash the tier already holds
+//!   hands back the existing block and frees the new one (de-duplication, no event).
+//! - Dropping an unconsumed `MutableBlock` or `CompleteBlock` returns it to `Free`.
+//! - Events are published under the pool lock, so their order is the order of the state changes.
+//! - This is the one place that mutates pool state; callers hold the lock only inside methods.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+use kvbm_events::{BlockRemoved, BlockStored, EventPublisher, KvEvent, SequenceHash, Tier};
+use parking_lot::Mutex;
+
+use crate::eviction::{EvictionPolicy, LruPriority};
+use crate::CoreError;
+
+/// Index of a block within its pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+impl BlockId {
+    /// The id as an index.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What makes a block findable and announceable: its hash, its parent, its tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockIdentity {
+    /// The block's sequence hash (its registry key).
+    pub sequence_hash: SequenceHash,
+    /// The sequence hash of the block before it, if any.
+    pub parent: Option<SequenceHash>,
+    /// The block's token ids (exactly one block of them).
+    pub tokens: Arc<[u32]>,
+    /// The LoRA adapter the block was computed with.
+    pub lora_name: Option<Arc<str>>,
+}
+
+/// A block's lifecycle state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BlockState {
+    /// Unused; may be allocated.
+    Free,
+    /// Allocated and being written.
+    Filling,
+    /// Written in full; not yet findable.
+    Complete,
+    /// Findable by sequence hash.
+    Registered,
+}
+
+/// A snapshot of a pool's counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolCounts {
+    /// Blocks in the pool.
+    pub capacity: usize,
+    /// Free blocks.
+    pub free: usize,
+    /// Blocks being written.
+    pub filling: usize,
+    /// Complete, unregistered blocks.
+    pub complete: usize,
+    /// Registered blocks (idle or held).
+    pub registered: usize,
+    /// Registered blocks without a holder (evictable).
+    pub idle: usize,
+    /// Blocks evicted since creation.
+    pub evictions: u64,
+    /// Registrations that found the hash already present.
+    pub deduplicated: u64,
+    /// Blocks not available yet (their memory is still being prepared).
+    pub reserved: usize,
+}
+
+/// A handle given back unchanged because the operation refused it.
+#[derive(Debug)]
+pub struct Rejected<T> {
+    /// What was handed in.
+    pub value: T,
+    /// Why.
+    pub reason: &'static str,
+}
+
+#[derive(Default)]
+struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        // Sequence hashes are already uniformly distributed.
+        self.0 = v;
+    }
+}
+
+type HashIndex = HashMap<SequenceHash, BlockId, BuildHasherDefault<IdentityHasher>>;
+
+#[derive(Debug)]
+struct Slot {
+    state: BlockState,
+    holders: u32,
+    priority: u32,
+    identity: Option<Arc<BlockIdentity>>,
+}
+
+struct PoolState {
+    slots: Vec<Slot>,
+    free: Vec<BlockId>,
+    index: HashIndex,
+    policy: Box<dyn EvictionPolicy>,
+    filling: usize,
+    complete: usize,
+    available: usize,
+    evictions: u64,
+    deduplicated: u64,
+}
+
+struct PoolShared {
+    tier: Tier,
+    capacity: usize,
+    block_size_tokens: u32,
+    events: Option<EventPublisher>,
+    state: Mutex<PoolState>,
+}
+
+/// The blocks of one tier. Cheap to clone; clones share the pool.
+#[derive(Clone)]
+pub struct BlockPool {
+    shared: Arc<PoolShared>,
+}
+
+impl std::fmt::Debug for BlockPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockPool")
+            .field("tier", &self.shared.tier)
+            .field("counts", &self.counts())
+            .finish()
+    }
+}
+
+impl BlockPool {
+    /// A pool of `capacity_blocks` free blocks with LRU-with-priority eviction, publishing to
+    /// `events` if given.
+    pub fn new(
+        tier: Tier,
+        capacity_blocks: usize,
+        block_size_tokens: usize,
+        events: Option<EventPublisher>,
+    ) -> Self {
+        Self::with_policy(
+            tier,
+            capacity_blocks,
+            block_size_tokens,
+            events,
+            Box::new(LruPriority::new(capacity_blocks)),
+            capacity_blocks,
+        )
+    }
+
+    /// A pool with another eviction policy, of which only ids below `available_blocks` are
+    /// usable until [`Self::grow_available`] makes more so.
+    pub fn with_policy(
+        tier: Tier,
+        capacity_blocks: usize,
+        block_size_tokens: usize,
+        events: Option<EventPublisher>,
+        policy: Box<dyn EvictionPolicy>,
+        available_blocks: usize,
+    ) -> Self {
+        let available_blocks = available_blocks.min(capacity_blocks);
+        assert!(capacity_blocks < u32::MAX as usize, "block ids are u32");
+        let slots = (0..capacity_blocks)
+            .map(|_| Slot {
+                state: BlockState::Free,
+                holders: 0,
+                priority: 0,
+                identity: None,
+            })
+            .collect();
+        // Pop from the end: hand out low ids first.
+        let free = (0..available_blocks as u32).rev().map(BlockId).collect();
+        Self {
+            shared: Arc::new(PoolShared {
+                tier,
+                capacity: capacity_blocks,
+                block_size_tokens: block_size_tokens as u32,
+                events,
+                state: Mutex::new(PoolState {
+                    slots,
+                    free,
+                    index: HashIndex::with_capacity_and_hasher(capacity_blocks, Default::default()),
+                    policy,
+                    filling: 0,
+                    complete: 0,
+                    available: available_blocks,
+                    evictions: 0,
+                    deduplicated: 0,
+                }),
+            }),
+        }
+    }
+
+    /// The tier this pool holds.
+    pub fn tier(&self) -> Tier {
+        self.shared.tier
+    }
+
+    /// Blocks in the pool.
+    pub fn capacity(&self) -> usize {
+        self.shared.capacity
+    }
+
+    /// Makes ids below `available_blocks` usable (never shrinks); returns how many are now.
+    pub fn grow_available(&self, available_blocks: usize) -> usize {
+        let mut state = self.shared.state.lock();
+        let target = available_blocks.min(self.shared.capacity);
+        if target > state.available {
+            let old = state.available;
+            // Keep low ids on top of the free stack: new ids go underneath.
+            let mut grown: Vec<BlockId> = (old as u32..target as u32).rev().map(BlockId).collect();
+            grown.extend_from_slice(&state.free);
+            state.free = grown;
+            state.available = target;
+        }
+        state.available
+    }
+
+    /// Blocks usable now (free or not).
+    pub fn available(&self) -> usize {
+        self.shared.state.lock().available
+    }
+
+    /// Takes up to `count` blocks for writing, as many as are free or evictable.
+    pub fn allocate_up_to(&self, count: usize) -> Vec<MutableBlock> {
+        let available = {
+            let state = self.shared.state.lock();
+            state.free.len() + state.policy.len()
+        };
+        // Another thread may take blocks in between: retry with what is left.
+        let mut want = count.min(available);
+        loop {
+            match self.allocate(want) {
+                Ok(blocks) => return blocks,
+                Err(CoreError::Exhausted { available, .. }) => want = want.min(available),
+                Err(other) => unreachable!("allocate only fails with Exhausted: {other}"),
+            }
+        }
+    }
+
+    fn owns(&self, other: &Arc<PoolShared>) -> bool {
+        Arc::ptr_eq(&self.shared, other)
+    }
+
+    /// Takes `count` blocks for writing, evicting idle blocks (by policy) when too few are free.
+    /// All or nothing: on `Exhausted` nothing changed.
+    pub fn allocate(&self, count: usize) -> Result<Vec<MutableBlock>, CoreError> {
+        let mut state = self.shared.state.lock();
+        let available = state.free.len() + state.policy.len();
+        if count > available {
+            return Err(CoreError::Exhausted {
+                tier: self.shared.tier,
+                requested: count,
+                available,
+            });
+        }
+        let shortfall = count.saturating_sub(state.free.len());
+        if shortfall > 0 {
+            let mut removed = Vec::with_capacity(shortfall);
+            for _ in 0..shortfall {
+                let id = state.policy.pop_victim().expect("counted as evictable");
+                let slot = &mut state.slots[id.index()];
+                debug_assert!(slot.state == BlockState::Registered && slot.holders == 0);
+                let identity = slot
+                    .identity
+                    .take()
+                    .expect("registered blocks have an identity");
+                slot.state = BlockState::Free;
+                slot.priority = 0;
+                state.index.remove(&identity.sequence_hash);
+                state.free.push(id);
+                removed.push(identity.sequence_hash);
+            }
+            state.evictions += shortfall as u64;
+            self.publish(KvEvent::BlockRemoved(BlockRemoved {
+                tier: self.shared.tier,
+                block_hashes: removed,
+            }));
+        }
+        let mut blocks = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = state.free.pop().expect("counted as free");
+            state.slots[id.index()].state = BlockState::Filling;
+            blocks.push(MutableBlock {
+                pool: Some(self.shared.clone()),
+                id,
+            });
+        }
+        state.filling += count;
+        Ok(blocks)
+    }
+
+    /// Makes `block` findable by its sequence hash. If the tier already holds that hash, the
+    /// existing block is returned and `block` goes back to `Free` (no event).
+    pub fn register(
+        &self,
+        block: CompleteBlock,
+    ) -> Result<ImmutableBlock, Rejected<CompleteBlock>> {
+        self.register_all(vec![block])
+            .map(|mut v| v.pop().expect("one in, one out"))
+            .map_err(|mut r| Rejected {
+                value: r.value.pop().expect("one in, one out"),
+                reason: r.reason,
+            })
+    }
+
+    /// Registers blocks in order, publishing one `BlockStored` per run of blocks that chain onto
+    /// each other. Refuses the whole list, unchanged, if any block belongs to another pool.
+    pub fn register_all(
+        &self,
+        blocks: Vec<CompleteBlock>,
+    ) -> Result<Vec<ImmutableBlock>, Rejected<Vec<CompleteBlock>>> {
+        if blocks
+            .iter()
+            .any(|b| !self.owns(b.pool.as_ref().expect("armed")))
+        {
+            return Err(Rejected {
+                value: blocks,
+                reason: "a block belongs to another pool",
+            });
+        }
+        let mut out = Vec::with_capacity(blocks.len());
+        let mut state = self.shared.state.lock();
+        let mut run: Option<BlockStored> = None;
+        for mut block in blocks {
+            let pool = block.pool.take().expect("armed");
+            let identity = block.identity.clone();
+            let hash = identity.sequence_hash;
+            if let Some(&existing) = state.index.get(&hash) {
+                // Already resident: hand back the existing block, free the newcomer.
+                Self::acquire_locked(&mut state, existing);
+                let slot = &mut state.slots[block.id.index()];
+                slot.state = BlockState::Free;
+                state.complete -= 1;
+                state.free.push(block.id);
+                state.deduplicated += 1;
+                let identity = state.slots[existing.index()]
+                    .identity
+                    .clone()
+                    .expect("registered");
+                out.push(ImmutableBlock {
+                    pool,
+                    id: existing,
+                    identity,
+                });
+                continue;
+            }
+            let slot = &mut state.slots[block.id.index()];
+            slot.state = BlockState::Registered;
+            slot.holders = 1;
+            slot.identity = Some(identity.clone());
+            state.complete -= 1;
+            state.index.insert(hash, block.id);
+            run = self.extend_run(run, &identity);
+            out.push(ImmutableBlock {
+                pool,
+                id: block.id,
+                identity,
+            });
+        }
+        if let Some(stored) = run {
+            self.publish(KvEvent::BlockStored(stored));
+        }
+        Ok(out)
+    }
+
+    /// Adds `identity` to the current `BlockStored` run, or publishes the run and starts another.
+    fn extend_run(
+        &self,
+        run: Option<BlockStored>,
+        identity: &BlockIdentity,
+    ) -> Option<BlockStored> {
+        self.shared.events.as_ref()?;
+        match run {
+            Some(mut stored)
+                if stored.block_hashes.last().copied() == identity.parent
+                    && stored.lora_name.as_deref() == identity.lora_name.as_deref() =>
+            {
+                stored.block_hashes.push(identity.sequence_hash);
+                stored.token_ids.extend_from_slice(&identity.tokens);
+                Some(stored)
+            }
+            previous => {
+                if let Some(stored) = previous {
+                    self.publish(KvEvent::BlockStored(stored));
+                }
+                Some(BlockStored {
+                    tier: self.shared.tier,
+                    block_hashes: vec![identity.sequence_hash],
+                    parent_hash: identity.parent,
+                    token_ids: identity.tokens.to_vec(),
+                    block_size: self.shared.block_size_tokens,
+                    lora_name: identity.lora_name.as_deref().map(str::to_owned),
+                })
+            }
+        }
+    }
+
+    fn publish(&self, event: KvEvent) {
+        if let Some(events) = &self.shared.events {
+            events.publish(event);
+        }
+    }
+
+    fn acquire_locked(state: &mut PoolState, id: BlockId) {
+        let slot = &mut state.slots[id.index()];
+        debug_assert_eq!(slot.state, BlockState::Registered);
+        if slot.holders == 0 {
+            state.policy.remove(id);
+            state.slots[id.index()].holders = 1;
+        } else {
+            slot.holders += 1;
+        }
+    }
+
+    /// The block registered under `hash`, now held.
+    pub fn lookup(&self, hash: SequenceHash) -> Option<ImmutableBlock> {
+        let mut state = self.shared.state.lock();
+        let id = *state.index.get(&hash)?;
+        Self::acquire_locked(&mut state, id);
+        let identity = state.slots[id.index()]
+            .identity
+            .clone()
+            .expect("registered");
+        Some(ImmutableBlock {
+            pool: self.shared.clone(),
+            id,
+            identity,
+        })
+    }
+
+    /// The registered blocks for `hashes[0..k]`, held, where `k` is the first miss.
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+        let mut out = Vec::with_capacity(hashes.len());
+        let mut state = self.shared.state.lock();
+        for hash in hashes {
+            let Some(&id) = state.index.get(hash) else {
+                break;
+            };
+            Self::acquire_locked(&mut state, id);
+            let identity = state.slots[id.index()]
+                .identity
+                .clone()
+                .expect("registered");
+            out.push(ImmutableBlock {
+                pool: self.shared.clone(),
+                id,
+                identity,
+            });
+        }
+        out
+    }
+
+    /// How many of `hashes`, from the first, are registered here (nothing is held).
+    pub fn count_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        let state = self.shared.state.lock();
+        hashes
+            .iter()
+            .take_while(|h| state.index.contains_key(h))
+            .count()
+    }
+
+    /// True when `hash` is registered here.
+    pub fn contains(&self, hash: SequenceHash) -> bool {
+        self.shared.state.lock().index.contains_key(&hash)
+    }
+
+    /// Sets the eviction priority of a registered block (lower leaves first; default 0).
+    pub fn set_priority(&self, block: &ImmutableBlock, priority: u32) {
+        assert!(self.owns(&block.pool), "block of another pool");
+        self.shared.state.lock().slots[block.id.index()].priority = priority;
+    }
+
+    /// Evicts up to `max_blocks` idle blocks by policy; returns how many left.
+    pub fn evict_idle(&self, max_blocks: usize) -> usize {
+        let mut state = self.shared.state.lock();
+        let mut removed = Vec::new();
+        while removed.len() < max_blocks {
+            let Some(id) = state.policy.pop_victim() else {
+                break;
+            };
+            let slot = &mut state.slots[id.index()];
+            let identity = slot.identity.take().expect("registered");
+            slot.state = BlockState::Free;
+            slot.priority = 0;
+            state.index.remove(&identity.sequence_hash);
+            state.free.push(id);
+            removed.push(identity.sequence_hash);
+        }
+        let n = removed.len();
+        state.evictions += n as u64;
+        if n > 0 {
+            self.publish(KvEvent::BlockRemoved(BlockRemoved {
+                tier: self.shared.tier,
+                block_hashes: removed,
+            }));
+        }
+        n
+    }
+
+    /// Counts of blocks per state.
+    pub fn counts(&self) -> PoolCounts {
+        let state = self.shared.state.lock();
+        PoolCounts {
+            capacity: self.shared.capacity,
+            free: state.free.len(),
+            filling: state.filling,
+            complete: state.complete,
+            registered: state.index.len(),
+            idle: state.policy.len(),
+            evictions: state.evictions,
+            deduplicated: state.deduplicated,
+            reserved: self.shared.capacity - state.available,
+        }
+    }
+
+    /// Every registered hash (idle or held).
+    pub fn registered_hashes(&self) -> Vec<SequenceHash> {
+        self.shared.state.lock().index.keys().copied().collect()
+    }
+
+    /// The state of block `id` (for checks and diagnostics).
+    pub fn state_of(&self, id: BlockId) -> BlockState {
+        self.shared.state.lock().slots[id.index()].state
+    }
+
+    /// Holders of block `id` (for checks and diagnostics).
+    pub fn holders_of(&self, id: BlockId) -> u32 {
+        self.shared.state.lock().slots[id.index()].holders
+    }
+}
+
+/// Matches `hashes` from the first across `pools` (fastest tier first): each block is taken, held,
+/// from the first pool that has it; the match stops at the first hash no pool has. Locks the
+/// pools in the order given, so callers pass them in tier order.
+pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+    let mut states: Vec<_> = pools.iter().map(|p| p.shared.state.lock()).collect();
+    let mut out = Vec::with_capacity(hashes.len());
+    'hashes: for hash in hashes {
+        for (pool, state) in pools.iter().zip(states.iter_mut()) {
+            if let Some(&id) = state.index.get(hash) {
+                BlockPool::acquire_locked(state, id);
+                let identity = state.slots[id.index()]
+                    .identity
+                    .clone()
+                    .expect("registered");
+                out.push(ImmutableBlock {
+                    pool: pool.shared.clone(),
+                    id,
+                    identity,
+                });
+                continue 'hashes;
+            }
+        }
+        break;
+    }
+    drop(states);
+    out
+}
+
+/// A block being written. Dropping it returns the block to `Free`.
+#[derive(Debug)]
+pub struct MutableBlock {
+    pool: Option<Arc<PoolShared>>,
+    id: BlockId,
+}
+
+impl std::fmt::Debug for PoolShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} pool", self.tier)
+    }
+}
+
+impl MutableBlock {
+    /// The block's id in its pool.
+    pub fn id(&self) -> BlockId {
+        self.id
+    }
+
+    /// The tier of the block's pool.
+    pub fn tier(&self) -> Tier {
+        self.pool.as_ref().expect("armed").tier
+    }
+
+    /// Marks the block written in full, with the identity it will be registered under.
+    pub fn complete(mut self, identity: BlockIdentity) -> CompleteBlock {
+        let pool = self.pool.take().expect("armed");
+        {
+            let mut state = pool.state.lock();
+            state.slots[self.id.index()].state = BlockState::Complete;
+            state.filling -= 1;
+            state.complete += 1;
+        }
+        CompleteBlock {
+            pool: Some(pool),
+            id: self.id,
+            identity: Arc::new(identity),
+        }
+    }
+}
+
+impl Drop for MutableBlock {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            let mut state = pool.state.lock();
+            state.slots[self.id.index()].state = BlockState::Free;
+            state.filling -= 1;
+            state.free.push(self.id);
+        }
+    }
+}
+
+/// A block written in full, not yet findable. Dropping it returns the block to `Free`.
+#[derive(Debug)]
+pub struct CompleteBlock {
+    pool: Option<Arc<PoolShared>>,
+    id: BlockId,
+    identity: Arc<BlockIdentity>,
+}
+
+impl CompleteBlock {
+    /// The block's id in its pool.
+    pub fn id(&self) -> BlockId {
+        self.id
+    }
+
+    /// The identity it will be registered under.
+    pub fn identity(&self) -> &BlockIdentity {
+        &self.identity
+    }
+}
+
+impl Drop for CompleteBlock {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            let mut state = pool.state.lock();
+            state.slots[self.id.index()].state = BlockState::Free;
+            state.complete -= 1;
+            state.free.push(self.id);
+        }
+    }
+}
+
+/// A held registered block: findable, readable by copies, never written, never evicted while
+/// any clone lives. Dropping the last clone makes it idle.
+pub struct ImmutableBlock {
+    pool: Arc<PoolShared>,
+    id: BlockId,
+    identity: Arc<BlockIdentity>,
+}
+
+impl std::fmt::Debug for ImmutableBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImmutableBlock")
+            .field("tier", &self.pool.tier)
+            .field("id", &self.id)
+            .field("sequence_hash", &self.identity.sequence_hash)
+            .finish()
+    }
+}
+
+impl ImmutableBlock {
+    /// The block's id in its pool.
+    pub fn id(&self) -> BlockId {
+        self.id
+    }
+
+    /// The tier it is registered in.
+    pub fn tier(&self) -> Tier {
+        self.pool.tier
+    }
+
+    /// Its sequence hash.
+    pub fn sequence_hash(&self) -> SequenceHash {
+        self.identity.sequence_hash
+    }
+
+    /// Its identity.
+    pub fn identity(&self) -> &BlockIdentity {
+        &self.identity
+    }
+}
+
+impl Clone for ImmutableBlock {
+    fn clone(&self) -> Self {
+        self.pool.state.lock().slots[self.id.index()].holders += 1;
+        Self {
+            pool: self.pool.clone(),
+            id: self.id,
+            identity: self.identity.clone(),
+        }
+    }
+}
+
+impl Drop for ImmutableBlock {
+    fn drop(&mut self) {
+        let mut state = self.pool.state.lock();
+        let slot = &mut state.slots[self.id.index()];
+        slot.holders -= 1;
+        if slot.holders == 0 {
+            let priority = slot.priority;
+            state.policy.insert(self.id, priority);
+        }
+    }
+}
