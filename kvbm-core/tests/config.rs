@@ -1,0 +1,123 @@
+//! Configuration from Dynamo's variable names: defaults, overrides, and every error.
+
+use std::collections::HashMap;
+
+use kvbm_core::{ConfigError, KvbmConfig, TierSize};
+
+const MEMORY: u64 = 24_000_000_000;
+
+fn load(vars: &[(&str, &str)]) -> Result<KvbmConfig, ConfigError> {
+    let map: HashMap<String, String> = vars
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    KvbmConfig::from_lookup(|name| map.get(name).cloned(), MEMORY)
+}
+
+#[test]
+fn defaults_and_sizes() {
+    let c = load(&[("DYN_KVBM_CPU_CACHE_GB", "4")]).unwrap();
+    assert_eq!(c.host, TierSize::Bytes(4_000_000_000));
+    assert_eq!(c.disk, TierSize::Bytes(0));
+    assert_eq!(c.transfer_batch_blocks_max.get(), 16);
+    assert_eq!(c.transfers_inflight_max.get(), 4);
+    assert_eq!(c.metrics_port, None);
+    assert_eq!(c.log_filter, "info");
+    // GB is 10^9 bytes, split across ranks, floored to whole blocks.
+    assert_eq!(c.host.blocks(1_000_000, 1), 4000);
+    assert_eq!(c.host.blocks(1_000_000, 2), 2000);
+    assert_eq!(TierSize::Bytes(2_500_000).blocks(1_000_000, 1), 2);
+}
+
+#[test]
+fn overrides_win_and_other_settings_parse() {
+    let c = load(&[
+        ("DYN_KVBM_CPU_CACHE_GB", "4"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "123"),
+        ("DYN_KVBM_DISK_CACHE_GB", "0.5"),
+        ("DYN_KVBM_MAX_TRANSFER_BATCH_SIZE", "32"),
+        ("DYN_KVBM_MAX_CONCURRENT_TRANSFERS", "8"),
+        ("DYN_KVBM_METRICS", "1"),
+        ("DYN_KVBM_METRICS_PORT", "9100"),
+        ("DYN_LOG", "debug"),
+    ])
+    .unwrap();
+    assert_eq!(c.host, TierSize::Blocks(123));
+    assert_eq!(c.host.blocks(1_000_000, 4), 123);
+    assert_eq!(c.disk, TierSize::Bytes(500_000_000));
+    assert_eq!(c.transfer_batch_blocks_max.get(), 32);
+    assert_eq!(c.transfers_inflight_max.get(), 8);
+    assert_eq!(c.metrics_port, Some(9100));
+    assert_eq!(c.log_filter, "debug");
+    assert_eq!(
+        load(&[
+            ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "10"),
+            ("DYN_KVBM_METRICS", "true")
+        ])
+        .unwrap()
+        .metrics_port,
+        Some(6880)
+    );
+}
+
+#[test]
+fn both_tiers_zero_is_an_error_naming_both_variables() {
+    for vars in [
+        &[][..],
+        &[("DYN_KVBM_CPU_CACHE_GB", "0")][..],
+        &[
+            ("DYN_KVBM_CPU_CACHE_GB", "4"),
+            ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "0"),
+        ][..],
+    ] {
+        let err = load(vars).unwrap_err();
+        assert_eq!(err, ConfigError::NoTier);
+        let text = err.to_string();
+        assert!(
+            text.contains("DYN_KVBM_CPU_CACHE_GB") && text.contains("DYN_KVBM_DISK_CACHE_GB"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn every_bad_value_names_the_variable_and_the_value() {
+    let cases: &[(&str, &str)] = &[
+        ("DYN_KVBM_CPU_CACHE_GB", "lots"),
+        ("DYN_KVBM_CPU_CACHE_GB", "-1"),
+        ("DYN_KVBM_CPU_CACHE_GB", "NaN"),
+        ("DYN_KVBM_CPU_CACHE_GB", "inf"),
+        ("DYN_KVBM_CPU_CACHE_GB", "25"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "-5"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "1.5"),
+        ("DYN_KVBM_DISK_CACHE_GB", "-0.1"),
+        ("DYN_KVBM_DISK_CACHE_GB", "nan"),
+        ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "many"),
+        ("DYN_KVBM_MAX_TRANSFER_BATCH_SIZE", "0"),
+        ("DYN_KVBM_MAX_TRANSFER_BATCH_SIZE", "4096"),
+        ("DYN_KVBM_MAX_TRANSFER_BATCH_SIZE", "x"),
+        ("DYN_KVBM_MAX_CONCURRENT_TRANSFERS", "0"),
+        ("DYN_KVBM_MAX_CONCURRENT_TRANSFERS", "65"),
+        ("DYN_KVBM_METRICS", "maybe"),
+        ("DYN_KVBM_METRICS_PORT", "0"),
+        ("DYN_KVBM_METRICS_PORT", "70000"),
+    ];
+    for &(variable, value) in cases {
+        // A valid host size so that only the variable under test can be wrong.
+        let mut vars = vec![("DYN_KVBM_CPU_CACHE_GB", "1")];
+        vars.retain(|(k, _)| *k != variable);
+        vars.push((variable, value));
+        match load(&vars) {
+            Err(ConfigError::Invalid {
+                variable: v,
+                value: got,
+                ..
+            }) => {
+                assert_eq!((v, got.as_str()), (variable, value));
+            }
+            other => panic!("{variable}={value:?} gave {other:?}"),
+        }
+        let text = load(&vars).unwrap_err().to_string();
+        assert!(text.contains(variable) && text.contains(value), "{text}");
+    }
+}

@@ -1,0 +1,247 @@
+//! The block manager end to end on the emulated device.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use common::*;
+use kvbm_core::{
+    BlockLayout, BlockPool, CoreError, LayerShape, Metrics, TierStorage, TransferEngine,
+    TransferLimits,
+};
+use kvbm_cuda::{Device, Direction, Region};
+use kvbm_events::Tier;
+
+fn round_trip(outer: usize, shape: LayerShape) {
+    let m = manager(
+        outer,
+        shape,
+        8,
+        6,
+        TransferLimits {
+            batch_blocks_max: 3,
+            ..Default::default()
+        },
+    );
+    let mut sub = m.subscribe(1024);
+    let mut resident = HashSet::new();
+    let tokens: Vec<u32> = (100..100 + 5 * BLOCK_TOKENS as u32).collect();
+    let ids = identities(&tokens);
+    let bpb = m.kv().bytes_per_block();
+
+    // Offload: GPU blocks 0..5 written, registered, copied to the host tier.
+    let blocks = m.allocate_gpu(5).unwrap();
+    let complete = fill(&m, blocks, &ids);
+    let (gpu_blocks, ticket) = m.register_gpu_write_through(complete).unwrap();
+    let outcome = ticket.wait();
+    assert_eq!(
+        (outcome.copied, outcome.skipped, outcome.deduplicated),
+        (5, 0, 0)
+    );
+    assert_eq!(outcome.batches.len(), 2, "5 blocks in batches of 3");
+    assert!(outcome.error.is_none());
+    let mut host_bytes = vec![0u8; bpb];
+    for id in &ids {
+        let held = m
+            .host_pool()
+            .lookup(id.sequence_hash)
+            .expect("offloaded block is findable");
+        m.read_host_block(held.id(), &mut host_bytes).unwrap();
+        assert!(
+            host_bytes == block_bytes(id.sequence_hash, bpb),
+            "host copy of {:?}",
+            id.sequence_hash
+        );
+    }
+
+    // Forget the GPU copies and scribble over GPU memory.
+    drop(gpu_blocks);
+    assert_eq!(m.gpu_pool().evict_idle(usize::MAX), 5);
+    for b in m.allocate_gpu(8).unwrap() {
+        m.write_gpu_block(b.id(), &vec![0xEE; bpb]).unwrap();
+    }
+
+    // Onboard into other GPU blocks, in reverse order of ids.
+    let hashes: Vec<_> = ids.iter().map(|i| i.sequence_hash).collect();
+    let matched = m.match_prefix(&hashes);
+    assert_eq!(matched.count_in(Tier::Host), 5);
+    let mut targets = m.allocate_gpu(8).unwrap();
+    targets.reverse();
+    targets.truncate(5);
+    let target_ids: Vec<_> = targets.iter().map(|t| t.id()).collect();
+    let outcome = m.onboard(matched.blocks, targets).unwrap().wait();
+    assert!(outcome.error.is_none());
+    assert_eq!(
+        outcome.blocks.iter().map(|b| b.id()).collect::<Vec<_>>(),
+        target_ids
+    );
+    let mut gpu_bytes = vec![0u8; bpb];
+    for (block, id) in outcome.blocks.iter().zip(&ids) {
+        assert_eq!(block.tier(), Tier::Gpu);
+        assert_eq!(block.sequence_hash(), id.sequence_hash);
+        m.read_gpu_block(block.id(), &mut gpu_bytes).unwrap();
+        assert!(
+            gpu_bytes == block_bytes(id.sequence_hash, bpb),
+            "onboarded {:?}",
+            id.sequence_hash
+        );
+    }
+    // Now every block matches on the GPU first.
+    assert_eq!(m.match_prefix(&hashes).count_in(Tier::Gpu), 5);
+
+    let metrics = m.metrics_snapshot();
+    assert_eq!(
+        (metrics.offload_blocks_d2h, metrics.onboard_blocks_h2d),
+        (5, 5)
+    );
+    assert_eq!(metrics.bytes_d2h, 5 * bpb as u64);
+    assert_eq!(metrics.host_pinned_bytes_ready, 6 * 4096);
+    replay(&mut sub, &mut resident);
+    assert_eq!(resident, m.residency());
+}
+
+#[test]
+fn round_trip_outer_first() {
+    round_trip(2, LayerShape::OuterFirst);
+}
+
+#[test]
+fn round_trip_block_first() {
+    round_trip(2, LayerShape::BlockFirst);
+}
+
+#[test]
+fn round_trip_mla() {
+    round_trip(1, LayerShape::OuterFirst);
+}
+
+#[test]
+fn offloading_what_the_host_holds_is_a_no_op() {
+    let m = manager(2, LayerShape::OuterFirst, 8, 8, TransferLimits::default());
+    let ids = identities(&(0..16).collect::<Vec<u32>>());
+    let blocks = fill(&m, m.allocate_gpu(4).unwrap(), &ids);
+    let (gpu, ticket) = m.register_gpu_write_through(blocks).unwrap();
+    assert_eq!(ticket.wait().copied, 4);
+    let again = m.offload(&gpu).unwrap().wait();
+    assert_eq!((again.copied, again.deduplicated), (0, 4));
+    assert_eq!(m.host_pool().counts().registered, 4);
+    assert_eq!(m.metrics_snapshot().offload_deduplicated_blocks, 4);
+}
+
+#[test]
+fn a_host_tier_full_of_held_blocks_skips_offloads_and_counts_them() {
+    let m = manager(2, LayerShape::OuterFirst, 8, 2, TransferLimits::default());
+    let ids = identities(&(0..24).collect::<Vec<u32>>());
+    let blocks = fill(&m, m.allocate_gpu(6).unwrap(), &ids);
+    let gpu = m.register_gpu(blocks).unwrap();
+    m.offload(&gpu[..2]).unwrap().wait();
+    let hashes: Vec<_> = ids.iter().map(|i| i.sequence_hash).collect();
+    let held = m.match_host(&hashes[..2]);
+    assert_eq!(held.len(), 2);
+    let outcome = m.offload(&gpu[2..]).unwrap().wait();
+    assert_eq!((outcome.copied, outcome.skipped), (0, 4));
+    assert_eq!(m.metrics_snapshot().offload_skipped_blocks, 4);
+    drop(held);
+    // Idle host blocks are evicted for new offloads (LRU).
+    let outcome = m.offload(&gpu[2..4]).unwrap().wait();
+    assert_eq!(outcome.copied, 2);
+    assert!(!m.host_pool().contains(hashes[0]) && m.host_pool().contains(hashes[3]));
+    let snap = m.metrics_snapshot();
+    assert_eq!(snap.host_cache_hit_rate, 1.0);
+    assert_eq!(snap.matched_tokens, 2 * BLOCK_TOKENS as u64);
+}
+
+#[test]
+fn wrong_arguments_are_refused_and_lose_nothing() {
+    let m = manager(2, LayerShape::OuterFirst, 4, 4, TransferLimits::default());
+    let ids = identities(&(0..8).collect::<Vec<u32>>());
+    let gpu = m
+        .register_gpu(fill(&m, m.allocate_gpu(2).unwrap(), &ids))
+        .unwrap();
+    m.offload(&gpu).unwrap().wait();
+    let host = m.match_host(&[ids[0].sequence_hash, ids[1].sequence_hash]);
+    let targets = m.allocate_gpu(1).unwrap();
+    assert!(matches!(
+        m.onboard(host.clone(), targets),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.offload(&host),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.allocate_gpu(5),
+        Err(CoreError::Exhausted { requested: 5, .. })
+    ));
+    assert!(m.write_gpu_block(kvbm_core::BlockId(0), &[0u8; 3]).is_err());
+    drop(host);
+    let c = m.gpu_pool().counts();
+    assert_eq!(
+        c.free + c.registered,
+        4,
+        "refused targets went back to free: {c:?}"
+    );
+}
+
+#[test]
+fn a_failed_copy_returns_its_targets_and_publishes_nothing() {
+    // A host tier whose layout points at memory not handed to the stream: every submit fails.
+    let device = Device::emulated();
+    let kv = kv(2);
+    let gpu_region = device.alloc_gpu(kv.layer_bytes(4) * 3).unwrap();
+    let layer = kv.layer_bytes(4) as u64;
+    let bases = (0..3).map(|l| gpu_region.addr() + l * layer).collect();
+    let events = kvbm_events::EventPublisher::new();
+    let mut sub = events.subscribe(64);
+    let gpu = TierStorage {
+        pool: BlockPool::new(Tier::Gpu, 4, BLOCK_TOKENS, Some(events.clone())),
+        layout: BlockLayout::layer_separate(kv, 4, LayerShape::OuterFirst, bases).unwrap(),
+        regions: vec![Region::from(gpu_region)],
+        host_region: None,
+    };
+    let host = TierStorage {
+        pool: BlockPool::new(Tier::Host, 4, BLOCK_TOKENS, Some(events.clone())),
+        layout: BlockLayout::fully_contiguous(kv, 4, 0x1000),
+        regions: vec![],
+        host_region: None,
+    };
+    let metrics = Arc::new(Metrics::default());
+    let engine = TransferEngine::new(
+        gpu,
+        host,
+        device.copy_stream(Direction::DeviceToHost).unwrap(),
+        device.copy_stream(Direction::HostToDevice).unwrap(),
+        TransferLimits::default(),
+        metrics.clone(),
+    )
+    .unwrap();
+    let ids = identities(&(0..8).collect::<Vec<u32>>());
+    let blocks: Vec<_> = engine
+        .gpu()
+        .pool
+        .allocate(2)
+        .unwrap()
+        .into_iter()
+        .zip(&ids)
+        .map(|(b, i)| b.complete(i.clone()))
+        .collect();
+    let held = engine.gpu().pool.register_all(blocks).unwrap();
+    sub.drain();
+    let outcome = engine.offload(&held).unwrap().wait();
+    assert!(
+        matches!(outcome.error, Some(CoreError::TransferFailed(_))),
+        "{:?}",
+        outcome.error
+    );
+    assert_eq!(outcome.copied, 0);
+    let c = engine.host().pool.counts();
+    assert_eq!((c.free, c.filling, c.registered), (4, 0, 0));
+    assert!(
+        sub.drain().is_empty(),
+        "a failed copy must not announce anything"
+    );
+    assert_eq!(metrics.snapshot().transfer_errors, 1);
+    // The hashes are not stuck as "on their way": a later offload tries again.
+    assert_eq!(engine.offload(&held).unwrap().wait().deduplicated, 0);
+}
