@@ -4,8 +4,6 @@
 //! being idle (acquired again, or evicted); the policy names victims. The policy never touches
 //! pool state itself.
 
-use std::collections::BTreeMap;
-
 use crate::pool::BlockId;
 
 /// Chooses victims among idle blocks.
@@ -27,15 +25,15 @@ pub trait EvictionPolicy: Send + std::fmt::Debug + 'static {
 const NIL: u32 = u32::MAX;
 
 /// Least recently used first, lower priority first: one intrusive LRU list per priority, O(1)
-/// insert and remove (plus a map operation when a priority's list appears or empties).
+/// insert and remove plus a binary search over the priorities in use (usually one or two).
 #[derive(Debug)]
 pub struct LruPriority {
     prev: Vec<u32>,
     next: Vec<u32>,
     priority: Vec<u32>,
     linked: Vec<bool>,
-    /// priority -> (head = least recent, tail = most recent)
-    lists: BTreeMap<u32, (u32, u32)>,
+    /// (priority, head = least recent, tail = most recent), sorted by priority.
+    lists: Vec<(u32, u32, u32)>,
     len: usize,
 }
 
@@ -47,7 +45,7 @@ impl LruPriority {
             next: vec![NIL; capacity_blocks],
             priority: vec![0; capacity_blocks],
             linked: vec![false; capacity_blocks],
-            lists: BTreeMap::new(),
+            lists: Vec::new(),
             len: 0,
         }
     }
@@ -60,15 +58,16 @@ impl EvictionPolicy for LruPriority {
         self.linked[i] = true;
         self.priority[i] = priority;
         self.next[i] = NIL;
-        match self.lists.get_mut(&priority) {
-            Some((_, tail)) => {
+        match self.lists.binary_search_by_key(&priority, |l| l.0) {
+            Ok(at) => {
+                let tail = &mut self.lists[at].2;
                 self.prev[i] = *tail;
                 self.next[*tail as usize] = id.0;
                 *tail = id.0;
             }
-            None => {
+            Err(at) => {
                 self.prev[i] = NIL;
-                self.lists.insert(priority, (id.0, id.0));
+                self.lists.insert(at, (priority, id.0, id.0));
             }
         }
         self.len += 1;
@@ -86,23 +85,23 @@ impl EvictionPolicy for LruPriority {
             self.prev[n as usize] = p;
         }
         let priority = self.priority[i];
-        let (head, tail) = self
+        let at = self
             .lists
-            .get_mut(&priority)
+            .binary_search_by_key(&priority, |l| l.0)
             .expect("list of a linked block");
         match (p == NIL, n == NIL) {
             (true, true) => {
-                self.lists.remove(&priority);
+                self.lists.remove(at);
             }
-            (true, false) => *head = n,
-            (false, true) => *tail = p,
+            (true, false) => self.lists[at].1 = n,
+            (false, true) => self.lists[at].2 = p,
             (false, false) => {}
         }
         self.len -= 1;
     }
 
     fn pop_victim(&mut self) -> Option<BlockId> {
-        let (_, &(head, _)) = self.lists.iter().next()?;
+        let &(_, head, _) = self.lists.first()?;
         let id = BlockId(head);
         self.remove(id);
         Some(id)

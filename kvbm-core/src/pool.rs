@@ -365,14 +365,10 @@ impl BlockPool {
                 state.complete -= 1;
                 state.free.push(block.id);
                 state.deduplicated += 1;
-                let identity = state.slots[existing.index()]
-                    .identity
-                    .clone()
-                    .expect("registered");
                 out.push(ImmutableBlock {
                     pool,
                     id: existing,
-                    identity,
+                    hash,
                 });
                 continue;
             }
@@ -386,7 +382,7 @@ impl BlockPool {
             out.push(ImmutableBlock {
                 pool,
                 id: block.id,
-                identity,
+                hash,
             });
         }
         if let Some(stored) = run {
@@ -449,14 +445,10 @@ impl BlockPool {
         let mut state = self.shared.state.lock();
         let id = *state.index.get(&hash)?;
         Self::acquire_locked(&mut state, id);
-        let identity = state.slots[id.index()]
-            .identity
-            .clone()
-            .expect("registered");
         Some(ImmutableBlock {
             pool: self.shared.clone(),
             id,
-            identity,
+            hash,
         })
     }
 
@@ -469,14 +461,10 @@ impl BlockPool {
                 break;
             };
             Self::acquire_locked(&mut state, id);
-            let identity = state.slots[id.index()]
-                .identity
-                .clone()
-                .expect("registered");
             out.push(ImmutableBlock {
                 pool: self.shared.clone(),
                 id,
-                identity,
+                hash: *hash,
             });
         }
         out
@@ -571,14 +559,10 @@ pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<Immuta
         for (pool, state) in pools.iter().zip(states.iter_mut()) {
             if let Some(&id) = state.index.get(hash) {
                 BlockPool::acquire_locked(state, id);
-                let identity = state.slots[id.index()]
-                    .identity
-                    .clone()
-                    .expect("registered");
                 out.push(ImmutableBlock {
                     pool: pool.shared.clone(),
                     id,
-                    identity,
+                    hash: *hash,
                 });
                 continue 'hashes;
             }
@@ -677,7 +661,7 @@ impl Drop for CompleteBlock {
 pub struct ImmutableBlock {
     pool: Arc<PoolShared>,
     id: BlockId,
-    identity: Arc<BlockIdentity>,
+    hash: SequenceHash,
 }
 
 impl std::fmt::Debug for ImmutableBlock {
@@ -685,7 +669,7 @@ impl std::fmt::Debug for ImmutableBlock {
         f.debug_struct("ImmutableBlock")
             .field("tier", &self.pool.tier)
             .field("id", &self.id)
-            .field("sequence_hash", &self.identity.sequence_hash)
+            .field("sequence_hash", &self.hash)
             .finish()
     }
 }
@@ -703,12 +687,18 @@ impl ImmutableBlock {
 
     /// Its sequence hash.
     pub fn sequence_hash(&self) -> SequenceHash {
-        self.identity.sequence_hash
+        self.hash
     }
 
-    /// Its identity.
-    pub fn identity(&self) -> &BlockIdentity {
-        &self.identity
+    /// Its identity (hash, parent, tokens), read from the pool.
+    pub fn identity(&self) -> BlockIdentity {
+        let state = self.pool.state.lock();
+        BlockIdentity::clone(
+            state.slots[self.id.index()]
+                .identity
+                .as_ref()
+                .expect("registered blocks have an identity"),
+        )
     }
 }
 
@@ -718,7 +708,7 @@ impl Clone for ImmutableBlock {
         Self {
             pool: self.pool.clone(),
             id: self.id,
-            identity: self.identity.clone(),
+            hash: self.hash,
         }
     }
 }

@@ -578,7 +578,7 @@ fn finish_batch(
     let complete: Vec<_> = sources
         .iter()
         .zip(targets)
-        .map(|(s, t)| t.complete(s.identity().clone()))
+        .map(|(s, t)| t.complete(s.identity()))
         .collect();
     if direction == Direction::DeviceToHost {
         for s in &sources {

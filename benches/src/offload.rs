@@ -1,0 +1,414 @@
+//! `kvbm-bench offload`: the standalone offload benchmark.
+//!
+//! Fills GPU blocks with pseudo-random bytes, offloads them to the host tier (D2H), scribbles over
+//! the GPU, onboards them back into other GPU blocks (H2D), and checks every byte. Each direction
+//! is timed end to end through the block manager (allocation, piece lists, copies, completion,
+//! registration). The yardstick is a single-threaded memcpy of the same bytes, block by block,
+//! between two prefaulted buffers, in the same run. Figures are medians over `--iterations`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvbm_core::{
+    BlockManager, GpuMemory, ImmutableBlock, KvLayout, LayerShape, ManagerOptions, TransferLimits,
+    TransferOutcome,
+};
+use kvbm_cuda::{BackendChoice, Device};
+use kvbm_events::{BlockHasher, SequenceHash};
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Layout {
+    /// vLLM per-layer tensors `[2, n_blocks, block, heads, head]` (FlashAttention).
+    OuterFirst,
+    /// vLLM per-layer tensors `[n_blocks, 2, block, heads, head]` (FlashInfer).
+    BlockFirst,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DeviceArg {
+    Auto,
+    Cuda,
+    Emulated,
+}
+
+/// The default model shape is Qwen3-0.6B: 28 layers, 8 KV heads of 128, bf16, 16-token blocks.
+#[derive(Args, Debug)]
+pub struct OffloadArgs {
+    /// Blocks moved in each direction.
+    #[arg(long, default_value_t = 1024)]
+    blocks: usize,
+    /// Attention layers.
+    #[arg(long, default_value_t = 28)]
+    layers: usize,
+    /// KV heads per layer (per tensor-parallel rank).
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Head size.
+    #[arg(long, default_value_t = 128)]
+    head_size: usize,
+    /// Bytes per element (2 for bf16).
+    #[arg(long, default_value_t = 2)]
+    dtype_bytes: usize,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// MLA: one latent per layer instead of K and V.
+    #[arg(long)]
+    mla: bool,
+    /// GPU tensor layout.
+    #[arg(long, value_enum, default_value_t = Layout::OuterFirst)]
+    layout: Layout,
+    /// Host tier size in GB (10^9 bytes); must hold --blocks.
+    #[arg(long, default_value_t = 2.0)]
+    host_gb: f64,
+    /// Device back end.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
+    device: DeviceArg,
+    /// Blocks per transfer batch.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Transfer batches in flight.
+    #[arg(long, default_value_t = 4)]
+    concurrent: usize,
+    /// Offload/onboard cycles; figures are medians.
+    #[arg(long, default_value_t = 3)]
+    iterations: usize,
+    /// End with one JSON line of results.
+    #[arg(long)]
+    json: bool,
+}
+
+struct Direction {
+    gbps: Vec<f64>,
+    block_latency_ms: Vec<f64>,
+}
+
+impl Direction {
+    fn new() -> Self {
+        Self {
+            gbps: Vec::new(),
+            block_latency_ms: Vec::new(),
+        }
+    }
+
+    fn record(&mut self, bytes: usize, elapsed: Duration, outcome: &TransferOutcome) {
+        self.gbps.push(bytes as f64 / elapsed.as_secs_f64() / 1e9);
+        for batch in &outcome.batches {
+            for _ in 0..batch.blocks {
+                self.block_latency_ms
+                    .push(batch.latency.as_secs_f64() * 1e3);
+            }
+        }
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    percentile(values, 0.5)
+}
+
+fn percentile(values: &[f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+/// Deterministic pseudo-random bytes of the block with this hash (xorshift64*).
+fn fill_block(hash: SequenceHash, out: &mut [u8]) {
+    let mut x = hash.0 | 1;
+    for chunk in out.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let word = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+}
+
+fn progress(enabled: bool, len: usize, what: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} blocks {elapsed}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+/// Waits for a ticket while moving a progress bar with a block counter.
+fn wait_with_progress(
+    ticket: kvbm_core::TransferTicket,
+    bar: &ProgressBar,
+    counter: impl Fn() -> u64,
+    base: u64,
+) -> TransferOutcome {
+    while !ticket.is_done() {
+        bar.set_position(counter().saturating_sub(base));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bar.finish_and_clear();
+    ticket.wait()
+}
+
+pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
+    if args.blocks == 0 || args.iterations == 0 {
+        bail!("--blocks and --iterations must be at least 1");
+    }
+    if !args.host_gb.is_finite() || args.host_gb <= 0.0 {
+        bail!("--host-gb {} must be a positive number", args.host_gb);
+    }
+    let outer = if args.mla { 1 } else { 2 };
+    let kv = KvLayout::new(
+        args.layers,
+        outer,
+        args.block_size,
+        args.kv_heads * args.head_size,
+        args.dtype_bytes,
+    )
+    .context("model shape")?;
+    let bpb = kv.bytes_per_block();
+    let host_blocks = (args.host_gb * 1e9) as usize / kv.contiguous_stride_bytes();
+    if host_blocks < args.blocks {
+        bail!(
+            "a host tier of {} GB holds {host_blocks} blocks of {bpb} bytes; --blocks {} needs --host-gb {:.2}",
+            args.host_gb,
+            args.blocks,
+            (args.blocks * kv.contiguous_stride_bytes()) as f64 / 1e9
+        );
+    }
+    let choice = match args.device {
+        DeviceArg::Auto => BackendChoice::Auto,
+        DeviceArg::Cuda => BackendChoice::Cuda,
+        DeviceArg::Emulated => BackendChoice::Emulated,
+    };
+    let device = Device::open(choice, 0).context("opening the device")?;
+    let shape = match args.layout {
+        Layout::OuterFirst => LayerShape::OuterFirst,
+        Layout::BlockFirst => LayerShape::BlockFirst,
+    };
+    let show = !args.json || std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let m = BlockManager::new(
+        device,
+        ManagerOptions {
+            kv,
+            gpu_blocks: args.blocks,
+            gpu_shape: shape,
+            host_blocks,
+            limits: TransferLimits {
+                batch_blocks_max: args.batch_size,
+                inflight_max: args.concurrent,
+                ..TransferLimits::default()
+            },
+            pin_threads: kvbm_cuda::HostRegionOptions::default().pin_threads,
+        },
+        GpuMemory::Allocate,
+    )
+    .context("building the block manager")?;
+
+    // Fill GPU blocks while the host tier pins in the background.
+    let hasher = BlockHasher::new(args.block_size, None, None);
+    let tokens: Vec<u32> = (0..(args.blocks * args.block_size) as u32).collect();
+    let hashes = hasher.sequence_hashes(None, &tokens);
+    let bar = progress(show, args.blocks, "fill");
+    let mut buf = vec![0u8; bpb];
+    let mut complete = Vec::with_capacity(args.blocks);
+    for (i, block) in m.allocate_gpu(args.blocks)?.into_iter().enumerate() {
+        fill_block(hashes[i], &mut buf);
+        m.write_gpu_block(block.id(), &buf)?;
+        complete.push(block.complete(kvbm_core::BlockIdentity {
+            sequence_hash: hashes[i],
+            parent: i.checked_sub(1).map(|p| hashes[p]),
+            tokens: tokens[i * args.block_size..(i + 1) * args.block_size].into(),
+            lora_name: None,
+        }));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let mut gpu_blocks: Vec<ImmutableBlock> = m.register_gpu(complete)?;
+    let host = m.host_region().clone();
+    if !host.wait_ready(host.len(), Duration::from_secs(600)) {
+        bail!("the host tier was not pinned within 10 minutes");
+    }
+    let (first_ready, full_ready) = host.ready_times();
+    m.refresh_host_available();
+
+    let mut d2h = Direction::new();
+    let mut h2d = Direction::new();
+    let mut verified = true;
+    let bytes = args.blocks * bpb;
+    let metrics = m.metrics().clone();
+    let counter = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..args.iterations {
+        // Offload (the host tier starts empty each round, so nothing is de-duplicated).
+        m.host_pool().evict_idle(usize::MAX);
+        let bar = progress(show, args.blocks, "offload d2h");
+        let base = counter(&metrics.offload_blocks_d2h);
+        let start = Instant::now();
+        let ticket = m.offload(&gpu_blocks)?;
+        let outcome =
+            wait_with_progress(ticket, &bar, || counter(&metrics.offload_blocks_d2h), base);
+        let elapsed = start.elapsed();
+        if let Some(err) = &outcome.error {
+            bail!("offload failed: {err}");
+        }
+        if outcome.copied != args.blocks {
+            bail!("offloaded {} of {} blocks", outcome.copied, args.blocks);
+        }
+        d2h.record(bytes, elapsed, &outcome);
+
+        // Forget the GPU copies and scribble over every GPU block.
+        drop(std::mem::take(&mut gpu_blocks));
+        m.gpu_pool().evict_idle(usize::MAX);
+        let mut targets = m.allocate_gpu(args.blocks)?;
+        buf.fill(0x5A);
+        for t in &targets {
+            m.write_gpu_block(t.id(), &buf)?;
+        }
+        // Onboard into a different block than each came from.
+        targets.reverse();
+
+        let bar = progress(show, args.blocks, "onboard h2d");
+        let base = counter(&metrics.onboard_blocks_h2d);
+        let start = Instant::now();
+        let sources = m.match_host(&hashes);
+        if sources.len() != args.blocks {
+            bail!(
+                "matched {} of {} blocks in the host tier",
+                sources.len(),
+                args.blocks
+            );
+        }
+        let ticket = m.onboard(sources, targets)?;
+        let outcome =
+            wait_with_progress(ticket, &bar, || counter(&metrics.onboard_blocks_h2d), base);
+        let elapsed = start.elapsed();
+        if let Some(err) = &outcome.error {
+            bail!("onboard failed: {err}");
+        }
+        h2d.record(bytes, elapsed, &outcome);
+
+        // Every byte, against a fresh computation of what the block held.
+        let bar = progress(show, args.blocks, "verify");
+        let mut expected = vec![0u8; bpb];
+        for block in &outcome.blocks {
+            m.read_gpu_block(block.id(), &mut buf)?;
+            fill_block(block.sequence_hash(), &mut expected);
+            verified &= buf == expected;
+            bar.inc(1);
+        }
+        verified &= outcome.blocks.len() == args.blocks;
+        bar.finish_and_clear();
+        gpu_blocks = outcome.blocks;
+    }
+
+    // The yardstick: the same bytes, block by block, with memcpy.
+    let memcpy_gbps = {
+        let mut src = vec![0u8; bytes];
+        let mut dst = vec![0u8; bytes];
+        src.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+        dst.fill(1);
+        let mut runs = Vec::new();
+        for _ in 0..args.iterations {
+            let start = Instant::now();
+            for (d, s) in dst.chunks_mut(bpb).zip(src.chunks(bpb)) {
+                d.copy_from_slice(s);
+            }
+            runs.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+            std::hint::black_box(&dst);
+        }
+        median(&runs)
+    };
+
+    let d2h_gbps = median(&d2h.gbps);
+    let h2d_gbps = median(&h2d.gbps);
+    let pieces_per_block = {
+        let mut pieces = Vec::new();
+        // The same placement as the run's: per-layer tensors of `--blocks` blocks.
+        let gpu = kvbm_core::BlockLayout::layer_separate(
+            kv,
+            args.blocks,
+            shape,
+            (0..args.layers as u64).map(|l| l << 40).collect(),
+        )?;
+        let host = kvbm_core::BlockLayout::fully_contiguous(kv, 1, 1 << 50);
+        gpu.copy_pieces_into(0, &host, 0, &mut pieces)?;
+        pieces.len()
+    };
+    let device_kind = m.device_kind().as_str();
+    println!(
+        "kvbm offload: {} ({}), {} blocks of {:.2} MiB ({} layers, {} pieces of {} KiB per block, {:?}), host tier {:.2} GB pinned in {:.2} s ({:?})",
+        device_kind,
+        m.device().description(),
+        args.blocks,
+        bpb as f64 / (1 << 20) as f64,
+        args.layers,
+        pieces_per_block,
+        bpb / pieces_per_block / 1024,
+        args.layout,
+        host.len() as f64 / 1e9,
+        full_ready.unwrap_or_default().as_secs_f64(),
+        host.pin_status(),
+    );
+    println!(
+        "medians over {} iterations; latency is per block, submit to completion of its batch",
+        args.iterations
+    );
+    println!(
+        "{:<10} {:>8} {:>10} {:>10} {:>10}",
+        "direction", "GB/s", "x memcpy", "p50 ms", "p99 ms"
+    );
+    for (name, dir, gbps) in [("d2h", &d2h, d2h_gbps), ("h2d", &h2d, h2d_gbps)] {
+        println!(
+            "{:<10} {:>8.2} {:>10.2} {:>10.3} {:>10.3}",
+            name,
+            gbps,
+            gbps / memcpy_gbps,
+            median(&dir.block_latency_ms),
+            percentile(&dir.block_latency_ms, 0.99)
+        );
+    }
+    println!(
+        "{:<10} {:>8.2} {:>10.2} {:>10} {:>10}",
+        "memcpy", memcpy_gbps, 1.0, "-", "-"
+    );
+    println!(
+        "verified: {}",
+        if verified {
+            "every byte of every block"
+        } else {
+            "MISMATCH"
+        }
+    );
+    if args.json {
+        let line = serde_json::json!({
+            "d2h_gbps": d2h_gbps,
+            "h2d_gbps": h2d_gbps,
+            "memcpy_gbps": memcpy_gbps,
+            "d2h_vs_memcpy": d2h_gbps / memcpy_gbps,
+            "h2d_vs_memcpy": h2d_gbps / memcpy_gbps,
+            "d2h_block_p50_ms": median(&d2h.block_latency_ms),
+            "d2h_block_p99_ms": percentile(&d2h.block_latency_ms, 0.99),
+            "h2d_block_p50_ms": median(&h2d.block_latency_ms),
+            "h2d_block_p99_ms": percentile(&h2d.block_latency_ms, 0.99),
+            "blocks": args.blocks,
+            "bytes_per_block": bpb,
+            "pieces_per_block": pieces_per_block,
+            "layout": format!("{:?}", args.layout),
+            "iterations": args.iterations,
+            "host_first_ready_s": first_ready.unwrap_or_default().as_secs_f64(),
+            "host_full_ready_s": full_ready.unwrap_or_default().as_secs_f64(),
+            "verified": verified,
+            "device": device_kind,
+        });
+        println!("{line}");
+    }
+    Ok(verified)
+}
