@@ -1,8 +1,8 @@
 //! Criterion micro-benchmarks, each next to its yardstick in the same group:
 //! - `hash`: chained hashing (block hash + sequence hash) of a 512-block, 8K-token prompt against
 //!   raw xxh3 of the same 64-byte blocks;
-//! - `registry`: matching a 512-block prompt in a host pool (lookups that take holders, and
-//!   counting without holders);
+//! - `registry`: matching a 512-block prompt in a host pool: holding the matched blocks as a set,
+//!   as one handle each, and counting them without holding;
 //! - `pool`: allocating and freeing a batch of 16 blocks.
 //!
 //! Run: `cargo bench -p kvbm-bench --bench micro`. Figures for this machine are in the issue note.
@@ -66,14 +66,17 @@ fn registry(c: &mut Criterion) {
     drop(pool.register_all(complete).unwrap()); // idle, findable
     let mut group = c.benchmark_group("registry");
     group.throughput(Throughput::Elements(BLOCKS as u64));
-    group.bench_function("match_prefix_512_blocks", |b| {
+    group.bench_function("hold_prefix_512_blocks", |b| {
         b.iter_with_large_drop(|| {
-            let matched = pool.match_prefix(black_box(&hashes));
-            assert_eq!(matched.len(), BLOCKS);
-            matched
+            let held = pool.hold_prefix(black_box(&hashes));
+            assert_eq!(held.len(), BLOCKS);
+            held
         })
     });
-    group.bench_function("match_prefix_512_blocks_and_release", |b| {
+    group.bench_function("hold_prefix_512_blocks_and_release", |b| {
+        b.iter(|| pool.hold_prefix(black_box(&hashes)))
+    });
+    group.bench_function("match_prefix_512_handles_and_release", |b| {
         b.iter(|| pool.match_prefix(black_box(&hashes)))
     });
     group.bench_function("count_prefix_512_blocks", |b| {

@@ -24,14 +24,20 @@ pub trait EvictionPolicy: Send + std::fmt::Debug + 'static {
 
 const NIL: u32 = u32::MAX;
 
+/// One block's links, packed so that an insert or remove touches one cache line per block.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    prev: u32,
+    next: u32,
+    priority: u32,
+    linked: bool,
+}
+
 /// Least recently used first, lower priority first: one intrusive LRU list per priority, O(1)
 /// insert and remove plus a binary search over the priorities in use (usually one or two).
 #[derive(Debug)]
 pub struct LruPriority {
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    priority: Vec<u32>,
-    linked: Vec<bool>,
+    nodes: Vec<Node>,
     /// (priority, head = least recent, tail = most recent), sorted by priority.
     lists: Vec<(u32, u32, u32)>,
     len: usize,
@@ -41,10 +47,15 @@ impl LruPriority {
     /// A policy for block ids `0..capacity_blocks`.
     pub fn new(capacity_blocks: usize) -> Self {
         Self {
-            prev: vec![NIL; capacity_blocks],
-            next: vec![NIL; capacity_blocks],
-            priority: vec![0; capacity_blocks],
-            linked: vec![false; capacity_blocks],
+            nodes: vec![
+                Node {
+                    prev: NIL,
+                    next: NIL,
+                    priority: 0,
+                    linked: false,
+                };
+                capacity_blocks
+            ],
             lists: Vec::new(),
             len: 0,
         }
@@ -53,20 +64,20 @@ impl LruPriority {
 
 impl EvictionPolicy for LruPriority {
     fn insert(&mut self, id: BlockId, priority: u32) {
-        let i = id.index();
-        assert!(!self.linked[i], "block {id:?} is already idle");
-        self.linked[i] = true;
-        self.priority[i] = priority;
-        self.next[i] = NIL;
+        let node = &mut self.nodes[id.index()];
+        assert!(!node.linked, "block {id:?} is already idle");
+        node.linked = true;
+        node.priority = priority;
+        node.next = NIL;
         match self.lists.binary_search_by_key(&priority, |l| l.0) {
             Ok(at) => {
-                let tail = &mut self.lists[at].2;
-                self.prev[i] = *tail;
-                self.next[*tail as usize] = id.0;
-                *tail = id.0;
+                let tail = self.lists[at].2;
+                self.nodes[id.index()].prev = tail;
+                self.nodes[tail as usize].next = id.0;
+                self.lists[at].2 = id.0;
             }
             Err(at) => {
-                self.prev[i] = NIL;
+                node.prev = NIL;
                 self.lists.insert(at, (priority, id.0, id.0));
             }
         }
@@ -74,27 +85,31 @@ impl EvictionPolicy for LruPriority {
     }
 
     fn remove(&mut self, id: BlockId) {
-        let i = id.index();
-        assert!(self.linked[i], "block {id:?} is not idle");
-        self.linked[i] = false;
-        let (p, n) = (self.prev[i], self.next[i]);
-        if p != NIL {
-            self.next[p as usize] = n;
+        let node = &mut self.nodes[id.index()];
+        assert!(node.linked, "block {id:?} is not idle");
+        node.linked = false;
+        let Node {
+            prev,
+            next,
+            priority,
+            ..
+        } = *node;
+        if prev != NIL {
+            self.nodes[prev as usize].next = next;
         }
-        if n != NIL {
-            self.prev[n as usize] = p;
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
         }
-        let priority = self.priority[i];
         let at = self
             .lists
             .binary_search_by_key(&priority, |l| l.0)
             .expect("list of a linked block");
-        match (p == NIL, n == NIL) {
+        match (prev == NIL, next == NIL) {
             (true, true) => {
                 self.lists.remove(at);
             }
-            (true, false) => self.lists[at].1 = n,
-            (false, true) => self.lists[at].2 = p,
+            (true, false) => self.lists[at].1 = next,
+            (false, true) => self.lists[at].2 = prev,
             (false, false) => {}
         }
         self.len -= 1;

@@ -452,22 +452,32 @@ impl BlockPool {
         })
     }
 
-    /// The registered blocks for `hashes[0..k]`, held, where `k` is the first miss.
-    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
-        let mut out = Vec::with_capacity(hashes.len());
+    /// The registered blocks for `hashes[0..k]`, held together, where `k` is the first miss.
+    /// One pool reference for the whole set; dropping it releases every block under one lock.
+    pub fn hold_prefix(&self, hashes: &[SequenceHash]) -> HeldBlocks {
+        let mut blocks = Vec::with_capacity(hashes.len());
         let mut state = self.shared.state.lock();
-        for hash in hashes {
-            let Some(&id) = state.index.get(hash) else {
+        // Two passes: independent lookups first (their cache misses overlap), then the holds.
+        for &hash in hashes {
+            let Some(&id) = state.index.get(&hash) else {
                 break;
             };
-            Self::acquire_locked(&mut state, id);
-            out.push(ImmutableBlock {
-                pool: self.shared.clone(),
-                id,
-                hash: *hash,
-            });
+            blocks.push((id, hash));
         }
-        out
+        for &(id, _) in &blocks {
+            Self::acquire_locked(&mut state, id);
+        }
+        drop(state);
+        HeldBlocks {
+            pool: self.shared.clone(),
+            blocks,
+        }
+    }
+
+    /// The registered blocks for `hashes[0..k]`, each held by its own handle, where `k` is the
+    /// first miss.
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+        self.hold_prefix(hashes).into_blocks()
     }
 
     /// How many of `hashes`, from the first, are registered here (nothing is held).
@@ -571,6 +581,89 @@ pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<Immuta
     }
     drop(states);
     out
+}
+
+/// Registered blocks of one pool held as a set (see [`BlockPool::hold_prefix`]).
+pub struct HeldBlocks {
+    pool: Arc<PoolShared>,
+    blocks: Vec<(BlockId, SequenceHash)>,
+}
+
+impl std::fmt::Debug for HeldBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeldBlocks")
+            .field("tier", &self.pool.tier)
+            .field("blocks", &self.blocks.len())
+            .finish()
+    }
+}
+
+impl HeldBlocks {
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// True when nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The tier of the blocks.
+    pub fn tier(&self) -> Tier {
+        self.pool.tier
+    }
+
+    /// (block id, sequence hash) of each held block, in match order.
+    pub fn blocks(&self) -> &[(BlockId, SequenceHash)] {
+        &self.blocks
+    }
+
+    /// Keeps the first `len` blocks and releases the rest.
+    pub fn truncate(&mut self, len: usize) {
+        if len < self.blocks.len() {
+            let released = self.blocks.split_off(len);
+            release_all(&self.pool, &released);
+        }
+    }
+
+    /// One handle per block; the holds move to the handles.
+    pub fn into_blocks(mut self) -> Vec<ImmutableBlock> {
+        let blocks = std::mem::take(&mut self.blocks);
+        blocks
+            .into_iter()
+            .map(|(id, hash)| ImmutableBlock {
+                pool: self.pool.clone(),
+                id,
+                hash,
+            })
+            .collect()
+    }
+}
+
+impl Drop for HeldBlocks {
+    fn drop(&mut self) {
+        release_all(&self.pool, &self.blocks);
+    }
+}
+
+fn release_all(pool: &PoolShared, blocks: &[(BlockId, SequenceHash)]) {
+    if blocks.is_empty() {
+        return;
+    }
+    let mut state = pool.state.lock();
+    for &(id, _) in blocks {
+        release_locked(&mut state, id);
+    }
+}
+
+fn release_locked(state: &mut PoolState, id: BlockId) {
+    let slot = &mut state.slots[id.index()];
+    slot.holders -= 1;
+    if slot.holders == 0 {
+        let priority = slot.priority;
+        state.policy.insert(id, priority);
+    }
 }
 
 /// A block being written. Dropping it returns the block to `Free`.
@@ -715,12 +808,6 @@ impl Clone for ImmutableBlock {
 
 impl Drop for ImmutableBlock {
     fn drop(&mut self) {
-        let mut state = self.pool.state.lock();
-        let slot = &mut state.slots[self.id.index()];
-        slot.holders -= 1;
-        if slot.holders == 0 {
-            let priority = slot.priority;
-            state.policy.insert(self.id, priority);
-        }
+        release_locked(&mut self.pool.state.lock(), self.id);
     }
 }

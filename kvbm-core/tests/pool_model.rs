@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_core::{
-    BlockIdentity, BlockPool, BlockState, CompleteBlock, ImmutableBlock, MutableBlock,
+    BlockIdentity, BlockPool, BlockState, CompleteBlock, HeldBlocks, ImmutableBlock, MutableBlock,
 };
 use kvbm_events::{EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 use proptest::prelude::*;
@@ -23,6 +23,9 @@ enum Op {
     Register(usize),
     Lookup(u64),
     Match(Vec<u64>),
+    Hold(Vec<u64>),
+    TruncateHeld(usize, usize),
+    DropHeld(usize),
     DropMutable(usize),
     DropComplete(usize),
     DropImmutable(usize),
@@ -38,6 +41,9 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..8usize).prop_map(Op::Register),
         1 => (0..HASHES).prop_map(Op::Lookup),
         1 => proptest::collection::vec(0..HASHES, 0..5).prop_map(Op::Match),
+        1 => proptest::collection::vec(0..HASHES, 0..5).prop_map(Op::Hold),
+        1 => (0..4usize, 0..4usize).prop_map(|(i, n)| Op::TruncateHeld(i, n)),
+        1 => (0..4usize).prop_map(Op::DropHeld),
         1 => (0..8usize).prop_map(Op::DropMutable),
         1 => (0..8usize).prop_map(Op::DropComplete),
         3 => (0..8usize).prop_map(Op::DropImmutable),
@@ -168,6 +174,19 @@ fn replay(sub: &mut EventSubscriber, set: &mut HashSet<u64>) -> Vec<u64> {
     removed_now
 }
 
+/// Holders per block agree with the model (used mid-step, before the model is updated for drops).
+fn continue_check(pool: &BlockPool, model: &Model) {
+    for id in 0..CAPACITY as u32 {
+        if let ModelState::Registered { holders, .. } = model.state(id) {
+            assert_eq!(
+                pool.holders_of(kvbm_core::BlockId(id)),
+                holders,
+                "block {id}"
+            );
+        }
+    }
+}
+
 fn run(ops: Vec<Op>) {
     let events = EventPublisher::new();
     let mut sub = events.subscribe(100_000);
@@ -176,6 +195,7 @@ fn run(ops: Vec<Op>) {
     let mut mutables: Vec<MutableBlock> = Vec::new();
     let mut completes: Vec<(CompleteBlock, u64)> = Vec::new();
     let mut immutables: Vec<ImmutableBlock> = Vec::new();
+    let mut held_sets: Vec<HeldBlocks> = Vec::new();
     let mut resident: HashSet<u64> = HashSet::new();
 
     for op in ops {
@@ -257,6 +277,51 @@ fn run(ops: Vec<Op>) {
                     immutables.push(b);
                 }
             }
+            Op::Hold(hashes) => {
+                let keys: Vec<SequenceHash> = hashes.iter().map(|&h| SequenceHash(h)).collect();
+                let expected: Vec<u32> = hashes
+                    .iter()
+                    .map_while(|h| model.registered.get(h).copied())
+                    .collect();
+                let held = pool.hold_prefix(&keys);
+                assert_eq!(
+                    held.blocks().iter().map(|b| b.0 .0).collect::<Vec<_>>(),
+                    expected
+                );
+                for &id in &expected {
+                    model.acquire(id);
+                }
+                held_sets.push(held);
+            }
+            Op::TruncateHeld(i, n) if i < held_sets.len() => {
+                let released: Vec<u32> = held_sets[i]
+                    .blocks()
+                    .iter()
+                    .skip(n)
+                    .map(|b| b.0 .0)
+                    .collect();
+                held_sets[i].truncate(n);
+                for id in released {
+                    model.release(id);
+                }
+            }
+            Op::DropHeld(i) if i < held_sets.len() => {
+                let held = held_sets.swap_remove(i);
+                let ids: Vec<u32> = held.blocks().iter().map(|b| b.0 .0).collect();
+                if ids.len() % 2 == 0 {
+                    drop(held);
+                } else {
+                    // Half the time, turn the set into handles first: holds move, nothing changes.
+                    immutables.extend(held.into_blocks());
+                    continue_check(&pool, &model);
+                    for _ in 0..ids.len() {
+                        drop(immutables.pop());
+                    }
+                }
+                for id in ids {
+                    model.release(id);
+                }
+            }
             Op::DropMutable(i) if i < mutables.len() => {
                 model.set(mutables.swap_remove(i).id().0, ModelState::Free);
             }
@@ -327,6 +392,7 @@ fn run(ops: Vec<Op>) {
     drop(mutables);
     drop(completes);
     drop(immutables);
+    drop(held_sets);
     let c = pool.counts();
     assert_eq!(c.free + c.idle, CAPACITY);
     assert_eq!(c.registered, c.idle);
