@@ -33,6 +33,9 @@ pub enum CoreError {
     /// A transfer failed on the device; its target blocks were returned to their pool.
     #[error("transfer failed: {0}")]
     TransferFailed(String),
+    /// Blocks are held or being copied, so the operation cannot run now.
+    #[error("busy: {0}")]
+    Busy(String),
     /// The transfer engine has shut down.
     #[error("the transfer engine has shut down")]
     EngineClosed,

@@ -25,8 +25,8 @@ pub use layout::{BlockLayout, KvLayout, LayerShape, LayoutKind, BLOCK_ALIGN_BYTE
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
 pub use pool::{
-    match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock, HeldBlocks,
-    ImmutableBlock, MutableBlock, PoolCounts, Rejected,
+    clear_across, match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock,
+    HeldBlocks, ImmutableBlock, MutableBlock, PoolCounts, Rejected,
 };
 pub use transfer::{
     BatchLatency, TierStorage, TransferEngine, TransferLimits, TransferOutcome, TransferTicket,

@@ -16,7 +16,9 @@ use kvbm_events::{EventPublisher, EventSubscriber, SequenceHash, Tier};
 use crate::config::KvbmConfig;
 use crate::layout::{BlockLayout, KvLayout, LayerShape};
 use crate::metrics::{add, Metrics, MetricsSnapshot};
-use crate::pool::{match_across, BlockId, BlockPool, CompleteBlock, ImmutableBlock, MutableBlock};
+use crate::pool::{
+    clear_across, match_across, BlockId, BlockPool, CompleteBlock, ImmutableBlock, MutableBlock,
+};
 use crate::transfer::{TierStorage, TransferEngine, TransferLimits, TransferTicket};
 use crate::CoreError;
 
@@ -329,6 +331,12 @@ impl BlockManager {
     /// Waits until no transfer is pending or in flight.
     pub fn wait_idle(&self) {
         self.engine.wait_idle();
+    }
+
+    /// Empties every tier and publishes one `AllBlocksCleared` (what an engine's prefix-cache
+    /// reset does). Refused with `Busy`, changing nothing, while any block is held or being copied.
+    pub fn reset(&self) -> Result<(), CoreError> {
+        clear_across(&[self.gpu_pool(), self.host_pool()])
     }
 
     /// Every (tier, hash) registered now.

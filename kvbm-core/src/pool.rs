@@ -583,6 +583,39 @@ pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<Immuta
     out
 }
 
+/// Empties every pool of `pools` and publishes one `AllBlocksCleared` (through the first pool's
+/// publisher), all under every pool's lock, so no event can fall between the check, the clearing
+/// and the announcement. Refused, changing nothing, while any block of any pool is being written
+/// or held (a transfer in flight always holds its blocks). Pools are locked in the order given.
+pub fn clear_across(pools: &[&BlockPool]) -> Result<(), CoreError> {
+    let mut states: Vec<_> = pools.iter().map(|p| p.shared.state.lock()).collect();
+    for (pool, state) in pools.iter().zip(&states) {
+        let held = state.index.len() - state.policy.len();
+        if state.filling + state.complete + held > 0 {
+            return Err(CoreError::Busy(format!(
+                "{} tier: {} blocks being written, {held} held",
+                pool.shared.tier,
+                state.filling + state.complete
+            )));
+        }
+    }
+    for state in states.iter_mut() {
+        while let Some(id) = state.policy.pop_victim() {
+            let slot = &mut state.slots[id.index()];
+            slot.identity = None;
+            slot.state = BlockState::Free;
+            slot.priority = 0;
+            state.free.push(id);
+        }
+        state.index.clear();
+    }
+    if let Some(events) = pools.first().and_then(|p| p.shared.events.as_ref()) {
+        events.publish(KvEvent::AllBlocksCleared);
+    }
+    drop(states);
+    Ok(())
+}
+
 /// Registered blocks of one pool held as a set (see [`BlockPool::hold_prefix`]).
 pub struct HeldBlocks {
     pool: Arc<PoolShared>,

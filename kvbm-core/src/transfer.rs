@@ -117,7 +117,7 @@ struct TicketShared {
 }
 
 /// A request's handle: wait for it, or drop it (the copies go on).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct TransferTicket {
     shared: Arc<TicketShared>,
 }
@@ -451,7 +451,9 @@ fn enqueue(
             direction,
             sources: std::mem::replace(&mut sources, rest_sources),
             targets: std::mem::replace(&mut targets, rest_targets),
-            ticket: ticket.clone(),
+            ticket: TransferTicket {
+                shared: ticket.shared.clone(),
+            },
             first_slot,
         });
         first_slot += n;

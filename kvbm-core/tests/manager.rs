@@ -245,3 +245,53 @@ fn a_failed_copy_returns_its_targets_and_publishes_nothing() {
     // The hashes are not stuck as "on their way": a later offload tries again.
     assert_eq!(engine.offload(&held).unwrap().wait().deduplicated, 0);
 }
+
+#[test]
+fn reset_is_refused_while_blocks_are_held_then_clears_every_tier_with_one_event() {
+    let m = manager(2, LayerShape::OuterFirst, 6, 6, TransferLimits::default());
+    let mut sub = m.subscribe(256);
+    let mut resident = HashSet::new();
+    let ids = identities(&(0..16).collect::<Vec<u32>>());
+    let (gpu, ticket) = m
+        .register_gpu_write_through(fill(&m, m.allocate_gpu(4).unwrap(), &ids))
+        .unwrap();
+    ticket.wait();
+    let writing = m.allocate_gpu(1).unwrap();
+    assert!(matches!(m.reset(), Err(CoreError::Busy(_))));
+    drop(writing);
+    assert!(
+        matches!(m.reset(), Err(CoreError::Busy(_))),
+        "GPU blocks are still held"
+    );
+    assert_eq!(m.residency().len(), 8, "a refused reset changes nothing");
+    drop(gpu);
+    m.reset().unwrap();
+    assert!(m.residency().is_empty());
+    for pool in [m.gpu_pool(), m.host_pool()] {
+        assert_eq!(pool.counts().free, 6);
+    }
+    replay(&mut sub, &mut resident);
+    assert!(resident.is_empty());
+    let last = sub.drain();
+    assert!(last.is_empty());
+    assert_eq!(m.events().next_seq(), 3, "stored gpu, stored host, cleared");
+}
+
+#[test]
+fn options_from_config_split_the_host_tier_across_ranks() {
+    let config = kvbm_core::KvbmConfig::from_lookup(
+        |name| match name {
+            "DYN_KVBM_CPU_CACHE_GB" => Some("0.0016384".into()),
+            "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE" => Some("8".into()),
+            _ => None,
+        },
+        u64::MAX,
+    )
+    .unwrap();
+    // 1_638_400 bytes of 4096-byte host blocks over 2 ranks: 200 blocks each.
+    let options =
+        kvbm_core::ManagerOptions::from_config(&config, kv(2), 16, LayerShape::BlockFirst, 2);
+    assert_eq!(options.host_blocks, 200);
+    assert_eq!(options.limits.batch_blocks_max, 8);
+    assert_eq!(options.limits.inflight_max, 4);
+}

@@ -32,6 +32,7 @@ enum Op {
     CloneImmutable(usize),
     SetPriority(usize, u32),
     EvictIdle(usize),
+    Reset,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -50,6 +51,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(Op::CloneImmutable),
         1 => (0..8usize, 0..3u32).prop_map(|(i, p)| Op::SetPriority(i, p)),
         1 => (0..3usize).prop_map(Op::EvictIdle),
+        1 => Just(Op::Reset),
     ]
 }
 
@@ -342,6 +344,28 @@ fn run(ops: Vec<Op>) {
             Op::SetPriority(i, p) if i < immutables.len() => {
                 pool.set_priority(&immutables[i], p);
                 model.priority[immutables[i].id().0 as usize] = p;
+            }
+            Op::Reset => {
+                let busy = model.count(|s| {
+                    matches!(
+                        s,
+                        ModelState::Filling
+                            | ModelState::Complete
+                            | ModelState::Registered { holders: 1.., .. }
+                    )
+                });
+                match kvbm_core::clear_across(&[&pool]) {
+                    Ok(()) => {
+                        assert_eq!(busy, 0, "reset while blocks were in use");
+                        for id in 0..CAPACITY as u32 {
+                            model.set(id, ModelState::Free);
+                            model.priority[id as usize] = 0;
+                        }
+                        model.idle.clear();
+                        model.registered.clear();
+                    }
+                    Err(_) => assert!(busy > 0, "reset refused with nothing in use"),
+                }
             }
             Op::EvictIdle(k) => {
                 let n = pool.evict_idle(k);
