@@ -137,6 +137,20 @@ struct PoolState {
     deduplicated: u64,
 }
 
+impl PoolState {
+    /// Returns a block that is being written, or complete but unregistered, to `Free`.
+    fn free_unregistered(&mut self, id: BlockId) {
+        let slot = &mut self.slots[id.index()];
+        match slot.state {
+            BlockState::Filling => self.filling -= 1,
+            BlockState::Complete => self.complete -= 1,
+            other => unreachable!("block {id:?} is {other:?}, not being written"),
+        }
+        slot.state = BlockState::Free;
+        self.free.push(id);
+    }
+}
+
 struct PoolShared {
     tier: Tier,
     capacity: usize,
@@ -360,10 +374,7 @@ impl BlockPool {
             if let Some(&existing) = state.index.get(&hash) {
                 // Already resident: hand back the existing block, free the newcomer.
                 Self::acquire_locked(&mut state, existing);
-                let slot = &mut state.slots[block.id.index()];
-                slot.state = BlockState::Free;
-                state.complete -= 1;
-                state.free.push(block.id);
+                state.free_unregistered(block.id);
                 state.deduplicated += 1;
                 out.push(ImmutableBlock {
                     pool,
@@ -743,10 +754,7 @@ impl MutableBlock {
 impl Drop for MutableBlock {
     fn drop(&mut self) {
         if let Some(pool) = self.pool.take() {
-            let mut state = pool.state.lock();
-            state.slots[self.id.index()].state = BlockState::Free;
-            state.filling -= 1;
-            state.free.push(self.id);
+            pool.state.lock().free_unregistered(self.id);
         }
     }
 }
@@ -774,10 +782,7 @@ impl CompleteBlock {
 impl Drop for CompleteBlock {
     fn drop(&mut self) {
         if let Some(pool) = self.pool.take() {
-            let mut state = pool.state.lock();
-            state.slots[self.id.index()].state = BlockState::Free;
-            state.complete -= 1;
-            state.free.push(self.id);
+            pool.state.lock().free_unregistered(self.id);
         }
     }
 }

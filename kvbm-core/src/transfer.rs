@@ -307,10 +307,7 @@ impl TransferEngine {
         }
         let shared = &self.shared;
         shared.host.refresh_available();
-        let mut state = shared.state.lock();
-        if state.shutdown {
-            return Err(CoreError::EngineClosed);
-        }
+        let mut state = self.lock_open()?;
         let mut sources = Vec::with_capacity(blocks.len());
         let mut deduplicated = 0;
         for block in blocks {
@@ -340,19 +337,14 @@ impl TransferEngine {
             deduplicated as u64,
         );
         add(&shared.metrics.offload_skipped_blocks, skipped as u64);
-        let ticket = enqueue(
-            shared,
-            &mut state,
-            Direction::DeviceToHost,
+        let request = Request {
+            direction: Direction::DeviceToHost,
             sources,
             targets,
-            false,
             deduplicated,
             skipped,
-        );
-        launch_ready(shared, &mut state);
-        shared.work_cv.notify_one();
-        Ok(ticket)
+        };
+        Ok(start(shared, &mut state, request))
     }
 
     /// Copies held host blocks into GPU blocks allocated for them (one target per source, in
@@ -376,24 +368,24 @@ impl TransferEngine {
                 "onboard copies host blocks into GPU blocks".into(),
             ));
         }
-        let shared = &self.shared;
-        let mut state = shared.state.lock();
+        let mut state = self.lock_open()?;
+        let request = Request {
+            direction: Direction::HostToDevice,
+            sources,
+            targets,
+            deduplicated: 0,
+            skipped: 0,
+        };
+        Ok(start(&self.shared, &mut state, request))
+    }
+
+    /// The engine state, unless the engine has shut down.
+    fn lock_open(&self) -> Result<parking_lot::MutexGuard<'_, EngineState>, CoreError> {
+        let state = self.shared.state.lock();
         if state.shutdown {
             return Err(CoreError::EngineClosed);
         }
-        let ticket = enqueue(
-            shared,
-            &mut state,
-            Direction::HostToDevice,
-            sources,
-            targets,
-            true,
-            0,
-            0,
-        );
-        launch_ready(shared, &mut state);
-        shared.work_cv.notify_one();
-        Ok(ticket)
+        Ok(state)
     }
 
     /// Waits until no batch is pending or in flight.
@@ -421,22 +413,31 @@ impl Drop for TransferEngine {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn enqueue(
-    shared: &EngineShared,
-    state: &mut EngineState,
+/// One offload or onboard request, before it is split into batches.
+struct Request {
     direction: Direction,
-    mut sources: Vec<ImmutableBlock>,
-    mut targets: Vec<MutableBlock>,
-    keep_blocks: bool,
+    sources: Vec<ImmutableBlock>,
+    targets: Vec<MutableBlock>,
     deduplicated: usize,
     skipped: usize,
-) -> TransferTicket {
+}
+
+/// Splits a request into batches, queues them, starts what the limits allow, and wakes the
+/// progress thread. Onboards keep their registered blocks for the caller; offloads let the host
+/// copies go idle.
+fn start(shared: &EngineShared, state: &mut EngineState, request: Request) -> TransferTicket {
+    let Request {
+        direction,
+        mut sources,
+        mut targets,
+        deduplicated,
+        skipped,
+    } = request;
+    let keep_blocks = direction == Direction::HostToDevice;
     let per_batch = shared.limits.batch_blocks_max;
     let total = sources.len();
-    let batches = total.div_ceil(per_batch);
     let ticket = TransferTicket::new(
-        batches,
+        total.div_ceil(per_batch),
         keep_blocks,
         if keep_blocks { total } else { 0 },
         deduplicated,
@@ -458,6 +459,8 @@ fn enqueue(
         });
         first_slot += n;
     }
+    launch_ready(shared, state);
+    shared.work_cv.notify_one();
     ticket
 }
 

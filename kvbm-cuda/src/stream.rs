@@ -206,25 +206,26 @@ impl CopyStream {
         direction: Direction,
         options: StreamOptions,
     ) -> Result<Self, DeviceError> {
-        Ok(Self {
-            direction,
-            options,
-            backend: Backend::Emulated(EmulatedStream::new(direction)?),
-            stats: StatCounters::default(),
-        })
+        let backend = Backend::Emulated(EmulatedStream::new(direction)?);
+        Ok(Self::with_backend(direction, options, backend))
     }
 
     pub(crate) fn cuda(
-        backend: &CudaBackend,
+        cuda: &CudaBackend,
         direction: Direction,
         options: StreamOptions,
     ) -> Result<Self, DeviceError> {
-        Ok(Self {
+        let backend = Backend::Cuda(CudaCopyStream::new(cuda, options.batch_copy)?);
+        Ok(Self::with_backend(direction, options, backend))
+    }
+
+    fn with_backend(direction: Direction, options: StreamOptions, backend: Backend) -> Self {
+        Self {
             direction,
             options,
-            backend: Backend::Cuda(CudaCopyStream::new(backend, options.batch_copy)?),
+            backend,
             stats: StatCounters::default(),
-        })
+        }
     }
 
     /// The direction of every transfer on this stream.
