@@ -105,13 +105,13 @@ pub struct TransferOutcome {
 struct TicketState {
     remaining_batches: usize,
     outcome: TransferOutcome,
-    /// Onboard keeps the registered blocks for the caller; offload lets them go idle.
-    keep_blocks: bool,
     slots: Vec<Option<ImmutableBlock>>,
 }
 
 #[derive(Debug)]
 struct TicketShared {
+    /// Onboard keeps the registered blocks for the caller; offload lets them go idle.
+    keep_blocks: bool,
     state: Mutex<TicketState>,
     cv: Condvar,
 }
@@ -126,12 +126,14 @@ impl TransferTicket {
     fn new(
         batches: usize,
         keep_blocks: bool,
-        slots: usize,
+        blocks: usize,
         deduplicated: usize,
         skipped: usize,
     ) -> Self {
+        let slots = if keep_blocks { blocks } else { 0 };
         Self {
             shared: Arc::new(TicketShared {
+                keep_blocks,
                 state: Mutex::new(TicketState {
                     remaining_batches: batches,
                     outcome: TransferOutcome {
@@ -139,7 +141,6 @@ impl TransferTicket {
                         skipped,
                         ..Default::default()
                     },
-                    keep_blocks,
                     slots: (0..slots).map(|_| None).collect(),
                 }),
                 cv: Condvar::new(),
@@ -170,16 +171,23 @@ impl TransferTicket {
         latency: BatchLatency,
         error: Option<CoreError>,
     ) {
+        let copied = blocks.len();
+        // Release what the caller does not keep before anyone can see the batch finished: a
+        // waiter must find offloaded host blocks idle, not still held by this function.
+        let kept = if self.shared.keep_blocks {
+            blocks
+        } else {
+            drop(blocks);
+            Vec::new()
+        };
         let mut state = self.shared.state.lock();
-        state.outcome.copied += blocks.len();
+        state.outcome.copied += copied;
         state.outcome.batches.push(latency);
         if state.outcome.error.is_none() {
             state.outcome.error = error;
         }
-        if state.keep_blocks {
-            for (i, block) in blocks.into_iter().enumerate() {
-                state.slots[first_slot + i] = Some(block);
-            }
+        for (i, block) in kept.into_iter().enumerate() {
+            state.slots[first_slot + i] = Some(block);
         }
         state.remaining_batches -= 1;
         if state.remaining_batches == 0 {
@@ -439,7 +447,7 @@ fn start(shared: &EngineShared, state: &mut EngineState, request: Request) -> Tr
     let ticket = TransferTicket::new(
         total.div_ceil(per_batch),
         keep_blocks,
-        if keep_blocks { total } else { 0 },
+        total,
         deduplicated,
         skipped,
     );
