@@ -458,3 +458,33 @@ impl Completion {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::find_span;
+
+    /// Spans are (start, end, ready end), as `spans` builds them.
+    const SPANS: &[(u64, u64, u64)] = &[(1000, 2000, 1500), (5000, 6000, u64::MAX)];
+
+    #[test]
+    fn a_piece_must_lie_inside_one_span_and_its_ready_prefix() {
+        let cases: &[(u64, usize, Result<(), Option<u64>>)] = &[
+            (1000, 500, Ok(())),           // exactly the ready prefix
+            (1200, 301, Err(Some(500))),   // one byte past the ready prefix
+            (1900, 100, Err(Some(500))),   // inside, not ready yet
+            (1900, 101, Err(None)),        // past the region's end
+            (999, 1, Err(None)),           // before the first region
+            (2000, 1, Err(None)),          // in the gap
+            (5000, 1000, Ok(())),          // a GPU-like span, always ready
+            (5500, 600, Err(None)),        // past the end of the last span
+            (u64::MAX - 1, 10, Err(None)), // address overflow
+        ];
+        for &(addr, len, expected) in cases {
+            assert_eq!(
+                find_span(SPANS, addr, len),
+                expected,
+                "piece at {addr} of {len} bytes"
+            );
+        }
+    }
+}
