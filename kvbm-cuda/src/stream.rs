@@ -463,12 +463,16 @@ impl Completion {
 mod tests {
     use super::find_span;
 
+    /// Where a piece lands: inside a ready span, inside but past the ready prefix (with the
+    /// ready length), or outside every span.
+    type Found = Result<(), Option<u64>>;
+
     /// Spans are (start, end, ready end), as `spans` builds them.
     const SPANS: &[(u64, u64, u64)] = &[(1000, 2000, 1500), (5000, 6000, u64::MAX)];
 
     #[test]
     fn a_piece_must_lie_inside_one_span_and_its_ready_prefix() {
-        let cases: &[(u64, usize, Result<(), Option<u64>>)] = &[
+        let cases: &[(u64, usize, Found)] = &[
             (1000, 500, Ok(())),           // exactly the ready prefix
             (1200, 301, Err(Some(500))),   // one byte past the ready prefix
             (1900, 100, Err(Some(500))),   // inside, not ready yet
