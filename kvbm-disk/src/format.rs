@@ -3,9 +3,11 @@
 //! A cache file is a superblock (4 KiB) followed by fixed-size slots. A slot is a 4 KiB block
 //! header followed by the payload area (a multiple of 4 KiB). All integers are little-endian.
 //!
-//! Superblock (bytes 0..48 of the first 4 KiB, the rest zero):
+//! Superblock (bytes 0..56 of the first 4 KiB, the rest zero):
 //! `magic "KVBMSUP1" | version u32 | reserved u32 | fingerprint u64 | slot payload bytes u64 |
-//!  slot count u64 | checksum u64` (XXH3-64 of bytes 0..40).
+//!  slot count u64 | epoch u64 | checksum u64` (XXH3-64 of bytes 0..48). The epoch is drawn at
+//! random when the file is (re)initialised; block headers carry `block_fingerprint(fingerprint,
+//! epoch)`, so blocks of a discarded generation of the file never read as data again.
 //!
 //! Block header (bytes 0..64 of the slot's first 4 KiB):
 //! `magic "KVBMBLK1" | version u32 | flags u32 | key u64 | payload length u64 |
@@ -29,7 +31,7 @@ pub const BLOCK_MAGIC: [u8; 8] = *b"KVBMBLK1";
 /// The format version this code writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
 
-const SUPERBLOCK_CHECKED_BYTES: usize = 40;
+const SUPERBLOCK_CHECKED_BYTES: usize = 48;
 const BLOCK_CHECKED_BYTES: usize = 56;
 
 /// The file's geometry and the layout it was written for.
@@ -41,6 +43,16 @@ pub struct Superblock {
     pub slot_payload_bytes: u64,
     /// Slots in the file.
     pub slot_count: u64,
+    /// Random identity of this initialisation of the file.
+    pub epoch: u64,
+}
+
+/// The fingerprint block headers carry: the layout's, bound to the file's epoch.
+pub fn block_fingerprint(layout_fingerprint: u64, epoch: u64) -> u64 {
+    let mut bytes = [0u8; 16];
+    bytes[..8].copy_from_slice(&layout_fingerprint.to_le_bytes());
+    bytes[8..].copy_from_slice(&epoch.to_le_bytes());
+    xxh3_64(&bytes)
 }
 
 /// What a slot holds.
@@ -107,7 +119,7 @@ fn check_frame(bytes: &[u8], magic: &[u8; 8], checked: usize) -> Result<(), Form
 }
 
 impl Superblock {
-    /// Writes the superblock into the first bytes of `out` (at least 48 bytes; the caller zeroes
+    /// Writes the superblock into the first bytes of `out` (at least 56 bytes; the caller zeroes
     /// the rest of the 4 KiB).
     pub fn encode(&self, out: &mut [u8]) {
         out[..8].copy_from_slice(&SUPERBLOCK_MAGIC);
@@ -116,8 +128,9 @@ impl Superblock {
         out[16..24].copy_from_slice(&self.fingerprint.to_le_bytes());
         out[24..32].copy_from_slice(&self.slot_payload_bytes.to_le_bytes());
         out[32..40].copy_from_slice(&self.slot_count.to_le_bytes());
+        out[40..48].copy_from_slice(&self.epoch.to_le_bytes());
         let checksum = xxh3_64(&out[..SUPERBLOCK_CHECKED_BYTES]);
-        out[40..48].copy_from_slice(&checksum.to_le_bytes());
+        out[48..56].copy_from_slice(&checksum.to_le_bytes());
     }
 
     /// Reads a superblock; any other bytes give a [`FormatError`].
@@ -127,6 +140,7 @@ impl Superblock {
             fingerprint: u64_at(bytes, 16),
             slot_payload_bytes: u64_at(bytes, 24),
             slot_count: u64_at(bytes, 32),
+            epoch: u64_at(bytes, 40),
         })
     }
 }

@@ -18,6 +18,7 @@ mod engine;
 mod error;
 mod file;
 pub mod format;
+mod store;
 
 pub use align::{AlignedBuf, ALIGN_BYTES};
 pub use engine::{
@@ -26,3 +27,7 @@ pub use engine::{
 };
 pub use error::DiskError;
 pub use file::{CacheFile, CacheFileOptions, IoMode, CACHE_DIR_MODE, CACHE_FILE_MODE};
+pub use store::{
+    DiskStore, Lookup, Miss, Recovered, StoreOptions, StoreStats, WriteOutcome, CHECKPOINT_SUFFIX,
+    SCAN_SLOTS_PER_JOB,
+};

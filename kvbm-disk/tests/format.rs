@@ -122,6 +122,7 @@ fn superblock_round_trips_and_refuses_other_versions_and_magic() {
         fingerprint: 1,
         slot_payload_bytes: 4096 * 3,
         slot_count: 10,
+        epoch: 77,
     };
     let mut bytes = vec![0u8; HEADER_BYTES];
     sb.encode(&mut bytes);

@@ -1,0 +1,717 @@
+//! The slot store: fixed-size slots in one cache file, each a verified block under a u64 key.
+//!
+//! kvbm-disk addresses blocks by slot; which slot holds what, eviction and events are the
+//! caller's policy (kvbm-core's disk pool). The store owns integrity:
+//! - every write bumps the slot's generation and records key, length, payload checksum,
+//!   generation and the file's block fingerprint in the slot header;
+//! - every read is checked against the header, the expected key and generation, and the payload
+//!   checksum; anything else is a counted miss ([`Lookup::Miss`]), never data;
+//! - on open with the same layout, the slots' contents are recovered from the checkpoint written
+//!   by [`DiskStore::close`] (then deleted), or else by scanning every slot header; with another
+//!   layout (or no valid superblock) the file is re-initialised under a new epoch;
+//! - after [`StoreOptions::write_failures_max`] consecutive failed write batches the store is
+//!   degraded: writes are refused (and counted), reads of good blocks go on.
+//!
+//! Invariant: a slot is readable only after the write that filled it completed successfully; a
+//! failed write leaves it unreadable.
+
+use std::any::Any;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::format::{
+    block_fingerprint, payload_checksum, verify_block, BlockHeader, BlockMismatch, Superblock,
+    HEADER_BYTES,
+};
+use crate::{
+    open_engine, AlignedBuf, BufOp, CacheFile, CacheFileOptions, DiskError, EngineChoice, IoEngine,
+    IoOp, OpKind,
+};
+
+/// Suffix of the checkpoint file next to the cache file.
+pub const CHECKPOINT_SUFFIX: &str = ".index";
+/// Slots whose headers are read in one job during a recovery scan.
+pub const SCAN_SLOTS_PER_JOB: usize = 256;
+const CHECKPOINT_MAGIC: [u8; 8] = *b"KVBMIDX1";
+
+/// How a store is laid out and run.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    /// Fingerprint of the KV layout; a file written for another is discarded on open.
+    pub layout_fingerprint: u64,
+    /// Meaningful bytes per block.
+    pub payload_bytes: usize,
+    /// Slots in the file.
+    pub slots: usize,
+    /// Ops in flight.
+    pub queue_depth: usize,
+    /// I/O engine.
+    pub engine: EngineChoice,
+    /// O_DIRECT or not.
+    pub file: CacheFileOptions,
+    /// Consecutive failed write batches before the store refuses writes. Default 8.
+    pub write_failures_max: u32,
+}
+
+/// What an open found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Recovered {
+    /// (slot, key) of every block found, in slot order.
+    pub blocks: Vec<(u32, u64)>,
+    /// The index came from a clean-shutdown checkpoint (else from a header scan, or nothing).
+    pub from_checkpoint: bool,
+    /// The file was (re)initialised: new, another layout, or no valid superblock.
+    pub initialised: bool,
+}
+
+/// Why a read is not a hit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Miss {
+    /// The store holds no block with that key in that slot.
+    NotStored,
+    /// The bytes on disk are not the block (torn, corrupted, stale, foreign).
+    Mismatch(BlockMismatch),
+    /// The read failed.
+    Io(String),
+}
+
+/// The outcome of a read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// The block's bytes are in the buffer, verified.
+    Hit,
+    /// Nothing usable; the buffer's contents are unspecified.
+    Miss(Miss),
+}
+
+/// The outcome of a write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// Stored and readable.
+    Stored,
+    /// Not attempted: the store is degraded.
+    Refused,
+    /// The write failed; the slot holds nothing readable.
+    Failed(String),
+}
+
+/// Counters since open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Blocks written.
+    pub writes_ok: u64,
+    /// Blocks whose write failed (ENOSPC, EIO, ...).
+    pub write_failures: u64,
+    /// Blocks refused while degraded.
+    pub writes_refused: u64,
+    /// Verified reads.
+    pub read_hits: u64,
+    /// Reads whose bytes failed verification.
+    pub read_corrupt: u64,
+    /// Reads that failed with an I/O error.
+    pub read_errors: u64,
+    /// True once writes are refused.
+    pub degraded: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    writes_ok: AtomicU64,
+    write_failures: AtomicU64,
+    writes_refused: AtomicU64,
+    read_hits: AtomicU64,
+    read_corrupt: AtomicU64,
+    read_errors: AtomicU64,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct SlotMeta {
+    key: u64,
+    generation: u64,
+    readable: bool,
+}
+
+struct StoreState {
+    slots: Vec<SlotMeta>,
+    consecutive_failures: u32,
+    degraded: bool,
+}
+
+/// The disk store of one worker.
+pub struct DiskStore {
+    engine: IoEngine,
+    file: Arc<CacheFile>,
+    checkpoint_path: PathBuf,
+    payload_bytes: usize,
+    payload_area: usize,
+    slot_count: usize,
+    layout_fingerprint: u64,
+    epoch: u64,
+    block_fingerprint: u64,
+    write_failures_max: u32,
+    state: Mutex<StoreState>,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for DiskStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskStore")
+            .field("file", &self.file.path())
+            .field("slots", &self.slot_count)
+            .field("payload_bytes", &self.payload_bytes)
+            .field("engine", &self.engine.kind())
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+fn slot_bytes(payload_area: usize) -> u64 {
+    (HEADER_BYTES + payload_area) as u64
+}
+
+impl DiskStore {
+    /// Opens (or creates) `dir/name` and recovers what it holds for this layout.
+    pub fn open(
+        dir: &Path,
+        name: &str,
+        options: StoreOptions,
+    ) -> Result<(Self, Recovered), DiskError> {
+        if options.payload_bytes == 0 || options.slots == 0 || options.slots > u32::MAX as usize {
+            return Err(DiskError::Invalid(format!(
+                "a store of {} slots of {} bytes",
+                options.slots, options.payload_bytes
+            )));
+        }
+        let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;
+        let len = slot_bytes(payload_area)
+            .checked_mul(options.slots as u64)
+            .and_then(|n| n.checked_add(HEADER_BYTES as u64))
+            .ok_or_else(|| DiskError::Invalid("the cache file size overflows".into()))?;
+        let file = Arc::new(CacheFile::open(dir, name, len, options.file)?);
+        let engine = open_engine(options.engine, file.clone(), options.queue_depth)?;
+        let checkpoint_path = dir.join(format!("{name}{CHECKPOINT_SUFFIX}"));
+
+        let (superblock_buf, found) = read_superblock(&engine)?;
+        let geometry_matches = found.is_some_and(|sb| {
+            sb.fingerprint == options.layout_fingerprint
+                && sb.slot_payload_bytes == payload_area as u64
+                && sb.slot_count == options.slots as u64
+        });
+        let mut store = Self {
+            engine,
+            file,
+            checkpoint_path,
+            payload_bytes: options.payload_bytes,
+            payload_area,
+            slot_count: options.slots,
+            layout_fingerprint: options.layout_fingerprint,
+            epoch: 0,
+            block_fingerprint: 0,
+            write_failures_max: options.write_failures_max.max(1),
+            state: Mutex::new(StoreState {
+                slots: vec![SlotMeta::default(); options.slots],
+                consecutive_failures: 0,
+                degraded: false,
+            }),
+            counters: Counters::default(),
+        };
+        let recovered = match found.filter(|_| geometry_matches) {
+            Some(sb) => {
+                store.set_epoch(sb.epoch);
+                store.recover()?
+            }
+            None => {
+                store.initialise(superblock_buf)?;
+                Recovered {
+                    blocks: Vec::new(),
+                    from_checkpoint: false,
+                    initialised: true,
+                }
+            }
+        };
+        Ok((store, recovered))
+    }
+
+    fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+        self.block_fingerprint = block_fingerprint(self.layout_fingerprint, epoch);
+    }
+
+    /// A new epoch and superblock; every old slot becomes foreign.
+    fn initialise(&mut self, mut buf: AlignedBuf) -> Result<(), DiskError> {
+        let _ = std::fs::remove_file(&self.checkpoint_path);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let mut seed = [0u8; 24];
+        seed[..16].copy_from_slice(&now.to_le_bytes());
+        seed[16..20].copy_from_slice(&std::process::id().to_le_bytes());
+        self.set_epoch(xxh3_64(&seed) | 1);
+        buf.as_mut_slice().fill(0);
+        Superblock {
+            fingerprint: self.layout_fingerprint,
+            slot_payload_bytes: self.payload_area as u64,
+            slot_count: self.slot_count as u64,
+            epoch: self.epoch,
+        }
+        .encode(buf.as_mut_slice());
+        let op = BufOp {
+            kind: OpKind::Write,
+            offset: 0,
+            buf: 0,
+            at: 0,
+            len: HEADER_BYTES,
+        };
+        self.engine.submit(&[op], vec![buf])?.wait().0?;
+        self.file.sync_data()
+    }
+
+    fn recover(&self) -> Result<Recovered, DiskError> {
+        let from_checkpoint = match self.load_checkpoint() {
+            Some(entries) => {
+                let mut state = self.state.lock();
+                for (slot, key, generation) in entries {
+                    state.slots[slot as usize] = SlotMeta {
+                        key,
+                        generation,
+                        readable: true,
+                    };
+                }
+                true
+            }
+            None => {
+                self.scan_headers()?;
+                false
+            }
+        };
+        // A checkpoint describes one clean shutdown only: never reuse it after a later crash.
+        let _ = std::fs::remove_file(&self.checkpoint_path);
+        let state = self.state.lock();
+        let blocks = state
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.readable)
+            .map(|(i, m)| (i as u32, m.key))
+            .collect();
+        Ok(Recovered {
+            blocks,
+            from_checkpoint,
+            initialised: false,
+        })
+    }
+
+    fn scan_headers(&self) -> Result<(), DiskError> {
+        for first in (0..self.slot_count).step_by(SCAN_SLOTS_PER_JOB) {
+            let n = SCAN_SLOTS_PER_JOB.min(self.slot_count - first);
+            let buf =
+                AlignedBuf::new(n * HEADER_BYTES).map_err(|e| DiskError::Invalid(e.to_string()))?;
+            let ops: Vec<BufOp> = (0..n)
+                .map(|i| BufOp {
+                    kind: OpKind::Read,
+                    offset: self.slot_offset(first + i),
+                    buf: 0,
+                    at: i * HEADER_BYTES,
+                    len: HEADER_BYTES,
+                })
+                .collect();
+            let (result, bufs) = self.engine.submit(&ops, vec![buf])?.wait();
+            result?;
+            let mut state = self.state.lock();
+            for i in 0..n {
+                let bytes = &bufs[0].as_slice()[i * HEADER_BYTES..(i + 1) * HEADER_BYTES];
+                if let Ok(h) = BlockHeader::decode(bytes) {
+                    if h.fingerprint == self.block_fingerprint
+                        && h.payload_len == self.payload_bytes as u64
+                    {
+                        state.slots[first + i] = SlotMeta {
+                            key: h.key,
+                            generation: h.generation,
+                            readable: true,
+                        };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn slot_offset(&self, slot: usize) -> u64 {
+        HEADER_BYTES as u64 + slot as u64 * slot_bytes(self.payload_area)
+    }
+
+    /// Slots in the store.
+    pub fn slots(&self) -> usize {
+        self.slot_count
+    }
+
+    /// Meaningful bytes per block.
+    pub fn payload_bytes(&self) -> usize {
+        self.payload_bytes
+    }
+
+    /// Bytes a block's buffer must span (the payload rounded up to 4 KiB).
+    pub fn payload_area_bytes(&self) -> usize {
+        self.payload_area
+    }
+
+    /// The engine in use.
+    pub fn engine(&self) -> &IoEngine {
+        &self.engine
+    }
+
+    /// The cache file.
+    pub fn file(&self) -> &CacheFile {
+        &self.file
+    }
+
+    /// Counters since open.
+    pub fn stats(&self) -> StoreStats {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        StoreStats {
+            writes_ok: get(&self.counters.writes_ok),
+            write_failures: get(&self.counters.write_failures),
+            writes_refused: get(&self.counters.writes_refused),
+            read_hits: get(&self.counters.read_hits),
+            read_corrupt: get(&self.counters.read_corrupt),
+            read_errors: get(&self.counters.read_errors),
+            degraded: self.state.lock().degraded,
+        }
+    }
+
+    /// Writes one block from `payload` (at least [`Self::payload_area_bytes`] long).
+    pub fn write(
+        &self,
+        slot: u32,
+        key: u64,
+        payload: &AlignedBuf,
+    ) -> Result<WriteOutcome, DiskError> {
+        self.check_buffer(payload.len())?;
+        // SAFETY: `payload` is borrowed for the whole call and `write_raw` waits for the I/O.
+        let mut outcomes = unsafe { self.write_raw(&[(slot, key, payload.addr())], Box::new(())) }?;
+        Ok(outcomes.pop().expect("one write, one outcome"))
+    }
+
+    /// Reads one block into `out` (at least [`Self::payload_area_bytes`] long) and verifies it.
+    pub fn read(&self, slot: u32, key: u64, out: &mut AlignedBuf) -> Result<Lookup, DiskError> {
+        self.check_buffer(out.len())?;
+        // SAFETY: `out` is borrowed mutably for the whole call and `read_raw` waits for the I/O.
+        let mut lookups = unsafe { self.read_raw(&[(slot, key, out.addr())], Box::new(())) }?;
+        Ok(lookups.pop().expect("one read, one lookup"))
+    }
+
+    fn check_buffer(&self, len: usize) -> Result<(), DiskError> {
+        if len < self.payload_area {
+            return Err(DiskError::Invalid(format!(
+                "a {len}-byte buffer for {}-byte slots",
+                self.payload_area
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_slots(&self, items: &[(u32, u64, u64)]) -> Result<(), DiskError> {
+        match items
+            .iter()
+            .find(|(slot, _, _)| *slot as usize >= self.slot_count)
+        {
+            Some((slot, _, _)) => Err(DiskError::Invalid(format!(
+                "slot {slot} of {}",
+                self.slot_count
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes blocks `(slot, key, payload address)` in one batch and waits for it. Each payload
+    /// spans [`Self::payload_area_bytes`] bytes, 4 KiB-aligned.
+    ///
+    /// # Safety
+    /// Each `[addr, addr + payload_area_bytes)` must be valid, readable memory, not written by
+    /// anyone until this returns; `keep` is dropped once the I/O completed.
+    pub unsafe fn write_raw(
+        &self,
+        writes: &[(u32, u64, u64)],
+        keep: Box<dyn Any + Send>,
+    ) -> Result<Vec<WriteOutcome>, DiskError> {
+        self.check_slots(writes)?;
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        {
+            let mut state = self.state.lock();
+            if state.degraded {
+                self.counters
+                    .writes_refused
+                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
+                return Ok(vec![WriteOutcome::Refused; writes.len()]);
+            }
+            // Unreadable from now until the write is known to have landed.
+            for &(slot, _, _) in writes {
+                let meta = &mut state.slots[slot as usize];
+                meta.readable = false;
+                meta.generation += 1;
+            }
+        }
+        let mut headers = AlignedBuf::new(writes.len() * HEADER_BYTES)
+            .map_err(|e| DiskError::Invalid(e.to_string()))?;
+        let mut ops = Vec::with_capacity(2 * writes.len());
+        {
+            let state = self.state.lock();
+            for (i, &(slot, key, addr)) in writes.iter().enumerate() {
+                // SAFETY: the caller guarantees the payload memory is valid and stable.
+                let payload =
+                    unsafe { std::slice::from_raw_parts(addr as *const u8, self.payload_bytes) };
+                BlockHeader {
+                    key,
+                    payload_len: self.payload_bytes as u64,
+                    payload_checksum: payload_checksum(payload),
+                    generation: state.slots[slot as usize].generation,
+                    fingerprint: self.block_fingerprint,
+                }
+                .encode(&mut headers.as_mut_slice()[i * HEADER_BYTES..]);
+                let offset = self.slot_offset(slot as usize);
+                ops.push(IoOp {
+                    kind: OpKind::Write,
+                    offset: offset + HEADER_BYTES as u64,
+                    addr,
+                    len: self.payload_area,
+                });
+                ops.push(IoOp {
+                    kind: OpKind::Write,
+                    offset,
+                    addr: headers.addr() + (i * HEADER_BYTES) as u64,
+                    len: HEADER_BYTES,
+                });
+            }
+        }
+        // SAFETY: the payloads are the caller's (see above); the headers move into the keep-alive.
+        let ticket = unsafe { self.engine.submit_raw(ops, Box::new((headers, keep))) }?;
+        let (result, _) = ticket.wait();
+        let mut state = self.state.lock();
+        match result {
+            Ok(()) => {
+                for &(slot, key, _) in writes {
+                    let meta = &mut state.slots[slot as usize];
+                    meta.key = key;
+                    meta.readable = true;
+                }
+                state.consecutive_failures = 0;
+                self.counters
+                    .writes_ok
+                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
+                Ok(vec![WriteOutcome::Stored; writes.len()])
+            }
+            Err(err) => {
+                self.counters
+                    .write_failures
+                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
+                state.consecutive_failures += 1;
+                if state.consecutive_failures >= self.write_failures_max && !state.degraded {
+                    state.degraded = true;
+                    tracing::error!(file = %self.file.path().display(), error = %err,
+                        "disk tier degraded after repeated write failures: writes are refused, reads go on");
+                } else {
+                    tracing::warn!(error = %err, blocks = writes.len(), "disk write failed; blocks not stored");
+                }
+                Ok(vec![WriteOutcome::Failed(err.to_string()); writes.len()])
+            }
+        }
+    }
+
+    /// Reads blocks `(slot, key, destination address)` in one batch, waits, and verifies each.
+    ///
+    /// # Safety
+    /// Each `[addr, addr + payload_area_bytes)` must be valid, writable memory that nobody else
+    /// reads or writes until this returns; `keep` is dropped once the I/O completed.
+    pub unsafe fn read_raw(
+        &self,
+        reads: &[(u32, u64, u64)],
+        keep: Box<dyn Any + Send>,
+    ) -> Result<Vec<Lookup>, DiskError> {
+        self.check_slots(reads)?;
+        let mut lookups: Vec<Option<Lookup>> = vec![None; reads.len()];
+        let mut expected = vec![0u64; reads.len()];
+        let mut ops = Vec::with_capacity(2 * reads.len());
+        let headers = Arc::new(
+            AlignedBuf::new(reads.len().max(1) * HEADER_BYTES)
+                .map_err(|e| DiskError::Invalid(e.to_string()))?,
+        );
+        {
+            let state = self.state.lock();
+            for (i, &(slot, key, addr)) in reads.iter().enumerate() {
+                let meta = state.slots[slot as usize];
+                if !meta.readable || meta.key != key {
+                    lookups[i] = Some(Lookup::Miss(Miss::NotStored));
+                    continue;
+                }
+                expected[i] = meta.generation;
+                let offset = self.slot_offset(slot as usize);
+                ops.push(IoOp {
+                    kind: OpKind::Read,
+                    offset,
+                    addr: headers.addr() + (i * HEADER_BYTES) as u64,
+                    len: HEADER_BYTES,
+                });
+                ops.push(IoOp {
+                    kind: OpKind::Read,
+                    offset: offset + HEADER_BYTES as u64,
+                    addr,
+                    len: self.payload_area,
+                });
+            }
+        }
+        let result = if ops.is_empty() {
+            Ok(())
+        } else {
+            // SAFETY: the destinations are the caller's (see above); the header buffer is shared
+            // with the engine's keep-alive, so it outlives the I/O, and is read only after it.
+            let ticket = unsafe {
+                self.engine
+                    .submit_raw(ops, Box::new((headers.clone(), keep)))
+            }?;
+            ticket.wait().0
+        };
+        let mut state = self.state.lock();
+        let out = reads
+            .iter()
+            .enumerate()
+            .map(|(i, &(slot, key, addr))| {
+                if let Some(done) = lookups[i].take() {
+                    return done;
+                }
+                if let Err(err) = &result {
+                    self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                    return Lookup::Miss(Miss::Io(err.to_string()));
+                }
+                // SAFETY: the caller guarantees the destination memory; the read into it completed.
+                let payload =
+                    unsafe { std::slice::from_raw_parts(addr as *const u8, self.payload_bytes) };
+                let header = &headers.as_slice()[i * HEADER_BYTES..(i + 1) * HEADER_BYTES];
+                match verify_block(
+                    header,
+                    payload,
+                    key,
+                    self.block_fingerprint,
+                    Some(expected[i]),
+                ) {
+                    Ok(_) => {
+                        self.counters.read_hits.fetch_add(1, Ordering::Relaxed);
+                        Lookup::Hit
+                    }
+                    Err(mismatch) => {
+                        // Garbage stays garbage: do not read this slot again until rewritten.
+                        state.slots[slot as usize].readable = false;
+                        self.counters.read_corrupt.fetch_add(1, Ordering::Relaxed);
+                        Lookup::Miss(Miss::Mismatch(mismatch))
+                    }
+                }
+            })
+            .collect();
+        Ok(out)
+    }
+
+    /// Flushes the file and writes a checkpoint of the index, so the next open need not scan.
+    pub fn close(self) -> Result<(), DiskError> {
+        self.file.sync_data()?;
+        let state = self.state.lock();
+        let entries: Vec<_> = state
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.readable)
+            .collect();
+        let mut bytes = Vec::with_capacity(48 + entries.len() * 24);
+        bytes.extend_from_slice(&CHECKPOINT_MAGIC);
+        bytes.extend_from_slice(&self.layout_fingerprint.to_le_bytes());
+        bytes.extend_from_slice(&self.epoch.to_le_bytes());
+        bytes.extend_from_slice(&(self.slot_count as u64).to_le_bytes());
+        bytes.extend_from_slice(&(entries.len() as u64).to_le_bytes());
+        for (slot, meta) in &entries {
+            bytes.extend_from_slice(&(*slot as u64).to_le_bytes());
+            bytes.extend_from_slice(&meta.key.to_le_bytes());
+            bytes.extend_from_slice(&meta.generation.to_le_bytes());
+        }
+        let checksum = xxh3_64(&bytes);
+        bytes.extend_from_slice(&checksum.to_le_bytes());
+        write_private(&self.checkpoint_path, &bytes)
+    }
+
+    /// (slot, key, generation) from a valid checkpoint of this file's layout and epoch.
+    fn load_checkpoint(&self) -> Option<Vec<(u32, u64, u64)>> {
+        let bytes = std::fs::read(&self.checkpoint_path).ok()?;
+        let body_len = bytes.len().checked_sub(8)?;
+        let (body, sum) = bytes.split_at(body_len);
+        let u64_at = |at: usize| {
+            body.get(at..at + 8)
+                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        };
+        if body.get(..8)? != CHECKPOINT_MAGIC
+            || xxh3_64(body) != u64::from_le_bytes(sum.try_into().ok()?)
+        {
+            return None;
+        }
+        if u64_at(8)? != self.layout_fingerprint
+            || u64_at(16)? != self.epoch
+            || u64_at(24)? != self.slot_count as u64
+        {
+            return None;
+        }
+        let count = usize::try_from(u64_at(32)?).ok()?;
+        if body.len() != 40 + count.checked_mul(24)? {
+            return None;
+        }
+        (0..count)
+            .map(|i| {
+                let at = 40 + i * 24;
+                let slot = u32::try_from(u64_at(at)?)
+                    .ok()
+                    .filter(|&s| (s as usize) < self.slot_count)?;
+                Some((slot, u64_at(at + 8)?, u64_at(at + 16)?))
+            })
+            .collect()
+    }
+}
+
+fn read_superblock(engine: &IoEngine) -> Result<(AlignedBuf, Option<Superblock>), DiskError> {
+    let buf = AlignedBuf::new(HEADER_BYTES).map_err(|e| DiskError::Invalid(e.to_string()))?;
+    let op = BufOp {
+        kind: OpKind::Read,
+        offset: 0,
+        buf: 0,
+        at: 0,
+        len: HEADER_BYTES,
+    };
+    let (result, mut bufs) = engine.submit(&[op], vec![buf])?.wait();
+    result?;
+    let buf = bufs.pop().expect("one buffer");
+    let found = Superblock::decode(buf.as_slice()).ok();
+    Ok((buf, found))
+}
+
+/// Writes `bytes` to `path` atomically (a 0600 temporary file renamed over it).
+fn write_private(path: &Path, bytes: &[u8]) -> Result<(), DiskError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let file_error = |call, source| DiskError::File {
+        path: path.to_owned(),
+        call,
+        source,
+    };
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(crate::CACHE_FILE_MODE)
+        .open(&tmp)
+        .map_err(|e| file_error("open", e))?;
+    file.write_all(bytes).map_err(|e| file_error("write", e))?;
+    file.sync_data().map_err(|e| file_error("fdatasync", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| file_error("rename", e))
+}
