@@ -2,7 +2,10 @@
 //!
 //! - `offload`: GPU -> host -> GPU through the block manager, every byte verified, next to a plain
 //!   memcpy of the same bytes in the same run.
+//! - `disk`: blocks written to and read from kvbm-disk's store, verified, next to fio with the same
+//!   block size, queue depth and bytes on the same file system.
 
+mod disk;
 mod offload;
 
 use clap::{Parser, Subcommand};
@@ -18,6 +21,8 @@ struct Cli {
 enum Command {
     /// Offload GPU blocks to the pinned host tier and onboard them back, verified, against memcpy.
     Offload(offload::OffloadArgs),
+    /// Write and read blocks through kvbm-disk (io_uring, O_DIRECT, registered buffers) against fio.
+    Disk(disk::DiskArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,6 +39,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Offload(args) => offload::run(args),
+        Command::Disk(args) => disk::run(args),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

@@ -28,8 +28,8 @@ use crate::format::{
     HEADER_BYTES,
 };
 use crate::{
-    open_engine, AlignedBuf, BufOp, CacheFile, CacheFileOptions, DiskError, EngineChoice, IoEngine,
-    IoOp, OpKind,
+    open_engine_with_buffers, AlignedBuf, BufOp, CacheFile, CacheFileOptions, DiskError,
+    EngineChoice, IoEngine, IoOp, OpKind,
 };
 
 /// Suffix of the checkpoint file next to the cache file.
@@ -180,6 +180,22 @@ impl DiskStore {
         name: &str,
         options: StoreOptions,
     ) -> Result<(Self, Recovered), DiskError> {
+        // SAFETY: no memory is registered.
+        unsafe { Self::open_with_buffers(dir, name, options, &[]) }
+    }
+
+    /// As [`Self::open`], registering `buffers` (address, length; at most 1 GiB each) with
+    /// io_uring, so that blocks moving to and from them use fixed-buffer I/O (no page pinning
+    /// per request).
+    ///
+    /// # Safety
+    /// Every registered range must stay valid memory for as long as the store lives.
+    pub unsafe fn open_with_buffers(
+        dir: &Path,
+        name: &str,
+        options: StoreOptions,
+        buffers: &[(u64, usize)],
+    ) -> Result<(Self, Recovered), DiskError> {
         if options.payload_bytes == 0 || options.slots == 0 || options.slots > u32::MAX as usize {
             return Err(DiskError::Invalid(format!(
                 "a store of {} slots of {} bytes",
@@ -192,7 +208,10 @@ impl DiskStore {
             .and_then(|n| n.checked_add(HEADER_BYTES as u64))
             .ok_or_else(|| DiskError::Invalid("the cache file size overflows".into()))?;
         let file = Arc::new(CacheFile::open(dir, name, len, options.file)?);
-        let engine = open_engine(options.engine, file.clone(), options.queue_depth)?;
+        // SAFETY: the caller guarantees the registered ranges outlive the store and its engine.
+        let engine = unsafe {
+            open_engine_with_buffers(options.engine, file.clone(), options.queue_depth, buffers)
+        }?;
         let checkpoint_path = dir.join(format!("{name}{CHECKPOINT_SUFFIX}"));
 
         let (superblock_buf, found) = read_superblock(&engine)?;
