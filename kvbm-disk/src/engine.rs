@@ -93,7 +93,9 @@ impl OpKind {
     }
 }
 
-/// One aligned transfer between the file and memory.
+/// One aligned transfer between the file and memory: `[addr, addr + len)` at `offset`, or, with
+/// a `lead` segment `(address, length)`, that segment at `offset` followed by `[addr, addr + len)`
+/// at `offset + lead length`, as one vectored I/O (a block's header and payload in one request).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IoOp {
     /// Direction.
@@ -104,6 +106,15 @@ pub struct IoOp {
     pub addr: u64,
     /// Bytes.
     pub len: usize,
+    /// A segment moved just before `[addr, addr + len)`, in the same I/O.
+    pub lead: Option<(u64, usize)>,
+}
+
+impl IoOp {
+    /// File bytes the op covers.
+    pub fn file_len(&self) -> usize {
+        self.len + self.lead.map_or(0, |(_, len)| len)
+    }
 }
 
 /// One aligned transfer between the file and one of a job's owned buffers.
@@ -244,6 +255,7 @@ impl IoEngine {
                 offset,
                 addr: b.addr() + at as u64,
                 len,
+                lead: None,
             });
         }
         self.validate(&resolved)?;
@@ -279,10 +291,14 @@ impl IoEngine {
     fn validate(&self, ops: &[IoOp]) -> Result<(), DiskError> {
         let file_len = self.file.len();
         for op in ops {
+            let lead_aligned = op.lead.is_none_or(|(addr, len)| {
+                addr % ALIGN_BYTES as u64 == 0 && len % ALIGN_BYTES == 0 && len > 0
+            });
             let aligned = op.offset % ALIGN_BYTES as u64 == 0
                 && op.len % ALIGN_BYTES == 0
                 && op.addr % ALIGN_BYTES as u64 == 0
-                && op.len > 0;
+                && op.len > 0
+                && lead_aligned;
             if !aligned {
                 return Err(DiskError::Invalid(format!(
                     "{} of {} bytes at offset {} from {:#x}: offset, length and address must be non-zero multiples of {ALIGN_BYTES}",
@@ -291,7 +307,7 @@ impl IoEngine {
             }
             if op
                 .offset
-                .checked_add(op.len as u64)
+                .checked_add(op.file_len() as u64)
                 .is_none_or(|end| end > file_len)
             {
                 return Err(DiskError::Invalid(format!(
@@ -469,6 +485,8 @@ struct RunningJob {
     job: Job,
     remaining: usize,
     error: Option<DiskError>,
+    /// The iovec pairs of vectored ops, built on the engine thread, alive until completion.
+    iovecs: Vec<[libc::iovec; 2]>,
 }
 
 fn uring_loop(
@@ -503,10 +521,28 @@ fn uring_loop(
             });
             pending.extend((0..job.ops.len()).map(|op| (slot, op)));
             let remaining = job.ops.len();
+            let iovecs = job
+                .ops
+                .iter()
+                .map(|op| {
+                    let (lead_addr, lead_len) = op.lead.unwrap_or((op.addr, 0));
+                    [
+                        libc::iovec {
+                            iov_base: lead_addr as *mut libc::c_void,
+                            iov_len: lead_len,
+                        },
+                        libc::iovec {
+                            iov_base: op.addr as *mut libc::c_void,
+                            iov_len: op.len,
+                        },
+                    ]
+                })
+                .collect();
             jobs[slot] = Some(RunningJob {
                 job,
                 remaining,
                 error: None,
+                iovecs,
             });
         }
         // Fill the submission queue up to the depth, then submit the batch at once.
@@ -516,9 +552,10 @@ fn uring_loop(
                 let Some((slot, index)) = pending.pop_front() else {
                     break;
                 };
-                let op = jobs[slot].as_ref().expect("running job").job.ops[index];
-                let entry =
-                    sqe_for(&op, &registered).user_data(((slot as u64) << 32) | index as u64);
+                let running = jobs[slot].as_ref().expect("running job");
+                let op = running.job.ops[index];
+                let entry = sqe_for(&op, &running.iovecs[index], &registered)
+                    .user_data(((slot as u64) << 32) | index as u64);
                 // SAFETY: the op's memory is owned by (or kept alive by) the job, which stays in
                 // `jobs` until this op's completion is reaped below.
                 if unsafe { sq.push(&entry) }.is_err() {
@@ -554,7 +591,7 @@ fn uring_loop(
             if running.error.is_none() {
                 if result < 0 {
                     running.error = Some(io_error(&op, -result));
-                } else if (result as usize) < op.len {
+                } else if (result as usize) < op.file_len() {
                     running.error = Some(short_error(&op, result as usize));
                 }
             }
@@ -569,8 +606,23 @@ fn uring_loop(
     }
 }
 
-fn sqe_for(op: &IoOp, registered: &[(u64, usize)]) -> io_uring::squeue::Entry {
+fn sqe_for(
+    op: &IoOp,
+    iovecs: &[libc::iovec; 2],
+    registered: &[(u64, usize)],
+) -> io_uring::squeue::Entry {
     let fd = types::Fixed(0);
+    if op.lead.is_some() {
+        // A header and its payload: two memory segments, one contiguous file range.
+        return match op.kind {
+            OpKind::Write => opcode::Writev::new(fd, iovecs.as_ptr(), 2)
+                .offset(op.offset)
+                .build(),
+            OpKind::Read => opcode::Readv::new(fd, iovecs.as_ptr(), 2)
+                .offset(op.offset)
+                .build(),
+        };
+    }
     let fixed = registered
         .iter()
         .position(|&(addr, len)| op.addr >= addr && op.addr + op.len as u64 <= addr + len as u64);
@@ -596,8 +648,15 @@ fn sqe_for(op: &IoOp, registered: &[(u64, usize)]) -> io_uring::squeue::Entry {
 // ----------------------------------------------------------------------------------------------
 // psync
 
+/// A job shared by the psync workers (no iovecs: psync moves segments one by one).
+struct PsyncJob {
+    job: Job,
+    remaining: usize,
+    error: Option<DiskError>,
+}
+
 struct PsyncShared {
-    job: Mutex<Option<RunningJob>>,
+    job: Mutex<Option<PsyncJob>>,
 }
 
 struct PsyncEngine {
@@ -634,7 +693,7 @@ impl PsyncEngine {
     fn enqueue(&self, job: Job) -> Result<(), DiskError> {
         let n = job.ops.len();
         let shared = Arc::new(PsyncShared {
-            job: Mutex::new(Some(RunningJob {
+            job: Mutex::new(Some(PsyncJob {
                 job,
                 remaining: n,
                 error: None,
@@ -684,8 +743,29 @@ fn psync_worker(fd: i32, receiver: Receiver<(Arc<PsyncShared>, usize)>) {
     }
 }
 
-/// One op with pread/pwrite, resuming after short transfers and EINTR.
+/// One op with pread/pwrite: its lead segment (if any), then its main segment.
 fn psync_op(fd: i32, op: &IoOp) -> Result<(), DiskError> {
+    if let Some((addr, len)) = op.lead {
+        let lead = IoOp {
+            kind: op.kind,
+            offset: op.offset,
+            addr,
+            len,
+            lead: None,
+        };
+        psync_segment(fd, &lead)?;
+        let main = IoOp {
+            offset: op.offset + len as u64,
+            lead: None,
+            ..*op
+        };
+        return psync_segment(fd, &main);
+    }
+    psync_segment(fd, op)
+}
+
+/// One contiguous segment with pread/pwrite, resuming after short transfers and EINTR.
+fn psync_segment(fd: i32, op: &IoOp) -> Result<(), DiskError> {
     let mut done = 0usize;
     while done < op.len {
         let addr = op.addr + done as u64;

@@ -447,8 +447,16 @@ impl DiskStore {
         }
     }
 
-    /// Writes blocks `(slot, key, payload address)` in one batch and waits for it. Each payload
-    /// spans [`Self::payload_area_bytes`] bytes, 4 KiB-aligned.
+    /// Blocks per engine job: a group's I/O runs while the next group's checksums are computed
+    /// (writes) or the previous group's payloads are verified (reads).
+    fn group_blocks(&self) -> usize {
+        (self.engine.queue_depth() / 2).max(1)
+    }
+
+    /// Writes blocks `(slot, key, payload address)` and waits for them. Each payload spans
+    /// [`Self::payload_area_bytes`] bytes, 4 KiB-aligned; each block (header and payload) is one
+    /// vectored I/O. Blocks go in groups, so that one group's checksums are computed while earlier
+    /// groups are on the disk; a failed group fails its own blocks only.
     ///
     /// # Safety
     /// Each `[addr, addr + payload_area_bytes)` must be valid, readable memory, not written by
@@ -462,7 +470,7 @@ impl DiskStore {
         if writes.is_empty() {
             return Ok(Vec::new());
         }
-        {
+        let generations: Vec<u64> = {
             let mut state = self.state.lock();
             if state.degraded {
                 self.counters
@@ -471,18 +479,24 @@ impl DiskStore {
                 return Ok(vec![WriteOutcome::Refused; writes.len()]);
             }
             // Unreadable from now until the write is known to have landed.
-            for &(slot, _, _) in writes {
-                let meta = &mut state.slots[slot as usize];
-                meta.readable = false;
-                meta.generation += 1;
-            }
-        }
-        let mut headers = AlignedBuf::new(writes.len() * HEADER_BYTES)
-            .map_err(|e| DiskError::Invalid(e.to_string()))?;
-        let mut ops = Vec::with_capacity(2 * writes.len());
-        {
-            let state = self.state.lock();
-            for (i, &(slot, key, addr)) in writes.iter().enumerate() {
+            writes
+                .iter()
+                .map(|&(slot, _, _)| {
+                    let meta = &mut state.slots[slot as usize];
+                    meta.readable = false;
+                    meta.generation += 1;
+                    meta.generation
+                })
+                .collect()
+        };
+        let keep = Arc::new(Mutex::new(Some(keep)));
+        let mut tickets = Vec::new();
+        for (g, group) in writes.chunks(self.group_blocks()).enumerate() {
+            let first = g * self.group_blocks();
+            let mut headers = AlignedBuf::new(group.len() * HEADER_BYTES)
+                .map_err(|e| DiskError::Invalid(e.to_string()))?;
+            let mut ops = Vec::with_capacity(group.len());
+            for (i, &(slot, key, addr)) in group.iter().enumerate() {
                 // SAFETY: the caller guarantees the payload memory is valid and stable.
                 let payload =
                     unsafe { std::slice::from_raw_parts(addr as *const u8, self.payload_bytes) };
@@ -490,60 +504,74 @@ impl DiskStore {
                     key,
                     payload_len: self.payload_bytes as u64,
                     payload_checksum: payload_checksum(payload),
-                    generation: state.slots[slot as usize].generation,
+                    generation: generations[first + i],
                     fingerprint: self.block_fingerprint,
                 }
                 .encode(&mut headers.as_mut_slice()[i * HEADER_BYTES..]);
-                let offset = self.slot_offset(slot as usize);
                 ops.push(IoOp {
                     kind: OpKind::Write,
-                    offset: offset + HEADER_BYTES as u64,
+                    offset: self.slot_offset(slot as usize),
                     addr,
                     len: self.payload_area,
+                    lead: Some((headers.addr() + (i * HEADER_BYTES) as u64, HEADER_BYTES)),
                 });
-                ops.push(IoOp {
-                    kind: OpKind::Write,
-                    offset,
-                    addr: headers.addr() + (i * HEADER_BYTES) as u64,
-                    len: HEADER_BYTES,
-                });
+            }
+            // SAFETY: the payloads are the caller's (see above); this group's headers and a share
+            // of the caller's keep-alive move into the job.
+            tickets.push(unsafe {
+                self.engine
+                    .submit_raw(ops, Box::new((headers, keep.clone())))
+            }?);
+        }
+        let results: Vec<Result<(), DiskError>> = tickets.into_iter().map(|t| t.wait().0).collect();
+        drop(keep);
+
+        let mut state = self.state.lock();
+        let mut outcomes = Vec::with_capacity(writes.len());
+        let mut first_error = None;
+        for (group, result) in writes.chunks(self.group_blocks()).zip(results) {
+            match result {
+                Ok(()) => {
+                    for &(slot, key, _) in group {
+                        let meta = &mut state.slots[slot as usize];
+                        meta.key = key;
+                        meta.readable = true;
+                    }
+                    self.counters
+                        .writes_ok
+                        .fetch_add(group.len() as u64, Ordering::Relaxed);
+                    outcomes.extend(std::iter::repeat_n(WriteOutcome::Stored, group.len()));
+                }
+                Err(err) => {
+                    self.counters
+                        .write_failures
+                        .fetch_add(group.len() as u64, Ordering::Relaxed);
+                    outcomes.extend(std::iter::repeat_n(
+                        WriteOutcome::Failed(err.to_string()),
+                        group.len(),
+                    ));
+                    first_error.get_or_insert(err);
+                }
             }
         }
-        // SAFETY: the payloads are the caller's (see above); the headers move into the keep-alive.
-        let ticket = unsafe { self.engine.submit_raw(ops, Box::new((headers, keep))) }?;
-        let (result, _) = ticket.wait();
-        let mut state = self.state.lock();
-        match result {
-            Ok(()) => {
-                for &(slot, key, _) in writes {
-                    let meta = &mut state.slots[slot as usize];
-                    meta.key = key;
-                    meta.readable = true;
-                }
-                state.consecutive_failures = 0;
-                self.counters
-                    .writes_ok
-                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
-                Ok(vec![WriteOutcome::Stored; writes.len()])
-            }
-            Err(err) => {
-                self.counters
-                    .write_failures
-                    .fetch_add(writes.len() as u64, Ordering::Relaxed);
+        match first_error {
+            None => state.consecutive_failures = 0,
+            Some(err) => {
                 state.consecutive_failures += 1;
                 if state.consecutive_failures >= self.write_failures_max && !state.degraded {
                     state.degraded = true;
                     tracing::error!(file = %self.file.path().display(), error = %err,
                         "disk tier degraded after repeated write failures: writes are refused, reads go on");
                 } else {
-                    tracing::warn!(error = %err, blocks = writes.len(), "disk write failed; blocks not stored");
+                    tracing::warn!(error = %err, "disk write failed; blocks not stored");
                 }
-                Ok(vec![WriteOutcome::Failed(err.to_string()); writes.len()])
             }
         }
+        Ok(outcomes)
     }
 
-    /// Reads blocks `(slot, key, destination address)` in one batch, waits, and verifies each.
+    /// Reads blocks `(slot, key, destination address)`, waits, and verifies each. Each block is one
+    /// vectored I/O; groups are verified as they complete, while later groups are on the disk.
     ///
     /// # Safety
     /// Each `[addr, addr + payload_area_bytes)` must be valid, writable memory that nobody else
@@ -554,85 +582,82 @@ impl DiskStore {
         keep: Box<dyn Any + Send>,
     ) -> Result<Vec<Lookup>, DiskError> {
         self.check_slots(reads)?;
-        let mut lookups: Vec<Option<Lookup>> = vec![None; reads.len()];
-        let mut expected = vec![0u64; reads.len()];
-        let mut ops = Vec::with_capacity(2 * reads.len());
-        let headers = Arc::new(
-            AlignedBuf::new(reads.len().max(1) * HEADER_BYTES)
-                .map_err(|e| DiskError::Invalid(e.to_string()))?,
-        );
-        {
+        // Decide what to read: only slots that hold the key, at the generation last written.
+        let plan: Vec<Option<u64>> = {
             let state = self.state.lock();
-            for (i, &(slot, key, addr)) in reads.iter().enumerate() {
-                let meta = state.slots[slot as usize];
-                if !meta.readable || meta.key != key {
-                    lookups[i] = Some(Lookup::Miss(Miss::NotStored));
-                    continue;
-                }
-                expected[i] = meta.generation;
-                let offset = self.slot_offset(slot as usize);
-                ops.push(IoOp {
-                    kind: OpKind::Read,
-                    offset,
-                    addr: headers.addr() + (i * HEADER_BYTES) as u64,
-                    len: HEADER_BYTES,
-                });
-                ops.push(IoOp {
-                    kind: OpKind::Read,
-                    offset: offset + HEADER_BYTES as u64,
-                    addr,
-                    len: self.payload_area,
-                });
-            }
-        }
-        let result = if ops.is_empty() {
-            Ok(())
-        } else {
+            reads
+                .iter()
+                .map(|&(slot, key, _)| {
+                    let meta = state.slots[slot as usize];
+                    (meta.readable && meta.key == key).then_some(meta.generation)
+                })
+                .collect()
+        };
+        let wanted: Vec<usize> = (0..reads.len()).filter(|&i| plan[i].is_some()).collect();
+        let keep = Arc::new(Mutex::new(Some(keep)));
+        let mut jobs = Vec::new();
+        for group in wanted.chunks(self.group_blocks()) {
+            let headers = Arc::new(
+                AlignedBuf::new(group.len() * HEADER_BYTES)
+                    .map_err(|e| DiskError::Invalid(e.to_string()))?,
+            );
+            let ops = group
+                .iter()
+                .enumerate()
+                .map(|(j, &i)| {
+                    let (slot, _, addr) = reads[i];
+                    IoOp {
+                        kind: OpKind::Read,
+                        offset: self.slot_offset(slot as usize),
+                        addr,
+                        len: self.payload_area,
+                        lead: Some((headers.addr() + (j * HEADER_BYTES) as u64, HEADER_BYTES)),
+                    }
+                })
+                .collect();
             // SAFETY: the destinations are the caller's (see above); the header buffer is shared
-            // with the engine's keep-alive, so it outlives the I/O, and is read only after it.
+            // with the job's keep-alive, so it outlives the I/O, and is read only after it.
             let ticket = unsafe {
                 self.engine
-                    .submit_raw(ops, Box::new((headers.clone(), keep)))
+                    .submit_raw(ops, Box::new((headers.clone(), keep.clone())))
             }?;
-            ticket.wait().0
-        };
-        let mut state = self.state.lock();
-        let out = reads
-            .iter()
-            .enumerate()
-            .map(|(i, &(slot, key, addr))| {
-                if let Some(done) = lookups[i].take() {
-                    return done;
-                }
-                if let Err(err) = &result {
-                    self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
-                    return Lookup::Miss(Miss::Io(err.to_string()));
-                }
-                // SAFETY: the caller guarantees the destination memory; the read into it completed.
-                let payload =
-                    unsafe { std::slice::from_raw_parts(addr as *const u8, self.payload_bytes) };
-                let header = &headers.as_slice()[i * HEADER_BYTES..(i + 1) * HEADER_BYTES];
-                match verify_block(
-                    header,
-                    payload,
-                    key,
-                    self.block_fingerprint,
-                    Some(expected[i]),
-                ) {
-                    Ok(_) => {
-                        self.counters.read_hits.fetch_add(1, Ordering::Relaxed);
-                        Lookup::Hit
+            jobs.push((group, headers, ticket));
+        }
+
+        let mut lookups: Vec<Lookup> = vec![Lookup::Miss(Miss::NotStored); reads.len()];
+        for (group, headers, ticket) in jobs {
+            let result = ticket.wait().0;
+            for (j, &i) in group.iter().enumerate() {
+                let (slot, key, addr) = reads[i];
+                lookups[i] = match &result {
+                    Err(err) => {
+                        self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
+                        Lookup::Miss(Miss::Io(err.to_string()))
                     }
-                    Err(mismatch) => {
-                        // Garbage stays garbage: do not read this slot again until rewritten.
-                        state.slots[slot as usize].readable = false;
-                        self.counters.read_corrupt.fetch_add(1, Ordering::Relaxed);
-                        Lookup::Miss(Miss::Mismatch(mismatch))
+                    Ok(()) => {
+                        // SAFETY: the caller guarantees the destination memory; its read completed.
+                        let payload = unsafe {
+                            std::slice::from_raw_parts(addr as *const u8, self.payload_bytes)
+                        };
+                        let header = &headers.as_slice()[j * HEADER_BYTES..(j + 1) * HEADER_BYTES];
+                        match verify_block(header, payload, key, self.block_fingerprint, plan[i]) {
+                            Ok(_) => {
+                                self.counters.read_hits.fetch_add(1, Ordering::Relaxed);
+                                Lookup::Hit
+                            }
+                            Err(mismatch) => {
+                                // Garbage stays garbage: not read again until rewritten.
+                                self.state.lock().slots[slot as usize].readable = false;
+                                self.counters.read_corrupt.fetch_add(1, Ordering::Relaxed);
+                                Lookup::Miss(Miss::Mismatch(mismatch))
+                            }
+                        }
                     }
-                }
-            })
-            .collect();
-        Ok(out)
+                };
+            }
+        }
+        drop(keep);
+        Ok(lookups)
     }
 
     /// Flushes the file and writes a checkpoint of the index, so the next open need not scan.

@@ -132,6 +132,7 @@ fn raw_submissions_keep_their_memory_alive_until_done() {
             offset: (b * BLOCK) as u64,
             addr: buf.addr() + (b * BLOCK) as u64,
             len: BLOCK,
+            lead: None,
         })
         .collect();
     // SAFETY: `buf` moves into the keep-alive, so it outlives the I/O.
@@ -255,4 +256,74 @@ fn unusable_directories_and_full_disks_are_clear_errors() {
         EngineChoice::Psync
     );
     assert!("spdk".parse::<EngineChoice>().is_err());
+}
+
+#[test]
+fn a_lead_segment_and_its_payload_move_as_one_contiguous_range() {
+    for choice in [EngineChoice::IoUring, EngineChoice::Psync] {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = open_engine(choice, open(dir.path(), 4), 4).unwrap();
+        let mut header = AlignedBuf::new(4096).unwrap();
+        header.as_mut_slice().fill(0x11);
+        let mut payload = AlignedBuf::new(BLOCK).unwrap();
+        payload.as_mut_slice().fill(0x22);
+        let write = IoOp {
+            kind: OpKind::Write,
+            offset: BLOCK as u64,
+            addr: payload.addr(),
+            len: BLOCK,
+            lead: Some((header.addr(), 4096)),
+        };
+        // SAFETY: both buffers move into the keep-alive.
+        let ticket =
+            unsafe { engine.submit_raw(vec![write], Box::new((header, payload))) }.unwrap();
+        ticket.wait().0.unwrap();
+        // The file holds the header, then the payload, contiguously.
+        let (r, bufs) = engine
+            .submit(
+                &[op(OpKind::Read, BLOCK as u64, 0, 0, 2 * BLOCK)],
+                vec![AlignedBuf::new(2 * BLOCK).unwrap()],
+            )
+            .unwrap()
+            .wait();
+        r.unwrap();
+        let bytes = bufs[0].as_slice();
+        assert!(
+            bytes[..4096].iter().all(|&b| b == 0x11),
+            "{choice:?}: header"
+        );
+        assert!(
+            bytes[4096..4096 + BLOCK].iter().all(|&b| b == 0x22),
+            "{choice:?}: payload"
+        );
+        // And a vectored read splits them again.
+        let header = AlignedBuf::new(4096).unwrap();
+        let payload = AlignedBuf::new(BLOCK).unwrap();
+        let (h, p) = (header.addr(), payload.addr());
+        let read = IoOp {
+            kind: OpKind::Read,
+            offset: BLOCK as u64,
+            addr: p,
+            len: BLOCK,
+            lead: Some((h, 4096)),
+        };
+        let both = std::sync::Arc::new((header, payload));
+        // SAFETY: the buffers are shared with the keep-alive and read only after the wait.
+        let ticket = unsafe { engine.submit_raw(vec![read], Box::new(both.clone())) }.unwrap();
+        ticket.wait().0.unwrap();
+        assert!(
+            both.0.as_slice().iter().all(|&b| b == 0x11)
+                && both.1.as_slice().iter().all(|&b| b == 0x22)
+        );
+        // A misaligned lead is refused.
+        let bad = IoOp {
+            lead: Some((h + 1, 4096)),
+            ..read
+        };
+        assert!(matches!(
+            // SAFETY: refused before any I/O.
+            unsafe { engine.submit_raw(vec![bad], Box::new(())) },
+            Err(DiskError::Invalid(_))
+        ));
+    }
 }
