@@ -1,0 +1,79 @@
+//! `kvbm-disk-inspect`: opens a disk cache the way kvbm does and reports what it recovers.
+//!
+//! Usage: `kvbm-disk-inspect DIR NAME FINGERPRINT PAYLOAD_BYTES SLOTS [--hold]`
+//!
+//! Prints one line: `initialised=<bool> from_checkpoint=<bool> blocks=<n> engine=<io_uring|psync>
+//! io_mode=<Direct|Buffered>`, or `error: ...` (exit 1). With `--hold` it then keeps the cache
+//! file open (and locked) until its standard input closes, then closes the store cleanly.
+//! Opening re-initialises a file written for another fingerprint or geometry, as kvbm would.
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use kvbm_disk::{DiskStore, EngineChoice, StoreOptions};
+
+fn main() -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let hold = args.iter().any(|a| a == "--hold");
+    let positional: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
+    let parsed = (|| -> Result<_, String> {
+        let [dir, name, fingerprint, payload, slots] = positional.as_slice() else {
+            return Err(
+                "usage: kvbm-disk-inspect DIR NAME FINGERPRINT PAYLOAD_BYTES SLOTS [--hold]".into(),
+            );
+        };
+        let number = |what: &str, v: &str| {
+            v.parse::<u64>()
+                .map_err(|_| format!("{what} {v:?} is not a number"))
+        };
+        Ok((
+            PathBuf::from(dir),
+            name.to_string(),
+            number("FINGERPRINT", fingerprint)?,
+            number("PAYLOAD_BYTES", payload)? as usize,
+            number("SLOTS", slots)? as usize,
+        ))
+    })();
+    let (dir, name, fingerprint, payload_bytes, slots) = match parsed {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("{e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let options = StoreOptions {
+        layout_fingerprint: fingerprint,
+        payload_bytes,
+        slots,
+        queue_depth: 8,
+        engine: EngineChoice::Auto,
+        file: Default::default(),
+        write_failures_max: 8,
+    };
+    match DiskStore::open(&dir, &name, options) {
+        Ok((store, recovered)) => {
+            println!(
+                "initialised={} from_checkpoint={} blocks={} engine={} io_mode={:?}",
+                recovered.initialised,
+                recovered.from_checkpoint,
+                recovered.blocks.len(),
+                store.engine().kind().as_str(),
+                store.file().io_mode()
+            );
+            if hold {
+                let _ = std::io::stdin().read_to_end(&mut Vec::new());
+            }
+            match store.close() {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(e) => {
+                    println!("error: {e}");
+                    std::process::ExitCode::from(1)
+                }
+            }
+        }
+        Err(e) => {
+            println!("error: {e}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
