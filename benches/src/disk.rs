@@ -13,7 +13,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::{Args, ValueEnum};
 use kvbm_disk::{
-    AlignedBuf, DiskStore, EngineChoice, Lookup, StoreOptions, WriteOutcome,
+    AlignedBuf, DiskStore, EngineChoice, Lookup, StoreOptions, WriteOutcome, WriteRequest,
     REGISTERED_BUFFER_BYTES_MAX,
 };
 
@@ -169,9 +169,15 @@ pub fn run(args: DiskArgs) -> anyhow::Result<bool> {
     let mut verified = true;
     let bytes = (args.blocks * args.block_bytes) as f64;
     for round in 0..args.iterations {
-        let writes: Vec<(u32, u64, u64)> = (0..args.blocks)
-            .map(|i| (i as u32, (round * args.blocks + i) as u64, addr(i)))
+        let writes: Vec<WriteRequest> = (0..args.blocks)
+            .map(|i| WriteRequest {
+                slot: i as u32,
+                key: (round * args.blocks + i) as u64,
+                addr: addr(i),
+                metadata: &[],
+            })
             .collect();
+        let reads: Vec<(u32, u64, u64)> = writes.iter().map(|w| (w.slot, w.key, w.addr)).collect();
         let start = Instant::now();
         // SAFETY: the payloads lie in `buffer`, which is neither written nor freed during the call.
         let outcomes = unsafe { store.write_raw(&writes, Box::new(())) }?;
@@ -187,7 +193,7 @@ pub fn run(args: DiskArgs) -> anyhow::Result<bool> {
         buffer.as_mut_slice().fill(0);
         let start = Instant::now();
         // SAFETY: the destinations lie in `buffer`, used by nothing else during the call.
-        let lookups = unsafe { store.read_raw(&writes, Box::new(())) }?;
+        let lookups = unsafe { store.read_raw(&reads, Box::new(())) }?;
         let elapsed = start.elapsed();
         read_gbps.push(bytes / elapsed.as_secs_f64() / 1e9);
         if run_fio {

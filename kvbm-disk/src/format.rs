@@ -13,7 +13,9 @@
 //! `magic "KVBMBLK1" | version u32 | flags u32 | key u64 | payload length u64 |
 //!  payload checksum u64 | generation u64 | fingerprint u64 | header checksum u64`
 //! (XXH3-64 of bytes 0..56; the payload checksum is XXH3-64 of the payload's `payload length`
-//! bytes).
+//! bytes), then the block's metadata, opaque to kvbm-disk (kvbm keeps a block's parent hash and
+//! tokens there, to announce recovered blocks): `metadata length u32 | reserved u32 |
+//! metadata checksum u64 | metadata bytes` from byte 64, at most [`METADATA_BYTES_MAX`] bytes.
 //!
 //! Invariant: decoding accepts a header only if magic, version and checksum all agree; any other
 //! bytes, of any length, decode to a [`FormatError`] and never panic. A block is data only if its
@@ -30,6 +32,9 @@ pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"KVBMSUP1";
 pub const BLOCK_MAGIC: [u8; 8] = *b"KVBMBLK1";
 /// The format version this code writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+
+/// Largest metadata a block header carries.
+pub const METADATA_BYTES_MAX: usize = HEADER_BYTES - 80;
 
 const SUPERBLOCK_CHECKED_BYTES: usize = 48;
 const BLOCK_CHECKED_BYTES: usize = 56;
@@ -88,6 +93,9 @@ pub enum FormatError {
     /// The checksum does not match (torn or corrupted).
     #[error("checksum mismatch")]
     BadChecksum,
+    /// Metadata longer than a header can carry.
+    #[error("{0} bytes of metadata, more than {METADATA_BYTES_MAX}")]
+    MetadataTooLong(usize),
 }
 
 fn u32_at(bytes: &[u8], at: usize) -> u32 {
@@ -171,6 +179,34 @@ impl BlockHeader {
             fingerprint: u64_at(bytes, 48),
         })
     }
+}
+
+/// Writes a block's metadata after its header (bytes 64.. of the header area).
+pub fn encode_metadata(metadata: &[u8], out: &mut [u8]) -> Result<(), FormatError> {
+    if metadata.len() > METADATA_BYTES_MAX {
+        return Err(FormatError::MetadataTooLong(metadata.len()));
+    }
+    out[64..68].copy_from_slice(&(metadata.len() as u32).to_le_bytes());
+    out[68..72].copy_from_slice(&0u32.to_le_bytes());
+    out[72..80].copy_from_slice(&xxh3_64(metadata).to_le_bytes());
+    out[80..80 + metadata.len()].copy_from_slice(metadata);
+    Ok(())
+}
+
+/// Reads a block's metadata from its header area; damaged metadata is an error, never data.
+pub fn decode_metadata(header_area: &[u8]) -> Result<&[u8], FormatError> {
+    if header_area.len() < 80 {
+        return Err(FormatError::Truncated(header_area.len()));
+    }
+    let len = u32_at(header_area, 64) as usize;
+    if len > METADATA_BYTES_MAX || header_area.len() < 80 + len {
+        return Err(FormatError::MetadataTooLong(len));
+    }
+    let metadata = &header_area[80..80 + len];
+    if xxh3_64(metadata) != u64_at(header_area, 72) {
+        return Err(FormatError::BadChecksum);
+    }
+    Ok(metadata)
 }
 
 /// The payload checksum the header records.

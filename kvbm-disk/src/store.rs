@@ -24,8 +24,8 @@ use parking_lot::Mutex;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::format::{
-    block_fingerprint, payload_checksum, verify_block, BlockHeader, BlockMismatch, Superblock,
-    HEADER_BYTES,
+    block_fingerprint, decode_metadata, encode_metadata, payload_checksum, verify_block,
+    BlockHeader, BlockMismatch, Superblock, HEADER_BYTES, METADATA_BYTES_MAX,
 };
 use crate::{
     open_engine_with_buffers, AlignedBuf, BufOp, CacheFile, CacheFileOptions, DiskError,
@@ -60,12 +60,37 @@ pub struct StoreOptions {
 /// What an open found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Recovered {
-    /// (slot, key) of every block found, in slot order.
-    pub blocks: Vec<(u32, u64)>,
+    /// Every block found, in slot order.
+    pub blocks: Vec<RecoveredBlock>,
     /// The index came from a clean-shutdown checkpoint (else from a header scan, or nothing).
     pub from_checkpoint: bool,
     /// The file was (re)initialised: new, another layout, or no valid superblock.
     pub initialised: bool,
+}
+
+/// A block found on open.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveredBlock {
+    /// Its slot.
+    pub slot: u32,
+    /// Its key.
+    pub key: u64,
+    /// The metadata it was written with.
+    pub metadata: Vec<u8>,
+}
+
+/// One block to write: `payload_area_bytes` at `addr` into `slot` under `key`, with `metadata`
+/// (at most [`crate::format::METADATA_BYTES_MAX`] bytes) kept in its header.
+#[derive(Debug, Clone, Copy)]
+pub struct WriteRequest<'a> {
+    /// Target slot.
+    pub slot: u32,
+    /// The block's key.
+    pub key: u64,
+    /// Address of the payload (4 KiB-aligned, `payload_area_bytes` long).
+    pub addr: u64,
+    /// Opaque metadata returned on recovery.
+    pub metadata: &'a [u8],
 }
 
 /// Why a read is not a hit.
@@ -128,11 +153,12 @@ struct Counters {
     read_errors: AtomicU64,
 }
 
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 struct SlotMeta {
     key: u64,
     generation: u64,
     readable: bool,
+    metadata: Arc<[u8]>,
 }
 
 struct StoreState {
@@ -294,12 +320,8 @@ impl DiskStore {
         let from_checkpoint = match self.load_checkpoint() {
             Some(entries) => {
                 let mut state = self.state.lock();
-                for (slot, key, generation) in entries {
-                    state.slots[slot as usize] = SlotMeta {
-                        key,
-                        generation,
-                        readable: true,
-                    };
+                for (slot, meta) in entries {
+                    state.slots[slot as usize] = meta;
                 }
                 true
             }
@@ -316,7 +338,11 @@ impl DiskStore {
             .iter()
             .enumerate()
             .filter(|(_, m)| m.readable)
-            .map(|(i, m)| (i as u32, m.key))
+            .map(|(i, m)| RecoveredBlock {
+                slot: i as u32,
+                key: m.key,
+                metadata: m.metadata.to_vec(),
+            })
             .collect();
         Ok(Recovered {
             blocks,
@@ -344,16 +370,20 @@ impl DiskStore {
             let mut state = self.state.lock();
             for i in 0..n {
                 let bytes = &bufs[0].as_slice()[i * HEADER_BYTES..(i + 1) * HEADER_BYTES];
-                if let Ok(h) = BlockHeader::decode(bytes) {
-                    if h.fingerprint == self.block_fingerprint
-                        && h.payload_len == self.payload_bytes as u64
-                    {
-                        state.slots[first + i] = SlotMeta {
-                            key: h.key,
-                            generation: h.generation,
-                            readable: true,
-                        };
-                    }
+                // A slot is recovered only if its header and its metadata both check out.
+                let (Ok(h), Ok(metadata)) = (BlockHeader::decode(bytes), decode_metadata(bytes))
+                else {
+                    continue;
+                };
+                if h.fingerprint == self.block_fingerprint
+                    && h.payload_len == self.payload_bytes as u64
+                {
+                    state.slots[first + i] = SlotMeta {
+                        key: h.key,
+                        generation: h.generation,
+                        readable: true,
+                        metadata: metadata.into(),
+                    };
                 }
             }
         }
@@ -410,9 +440,26 @@ impl DiskStore {
         key: u64,
         payload: &AlignedBuf,
     ) -> Result<WriteOutcome, DiskError> {
+        self.write_with_metadata(slot, key, payload, &[])
+    }
+
+    /// Writes one block with metadata that recovery will return.
+    pub fn write_with_metadata(
+        &self,
+        slot: u32,
+        key: u64,
+        payload: &AlignedBuf,
+        metadata: &[u8],
+    ) -> Result<WriteOutcome, DiskError> {
         self.check_buffer(payload.len())?;
+        let request = WriteRequest {
+            slot,
+            key,
+            addr: payload.addr(),
+            metadata,
+        };
         // SAFETY: `payload` is borrowed for the whole call and `write_raw` waits for the I/O.
-        let mut outcomes = unsafe { self.write_raw(&[(slot, key, payload.addr())], Box::new(())) }?;
+        let mut outcomes = unsafe { self.write_raw(&[request], Box::new(())) }?;
         Ok(outcomes.pop().expect("one write, one outcome"))
     }
 
@@ -434,12 +481,9 @@ impl DiskStore {
         Ok(())
     }
 
-    fn check_slots(&self, items: &[(u32, u64, u64)]) -> Result<(), DiskError> {
-        match items
-            .iter()
-            .find(|(slot, _, _)| *slot as usize >= self.slot_count)
-        {
-            Some((slot, _, _)) => Err(DiskError::Invalid(format!(
+    fn check_slots(&self, mut slots: impl Iterator<Item = u32>) -> Result<(), DiskError> {
+        match slots.find(|&slot| slot as usize >= self.slot_count) {
+            Some(slot) => Err(DiskError::Invalid(format!(
                 "slot {slot} of {}",
                 self.slot_count
             ))),
@@ -453,7 +497,7 @@ impl DiskStore {
         (self.engine.queue_depth() / 2).max(1)
     }
 
-    /// Writes blocks `(slot, key, payload address)` and waits for them. Each payload spans
+    /// Writes blocks and waits for them. Each payload spans
     /// [`Self::payload_area_bytes`] bytes, 4 KiB-aligned; each block (header and payload) is one
     /// vectored I/O. Blocks go in groups, so that one group's checksums are computed while earlier
     /// groups are on the disk; a failed group fails its own blocks only.
@@ -463,10 +507,20 @@ impl DiskStore {
     /// anyone until this returns; `keep` is dropped once the I/O completed.
     pub unsafe fn write_raw(
         &self,
-        writes: &[(u32, u64, u64)],
+        writes: &[WriteRequest<'_>],
         keep: Box<dyn Any + Send>,
     ) -> Result<Vec<WriteOutcome>, DiskError> {
-        self.check_slots(writes)?;
+        self.check_slots(writes.iter().map(|w| w.slot))?;
+        if let Some(w) = writes
+            .iter()
+            .find(|w| w.metadata.len() > METADATA_BYTES_MAX)
+        {
+            return Err(DiskError::Invalid(format!(
+                "{} bytes of metadata for slot {}, more than {METADATA_BYTES_MAX}",
+                w.metadata.len(),
+                w.slot
+            )));
+        }
         if writes.is_empty() {
             return Ok(Vec::new());
         }
@@ -481,8 +535,8 @@ impl DiskStore {
             // Unreadable from now until the write is known to have landed.
             writes
                 .iter()
-                .map(|&(slot, _, _)| {
-                    let meta = &mut state.slots[slot as usize];
+                .map(|w| {
+                    let meta = &mut state.slots[w.slot as usize];
                     meta.readable = false;
                     meta.generation += 1;
                     meta.generation
@@ -496,7 +550,13 @@ impl DiskStore {
             let mut headers = AlignedBuf::new(group.len() * HEADER_BYTES)
                 .map_err(|e| DiskError::Invalid(e.to_string()))?;
             let mut ops = Vec::with_capacity(group.len());
-            for (i, &(slot, key, addr)) in group.iter().enumerate() {
+            for (i, w) in group.iter().enumerate() {
+                let WriteRequest {
+                    slot,
+                    key,
+                    addr,
+                    metadata,
+                } = *w;
                 // SAFETY: the caller guarantees the payload memory is valid and stable.
                 let payload =
                     unsafe { std::slice::from_raw_parts(addr as *const u8, self.payload_bytes) };
@@ -508,6 +568,8 @@ impl DiskStore {
                     fingerprint: self.block_fingerprint,
                 }
                 .encode(&mut headers.as_mut_slice()[i * HEADER_BYTES..]);
+                encode_metadata(metadata, &mut headers.as_mut_slice()[i * HEADER_BYTES..])
+                    .map_err(|e| DiskError::Invalid(e.to_string()))?;
                 ops.push(IoOp {
                     kind: OpKind::Write,
                     offset: self.slot_offset(slot as usize),
@@ -532,10 +594,11 @@ impl DiskStore {
         for (group, result) in writes.chunks(self.group_blocks()).zip(results) {
             match result {
                 Ok(()) => {
-                    for &(slot, key, _) in group {
-                        let meta = &mut state.slots[slot as usize];
-                        meta.key = key;
+                    for w in group {
+                        let meta = &mut state.slots[w.slot as usize];
+                        meta.key = w.key;
                         meta.readable = true;
+                        meta.metadata = w.metadata.into();
                     }
                     self.counters
                         .writes_ok
@@ -581,14 +644,14 @@ impl DiskStore {
         reads: &[(u32, u64, u64)],
         keep: Box<dyn Any + Send>,
     ) -> Result<Vec<Lookup>, DiskError> {
-        self.check_slots(reads)?;
+        self.check_slots(reads.iter().map(|r| r.0))?;
         // Decide what to read: only slots that hold the key, at the generation last written.
         let plan: Vec<Option<u64>> = {
             let state = self.state.lock();
             reads
                 .iter()
                 .map(|&(slot, key, _)| {
-                    let meta = state.slots[slot as usize];
+                    let meta = &state.slots[slot as usize];
                     (meta.readable && meta.key == key).then_some(meta.generation)
                 })
                 .collect()
@@ -670,7 +733,8 @@ impl DiskStore {
             .enumerate()
             .filter(|(_, m)| m.readable)
             .collect();
-        let mut bytes = Vec::with_capacity(48 + entries.len() * 24);
+        // Entries: slot, key, generation, metadata length (u64 each), then the metadata bytes.
+        let mut bytes = Vec::with_capacity(48 + entries.len() * 32);
         bytes.extend_from_slice(&CHECKPOINT_MAGIC);
         bytes.extend_from_slice(&self.layout_fingerprint.to_le_bytes());
         bytes.extend_from_slice(&self.epoch.to_le_bytes());
@@ -680,19 +744,21 @@ impl DiskStore {
             bytes.extend_from_slice(&(*slot as u64).to_le_bytes());
             bytes.extend_from_slice(&meta.key.to_le_bytes());
             bytes.extend_from_slice(&meta.generation.to_le_bytes());
+            bytes.extend_from_slice(&(meta.metadata.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(&meta.metadata);
         }
         let checksum = xxh3_64(&bytes);
         bytes.extend_from_slice(&checksum.to_le_bytes());
         write_private(&self.checkpoint_path, &bytes)
     }
 
-    /// (slot, key, generation) from a valid checkpoint of this file's layout and epoch.
-    fn load_checkpoint(&self) -> Option<Vec<(u32, u64, u64)>> {
+    /// (slot, what it holds) from a valid checkpoint of this file's layout and epoch.
+    fn load_checkpoint(&self) -> Option<Vec<(u32, SlotMeta)>> {
         let bytes = std::fs::read(&self.checkpoint_path).ok()?;
         let body_len = bytes.len().checked_sub(8)?;
         let (body, sum) = bytes.split_at(body_len);
         let u64_at = |at: usize| {
-            body.get(at..at + 8)
+            body.get(at..at.checked_add(8)?)
                 .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
         };
         if body.get(..8)? != CHECKPOINT_MAGIC
@@ -706,19 +772,32 @@ impl DiskStore {
         {
             return None;
         }
-        let count = usize::try_from(u64_at(32)?).ok()?;
-        if body.len() != 40 + count.checked_mul(24)? {
-            return None;
+        let count = usize::try_from(u64_at(32)?)
+            .ok()
+            .filter(|&c| c <= self.slot_count)?;
+        let mut at = 40;
+        let mut entries = Vec::with_capacity(count);
+        for _ in 0..count {
+            let slot = u32::try_from(u64_at(at)?)
+                .ok()
+                .filter(|&s| (s as usize) < self.slot_count)?;
+            let (key, generation) = (u64_at(at + 8)?, u64_at(at + 16)?);
+            let len = usize::try_from(u64_at(at + 24)?)
+                .ok()
+                .filter(|&l| l <= METADATA_BYTES_MAX)?;
+            let metadata = body.get(at + 32..at + 32 + len)?.into();
+            entries.push((
+                slot,
+                SlotMeta {
+                    key,
+                    generation,
+                    readable: true,
+                    metadata,
+                },
+            ));
+            at += 32 + len;
         }
-        (0..count)
-            .map(|i| {
-                let at = 40 + i * 24;
-                let slot = u32::try_from(u64_at(at)?)
-                    .ok()
-                    .filter(|&s| (s as usize) < self.slot_count)?;
-                Some((slot, u64_at(at + 8)?, u64_at(at + 16)?))
-            })
-            .collect()
+        (at == body.len()).then_some(entries)
     }
 }
 

@@ -198,7 +198,7 @@ fn a_file_truncated_under_the_store_reads_as_misses() {
         let (store, recovered) = open(dir.path(), engine, 1);
         assert!(!recovered.from_checkpoint && !recovered.initialised);
         assert_eq!(
-            recovered.blocks.iter().map(|b| b.0).collect::<Vec<_>>(),
+            recovered.blocks.iter().map(|b| b.slot).collect::<Vec<_>>(),
             (0..13).collect::<Vec<u32>>()
         );
         assert_hit(&store, 0);
@@ -223,7 +223,8 @@ fn restart_recovers_blocks_from_a_checkpoint_or_by_scanning() {
         // Clean shutdown: the index comes from the checkpoint, which is then consumed.
         let (store, recovered) = open(dir.path(), engine, 9);
         assert!(recovered.from_checkpoint);
-        assert_eq!(recovered.blocks, expected);
+        let found: Vec<(u32, u64)> = recovered.blocks.iter().map(|b| (b.slot, b.key)).collect();
+        assert_eq!(found, expected);
         assert!(
             !checkpoint.exists(),
             "a checkpoint must not outlive the open that used it"
@@ -265,5 +266,62 @@ fn another_layout_discards_the_contents_for_good() {
         // Back to the first layout: the old blocks belong to a discarded epoch and stay gone.
         let (_, recovered) = open(dir.path(), engine, 1);
         assert!(recovered.initialised && recovered.blocks.is_empty());
+    });
+}
+
+#[test]
+fn metadata_comes_back_from_a_scan_and_from_a_checkpoint_and_damage_drops_the_slot() {
+    for_both_engines(|engine| {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, _) = open(dir.path(), engine, 3);
+        let meta = |slot: u32| {
+            format!(
+                "parent={} tokens=[{slot},{slot},{slot}]",
+                slot.wrapping_sub(1)
+            )
+            .into_bytes()
+        };
+        for slot in 0..4 {
+            let outcome = store
+                .write_with_metadata(slot, key_of(slot), &block(key_of(slot)), &meta(slot))
+                .unwrap();
+            assert_eq!(outcome, WriteOutcome::Stored);
+        }
+        let too_long = vec![0u8; kvbm_disk::format::METADATA_BYTES_MAX + 1];
+        assert!(store
+            .write_with_metadata(5, 5, &block(5), &too_long)
+            .is_err());
+        // Crash, then scan.
+        drop(store);
+        let (store, recovered) = open(dir.path(), engine, 3);
+        assert!(!recovered.from_checkpoint);
+        for b in &recovered.blocks {
+            assert_eq!(b.metadata, meta(b.slot), "slot {}", b.slot);
+        }
+        assert_eq!(recovered.blocks.len(), 4);
+        // Clean shutdown, then the checkpoint.
+        store.close().unwrap();
+        let (store, recovered) = open(dir.path(), engine, 3);
+        assert!(recovered.from_checkpoint);
+        assert_eq!(
+            recovered
+                .blocks
+                .iter()
+                .map(|b| b.metadata.clone())
+                .collect::<Vec<_>>(),
+            (0..4).map(meta).collect::<Vec<_>>()
+        );
+        drop(store);
+        // A flipped metadata byte: that slot is not recovered by a scan.
+        scribble(
+            dir.path(),
+            payload_offset(2) - HEADER_BYTES as u64 + 81,
+            b"#",
+        );
+        let (_, recovered) = open(dir.path(), engine, 3);
+        assert_eq!(
+            recovered.blocks.iter().map(|b| b.slot).collect::<Vec<_>>(),
+            vec![0, 1, 3]
+        );
     });
 }

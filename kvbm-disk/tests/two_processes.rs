@@ -65,5 +65,6 @@ fn a_second_process_is_refused_until_the_first_closes() {
     assert!(child.wait().unwrap().success());
     let (_, recovered) = DiskStore::open(dir.path(), "cache.kvbm", options()).unwrap();
     assert!(recovered.from_checkpoint);
-    assert_eq!(recovered.blocks, vec![(0, 100), (1, 101), (2, 102)]);
+    let found: Vec<(u32, u64)> = recovered.blocks.iter().map(|b| (b.slot, b.key)).collect();
+    assert_eq!(found, vec![(0, 100), (1, 101), (2, 102)]);
 }
