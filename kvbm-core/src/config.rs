@@ -14,6 +14,12 @@ pub const CPU_CACHE_OVERRIDE_NUM_BLOCKS: &str = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM
 pub const DISK_CACHE_GB: &str = "DYN_KVBM_DISK_CACHE_GB";
 /// Exact disk tier size in blocks; wins over [`DISK_CACHE_GB`].
 pub const DISK_CACHE_OVERRIDE_NUM_BLOCKS: &str = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS";
+/// Directory of the disk cache files.
+pub const DISK_CACHE_DIR: &str = "DYN_KVBM_DISK_CACHE_DIR";
+/// Buffered disk I/O instead of O_DIRECT.
+pub const DISK_DISABLE_O_DIRECT: &str = "DYN_KVBM_DISK_DISABLE_O_DIRECT";
+/// Write every host block to disk, not only reused ones.
+pub const DISABLE_DISK_OFFLOAD_FILTER: &str = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER";
 /// Blocks per transfer batch.
 pub const MAX_TRANSFER_BATCH_SIZE: &str = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE";
 /// Transfer batches in flight.
@@ -94,6 +100,12 @@ pub struct KvbmConfig {
     pub metrics_port: Option<u16>,
     /// Log filter. Default "info".
     pub log_filter: String,
+    /// Directory of the disk cache files. Default: the system temp dir.
+    pub disk_dir: std::path::PathBuf,
+    /// Buffered disk I/O instead of O_DIRECT. Default off.
+    pub disk_disable_o_direct: bool,
+    /// Write every host block to disk instead of those seen twice. Default off.
+    pub disk_offload_filter_disabled: bool,
 }
 
 impl KvbmConfig {
@@ -145,7 +157,23 @@ impl KvbmConfig {
                     invalid(METRICS_PORT, &v, "expected a port number from 1 to 65535")
                 })?,
         };
+        let flag = |var: &'static str| match lookup(var) {
+            None => Ok(false),
+            Some(v) => {
+                parse_flag(&v).ok_or_else(|| invalid(var, &v, "expected 0, 1, true or false"))
+            }
+        };
+        let disk_dir = match lookup(DISK_CACHE_DIR) {
+            None => std::env::temp_dir(),
+            Some(v) if v.trim().is_empty() => {
+                return Err(invalid(DISK_CACHE_DIR, &v, "empty path"))
+            }
+            Some(v) => std::path::PathBuf::from(v),
+        };
         Ok(Self {
+            disk_dir,
+            disk_disable_o_direct: flag(DISK_DISABLE_O_DIRECT)?,
+            disk_offload_filter_disabled: flag(DISABLE_DISK_OFFLOAD_FILTER)?,
             host,
             disk,
             transfer_batch_blocks_max,

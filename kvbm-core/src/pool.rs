@@ -266,6 +266,34 @@ impl BlockPool {
         self.shared.state.lock().available
     }
 
+    /// Takes the given free blocks for writing (to refill blocks whose contents survived a
+    /// restart). All or nothing: `InvalidArgument` if any is not free and available.
+    pub fn claim(&self, ids: &[BlockId]) -> Result<Vec<MutableBlock>, CoreError> {
+        let mut state = self.shared.state.lock();
+        let mut wanted = std::collections::HashSet::with_capacity(ids.len());
+        for &id in ids {
+            let free =
+                id.index() < state.available && state.slots[id.index()].state == BlockState::Free;
+            if !free || !wanted.insert(id) {
+                return Err(CoreError::InvalidArgument(format!(
+                    "block {id:?} is not free to claim"
+                )));
+            }
+        }
+        state.free.retain(|id| !wanted.contains(id));
+        for &id in ids {
+            state.slots[id.index()].state = BlockState::Filling;
+        }
+        state.filling += ids.len();
+        Ok(ids
+            .iter()
+            .map(|&id| MutableBlock {
+                pool: Some(self.shared.clone()),
+                id,
+            })
+            .collect())
+    }
+
     /// Takes up to `count` blocks for writing, as many as are free or evictable.
     pub fn allocate_up_to(&self, count: usize) -> Vec<MutableBlock> {
         let available = {

@@ -49,6 +49,17 @@ fn overrides_win_and_other_settings_parse() {
     assert_eq!(c.transfers_inflight_max.get(), 8);
     assert_eq!(c.metrics_port, Some(9100));
     assert_eq!(c.log_filter, "debug");
+    assert_eq!(c.disk_dir, std::env::temp_dir());
+    assert!(!c.disk_disable_o_direct && !c.disk_offload_filter_disabled);
+    let d = load(&[
+        ("DYN_KVBM_DISK_CACHE_GB", "1"),
+        ("DYN_KVBM_DISK_CACHE_DIR", "/var/cache/kvbm"),
+        ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "1"),
+        ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "true"),
+    ])
+    .unwrap();
+    assert_eq!(d.disk_dir, std::path::PathBuf::from("/var/cache/kvbm"));
+    assert!(d.disk_disable_o_direct && d.disk_offload_filter_disabled);
     assert_eq!(
         load(&[
             ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "10"),
@@ -101,6 +112,9 @@ fn every_bad_value_names_the_variable_and_the_value() {
         ("DYN_KVBM_METRICS", "maybe"),
         ("DYN_KVBM_METRICS_PORT", "0"),
         ("DYN_KVBM_METRICS_PORT", "70000"),
+        ("DYN_KVBM_DISK_CACHE_DIR", " "),
+        ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "sometimes"),
+        ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "2"),
     ];
     for &(variable, value) in cases {
         // A valid host size so that only the variable under test can be wrong.

@@ -507,3 +507,34 @@ fn a_growing_pool_hands_out_only_available_blocks() {
     ids.sort();
     assert_eq!(ids, vec![0, 1, 2, 3, 4]);
 }
+
+#[test]
+fn claiming_specific_blocks_is_all_or_nothing() {
+    let pool = BlockPool::with_policy(
+        Tier::Disk,
+        6,
+        4,
+        None,
+        Box::new(kvbm_core::LruPriority::new(6)),
+        4,
+    );
+    let id = kvbm_core::BlockId;
+    let taken = pool.allocate(1).unwrap(); // block 0
+    assert_eq!(taken[0].id(), id(0));
+    for bad in [&[id(1), id(0)][..], &[id(2), id(2)][..], &[id(5)][..]] {
+        assert!(pool.claim(bad).is_err(), "{bad:?}");
+        assert_eq!(pool.counts().free, 3, "a refused claim changes nothing");
+    }
+    let claimed = pool.claim(&[id(3), id(1)]).unwrap();
+    assert_eq!(
+        claimed.iter().map(|b| b.id()).collect::<Vec<_>>(),
+        vec![id(3), id(1)]
+    );
+    let c = pool.counts();
+    assert_eq!((c.free, c.filling), (1, 3));
+    assert_eq!(
+        pool.allocate(1).unwrap()[0].id(),
+        id(2),
+        "claimed ids are no longer handed out"
+    );
+}

@@ -725,6 +725,14 @@ impl DiskStore {
 
     /// Flushes the file and writes a checkpoint of the index, so the next open need not scan.
     pub fn close(self) -> Result<(), DiskError> {
+        self.checkpoint()
+    }
+
+    /// As [`Self::close`] without giving the store up: for an owner that shuts down from `Drop`.
+    /// The checkpoint describes the store now; a later write makes it stale, which is why the
+    /// next open consumes it (a crash after further writes then falls back to a scan only if
+    /// this was not called again after them).
+    pub fn checkpoint(&self) -> Result<(), DiskError> {
         self.file.sync_data()?;
         let state = self.state.lock();
         let entries: Vec<_> = state
