@@ -208,6 +208,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
                 ..TransferLimits::default()
             },
             pin_threads: kvbm_cuda::HostRegionOptions::default().pin_threads,
+            disk: None,
         },
         GpuMemory::Allocate,
     )

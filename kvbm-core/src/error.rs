@@ -36,6 +36,9 @@ pub enum CoreError {
     /// Blocks are held or being copied, so the operation cannot run now.
     #[error("busy: {0}")]
     Busy(String),
+    /// The disk tier failed to open or to run.
+    #[error("disk tier: {0}")]
+    Disk(String),
     /// The transfer engine has shut down.
     #[error("the transfer engine has shut down")]
     EngineClosed,

@@ -6,10 +6,12 @@
 //! configuration from Dynamo's environment variables ([`config`]) and counters ([`metrics`]).
 //! Does not own: moving bytes (kvbm-cuda), hashing and events (kvbm-events).
 //!
-//! Invariant: no `unsafe` in this crate.
-#![forbid(unsafe_code)]
+//! Invariant: no `unsafe` in this crate but `disk::handoff`, which hands held host blocks' memory
+//! to kvbm-disk (see its header for why that is sound).
+#![deny(unsafe_code)]
 
 pub mod config;
+pub mod disk;
 mod error;
 pub mod eviction;
 pub mod layout;
@@ -19,6 +21,10 @@ pub mod pool;
 pub mod transfer;
 
 pub use config::{ConfigError, KvbmConfig, TierSize};
+pub use disk::{
+    decode_identity, encode_identity, layout_fingerprint, Admission, DiskOptions, DiskTier,
+    ADMIT_THRESHOLD,
+};
 pub use error::CoreError;
 pub use eviction::{EvictionPolicy, LruPriority};
 pub use layout::{BlockLayout, KvLayout, LayerShape, LayoutKind, BLOCK_ALIGN_BYTES};
@@ -29,5 +35,6 @@ pub use pool::{
     HeldBlocks, ImmutableBlock, MutableBlock, PoolCounts, Rejected,
 };
 pub use transfer::{
-    BatchLatency, TierStorage, TransferEngine, TransferLimits, TransferOutcome, TransferTicket,
+    BatchLatency, HostStoredHook, TierStorage, TransferEngine, TransferLimits, TransferOutcome,
+    TransferTicket,
 };

@@ -14,12 +14,15 @@ use kvbm_cuda::{Device, DeviceKind, Direction, GpuRegion, HostRegion, HostRegion
 use kvbm_events::{EventPublisher, EventSubscriber, SequenceHash, Tier};
 
 use crate::config::KvbmConfig;
+use crate::disk::{DiskOptions, DiskTier};
 use crate::layout::{BlockLayout, KvLayout, LayerShape};
 use crate::metrics::{add, Metrics, MetricsSnapshot};
 use crate::pool::{
     clear_across, match_across, BlockId, BlockPool, CompleteBlock, ImmutableBlock, MutableBlock,
 };
-use crate::transfer::{TierStorage, TransferEngine, TransferLimits, TransferTicket};
+use crate::transfer::{
+    HostStoredHook, TierStorage, TransferEngine, TransferLimits, TransferTicket,
+};
 use crate::CoreError;
 
 /// Target size of one pinning chunk; rounded to whole host blocks.
@@ -49,6 +52,8 @@ pub struct ManagerOptions {
     pub limits: TransferLimits,
     /// Threads pinning host memory.
     pub pin_threads: usize,
+    /// The disk tier, if any.
+    pub disk: Option<DiskOptions>,
 }
 
 impl ManagerOptions {
@@ -72,7 +77,29 @@ impl ManagerOptions {
                 ..TransferLimits::default()
             },
             pin_threads: HostRegionOptions::default().pin_threads,
+            disk: None,
         }
+    }
+
+    /// Adds the disk tier from `config` (when it has any blocks), with one cache file per rank.
+    pub fn with_disk_from_config(
+        mut self,
+        config: &KvbmConfig,
+        world_size: usize,
+        rank: usize,
+    ) -> Self {
+        let slot_bytes = self.kv.contiguous_stride_bytes() + kvbm_disk::format::HEADER_BYTES;
+        let blocks = config.disk.blocks(slot_bytes, world_size);
+        self.disk = (blocks > 0).then(|| DiskOptions {
+            dir: config.disk_dir.clone(),
+            file_name: format!("kvbm-rank{rank}.cache"),
+            blocks,
+            disable_o_direct: config.disk_disable_o_direct,
+            filter_disabled: config.disk_offload_filter_disabled,
+            queue_depth: 16,
+            engine: kvbm_disk::EngineChoice::Auto,
+        });
+        self
     }
 }
 
@@ -90,13 +117,15 @@ impl PrefixMatch {
     }
 }
 
-/// The block manager over the GPU and host tiers.
+/// The block manager over the GPU, host and (optionally) disk tiers.
 pub struct BlockManager {
     device: Device,
     kv: KvLayout,
     events: EventPublisher,
     metrics: Arc<Metrics>,
+    /// Declared before `disk`: it drops first, so its last offloads reach the disk writer.
     engine: TransferEngine,
+    disk: Option<Arc<DiskTier>>,
 }
 
 impl std::fmt::Debug for BlockManager {
@@ -111,12 +140,24 @@ impl std::fmt::Debug for BlockManager {
 }
 
 impl BlockManager {
-    /// Builds both tiers on `device`: GPU memory allocated or registered, host memory mapped and
-    /// pinned in the background (usable as it becomes ready).
+    /// Builds the tiers on `device`: GPU memory allocated or registered, host memory mapped and
+    /// pinned in the background (usable as it becomes ready), and the disk tier if configured
+    /// (announcing what it recovered).
     pub fn new(
         device: Device,
         options: ManagerOptions,
         gpu_memory: GpuMemory,
+    ) -> Result<Self, CoreError> {
+        Self::with_publisher(device, options, gpu_memory, EventPublisher::new())
+    }
+
+    /// As [`Self::new`], publishing through `events`: subscribe first to see every event,
+    /// including the `BlockStored{tier: Disk}` announcements of blocks a restart recovered.
+    pub fn with_publisher(
+        device: Device,
+        options: ManagerOptions,
+        gpu_memory: GpuMemory,
+        events: EventPublisher,
     ) -> Result<Self, CoreError> {
         let kv = options.kv;
         if options.gpu_blocks == 0 || options.host_blocks == 0 {
@@ -125,7 +166,6 @@ impl BlockManager {
                 options.gpu_blocks, options.host_blocks
             )));
         }
-        let events = EventPublisher::new();
         let metrics = Arc::new(Metrics::default());
 
         let layer_bytes = kv.layer_bytes(options.gpu_blocks);
@@ -189,15 +229,46 @@ impl BlockManager {
         };
         host.refresh_available();
 
+        let disk = match &options.disk {
+            None => None,
+            Some(disk_options) => {
+                let pool = BlockPool::new(
+                    Tier::Disk,
+                    disk_options.blocks,
+                    kv.block_size_tokens,
+                    Some(events.clone()),
+                );
+                let host_region = host
+                    .host_region
+                    .clone()
+                    .expect("the host tier has a host region");
+                Some(Arc::new(DiskTier::open(
+                    disk_options,
+                    kv,
+                    pool,
+                    host.pool.clone(),
+                    host.layout.clone(),
+                    host_region,
+                    metrics.clone(),
+                )?))
+            }
+        };
+        let hook: Option<HostStoredHook> = disk.clone().map(|disk| {
+            Arc::new(move |blocks: &[ImmutableBlock]| {
+                disk.consider(blocks, std::time::Instant::now())
+            }) as HostStoredHook
+        });
         let d2h = device.copy_stream(Direction::DeviceToHost)?;
         let h2d = device.copy_stream(Direction::HostToDevice)?;
-        let engine = TransferEngine::new(gpu, host, d2h, h2d, options.limits, metrics.clone())?;
+        let engine =
+            TransferEngine::new(gpu, host, d2h, h2d, options.limits, metrics.clone(), hook)?;
         Ok(Self {
             device,
             kv,
             events,
             metrics,
             engine,
+            disk,
         })
     }
 
@@ -246,6 +317,11 @@ impl BlockManager {
     /// The host tier's pool.
     pub fn host_pool(&self) -> &BlockPool {
         &self.engine.host().pool
+    }
+
+    /// The disk tier, if configured.
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_deref()
     }
 
     /// The host tier's memory.
@@ -310,9 +386,49 @@ impl BlockManager {
     /// Matches `hashes` from the first across GPU then host, each block from the fastest tier
     /// that holds it, stopping at the first miss.
     pub fn match_prefix(&self, hashes: &[SequenceHash]) -> PrefixMatch {
+        let mut pools = vec![self.gpu_pool(), self.host_pool()];
+        pools.extend(self.disk.as_deref().map(DiskTier::pool));
         PrefixMatch {
-            blocks: match_across(&[self.gpu_pool(), self.host_pool()], hashes),
+            blocks: match_across(&pools, hashes),
         }
+    }
+
+    /// Matches `hashes` below the GPU: host first, and disk blocks continue the prefix where the
+    /// host match stops (what a connector loads beyond the engine's own GPU prefix cache).
+    /// Host hits count as sightings for disk admission.
+    pub fn match_lower(&self, hashes: &[SequenceHash]) -> PrefixMatch {
+        let mut pools = vec![self.host_pool()];
+        pools.extend(self.disk.as_deref().map(DiskTier::pool));
+        let blocks = match_across(&pools, hashes);
+        let host_hits: Vec<ImmutableBlock> = blocks
+            .iter()
+            .filter(|b| b.tier() == Tier::Host)
+            .cloned()
+            .collect();
+        add(&self.metrics.host_lookup_blocks, hashes.len() as u64);
+        add(&self.metrics.host_hit_blocks, host_hits.len() as u64);
+        add(
+            &self.metrics.matched_tokens,
+            (blocks.len() * self.kv.block_size_tokens) as u64,
+        );
+        if let Some(disk) = &self.disk {
+            disk.consider(&host_hits, std::time::Instant::now());
+        }
+        PrefixMatch { blocks }
+    }
+
+    /// Loads disk blocks into the host tier (Disk->Host; the host copies then onboard to the GPU
+    /// like any host block). Returns the held host blocks of the prefix that loaded.
+    pub fn load_from_disk(
+        &self,
+        disk_blocks: Vec<ImmutableBlock>,
+    ) -> Result<Vec<ImmutableBlock>, CoreError> {
+        let disk = self
+            .disk
+            .as_deref()
+            .ok_or_else(|| CoreError::InvalidArgument("no disk tier".into()))?;
+        self.engine.host().refresh_available();
+        disk.load(disk_blocks)
     }
 
     /// Matches `hashes` in the host tier alone (what a connector loads beyond the engine's own GPU
@@ -328,21 +444,28 @@ impl BlockManager {
         blocks
     }
 
-    /// Waits until no transfer is pending or in flight.
+    /// Waits until no transfer is pending or in flight, and no disk write is queued.
     pub fn wait_idle(&self) {
         self.engine.wait_idle();
+        if let Some(disk) = &self.disk {
+            disk.wait_idle();
+        }
     }
 
     /// Empties every tier and publishes one `AllBlocksCleared` (what an engine's prefix-cache
     /// reset does). Refused with `Busy`, changing nothing, while any block is held or being copied.
+    /// The disk cache file keeps its contents (a restart would announce them again).
     pub fn reset(&self) -> Result<(), CoreError> {
-        clear_across(&[self.gpu_pool(), self.host_pool()])
+        let mut pools = vec![self.gpu_pool(), self.host_pool()];
+        pools.extend(self.disk.as_deref().map(DiskTier::pool));
+        clear_across(&pools)
     }
 
     /// Every (tier, hash) registered now.
     pub fn residency(&self) -> HashSet<(Tier, SequenceHash)> {
         let mut set = HashSet::new();
-        for pool in [self.gpu_pool(), self.host_pool()] {
+        let disk = self.disk.as_deref().map(DiskTier::pool);
+        for pool in [self.gpu_pool(), self.host_pool()].into_iter().chain(disk) {
             set.extend(
                 pool.registered_hashes()
                     .into_iter()

@@ -123,6 +123,8 @@ struct Slot {
     holders: u32,
     priority: u32,
     identity: Option<Arc<BlockIdentity>>,
+    /// Remove (not idle) when the last holder lets go: the contents are known bad.
+    discard: bool,
 }
 
 struct PoolState {
@@ -211,6 +213,7 @@ impl BlockPool {
                 holders: 0,
                 priority: 0,
                 identity: None,
+                discard: false,
             })
             .collect();
         // Pop from the end: hand out low ids first.
@@ -539,6 +542,14 @@ impl BlockPool {
         self.shared.state.lock().slots[block.id.index()].priority = priority;
     }
 
+    /// Gives up a block whose contents turned out to be bad: when its last holder lets go (now,
+    /// if `block` is the only one), it leaves the tier (`BlockRemoved`) instead of going idle.
+    pub fn discard(&self, block: ImmutableBlock) {
+        assert!(self.owns(&block.pool), "block of another pool");
+        self.shared.state.lock().slots[block.id.index()].discard = true;
+        drop(block);
+    }
+
     /// Evicts up to `max_blocks` idle blocks by policy; returns how many left.
     pub fn evict_idle(&self, max_blocks: usize) -> usize {
         let mut state = self.shared.state.lock();
@@ -725,16 +736,37 @@ fn release_all(pool: &PoolShared, blocks: &[(BlockId, SequenceHash)]) {
     }
     let mut state = pool.state.lock();
     for &(id, _) in blocks {
-        release_locked(&mut state, id);
+        release_locked(pool, &mut state, id);
     }
 }
 
-fn release_locked(state: &mut PoolState, id: BlockId) {
+/// Drops one hold; the last one makes the block idle, or removes it if it was discarded.
+fn release_locked(pool: &PoolShared, state: &mut PoolState, id: BlockId) {
     let slot = &mut state.slots[id.index()];
     slot.holders -= 1;
-    if slot.holders == 0 {
+    if slot.holders > 0 {
+        return;
+    }
+    if !slot.discard {
         let priority = slot.priority;
         state.policy.insert(id, priority);
+        return;
+    }
+    let identity = slot
+        .identity
+        .take()
+        .expect("registered blocks have an identity");
+    slot.state = BlockState::Free;
+    slot.priority = 0;
+    slot.discard = false;
+    state.index.remove(&identity.sequence_hash);
+    state.free.push(id);
+    state.evictions += 1;
+    if let Some(events) = &pool.events {
+        events.publish(KvEvent::BlockRemoved(BlockRemoved {
+            tier: pool.tier,
+            block_hashes: vec![identity.sequence_hash],
+        }));
     }
 }
 
@@ -874,6 +906,6 @@ impl Clone for ImmutableBlock {
 
 impl Drop for ImmutableBlock {
     fn drop(&mut self) {
-        release_locked(&mut self.pool.state.lock(), self.id);
+        release_locked(&self.pool, &mut self.pool.state.lock(), self.id);
     }
 }

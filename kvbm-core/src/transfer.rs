@@ -74,6 +74,11 @@ impl TierStorage {
     }
 }
 
+/// Called with the host blocks the engine has just registered, or found already resident when
+/// asked to offload them again (each is a sighting). Must not block: it runs on the engine's
+/// progress thread or an offloading caller, under the engine lock.
+pub type HostStoredHook = Arc<dyn Fn(&[ImmutableBlock]) + Send + Sync>;
+
 /// Per-batch timing, for latency figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchLatency {
@@ -226,6 +231,7 @@ struct EngineShared {
     h2d: CopyStream,
     limits: TransferLimits,
     metrics: Arc<Metrics>,
+    host_stored: Option<HostStoredHook>,
     state: Mutex<EngineState>,
     work_cv: Condvar,
     idle_cv: Condvar,
@@ -256,6 +262,7 @@ impl TransferEngine {
         h2d: CopyStream,
         limits: TransferLimits,
         metrics: Arc<Metrics>,
+        host_stored: Option<HostStoredHook>,
     ) -> Result<Self, CoreError> {
         if limits.batch_blocks_max == 0 || limits.inflight_max == 0 {
             return Err(CoreError::InvalidArgument(format!(
@@ -273,6 +280,7 @@ impl TransferEngine {
             h2d,
             limits,
             metrics,
+            host_stored,
             state: Mutex::new(EngineState::default()),
             work_cv: Condvar::new(),
             idle_cv: Condvar::new(),
@@ -318,10 +326,14 @@ impl TransferEngine {
         let mut state = self.lock_open()?;
         let mut sources = Vec::with_capacity(blocks.len());
         let mut deduplicated = 0;
+        let mut resident = Vec::new();
         for block in blocks {
             let hash = block.sequence_hash();
-            if state.offloading.contains(&hash) || shared.host.pool.contains(hash) {
+            if state.offloading.contains(&hash) {
                 deduplicated += 1;
+            } else if let Some(host_block) = shared.host.pool.lookup(hash) {
+                deduplicated += 1;
+                resident.push(host_block);
             } else {
                 state.offloading.insert(hash);
                 sources.push(block.clone());
@@ -345,6 +357,10 @@ impl TransferEngine {
             deduplicated as u64,
         );
         add(&shared.metrics.offload_skipped_blocks, skipped as u64);
+        if let (Some(hook), false) = (&shared.host_stored, resident.is_empty()) {
+            hook(&resident);
+        }
+        drop(resident);
         let request = Request {
             direction: Direction::DeviceToHost,
             sources,
@@ -605,6 +621,9 @@ fn finish_batch(
             rejected.reason
         )
     });
+    if let (Some(hook), Direction::DeviceToHost) = (&shared.host_stored, direction) {
+        hook(&registered);
+    }
     ticket.finish_batch(
         first_slot,
         registered,

@@ -214,6 +214,7 @@ fn a_failed_copy_returns_its_targets_and_publishes_nothing() {
         device.copy_stream(Direction::HostToDevice).unwrap(),
         TransferLimits::default(),
         metrics.clone(),
+        None,
     )
     .unwrap();
     let ids = identities(&(0..8).collect::<Vec<u32>>());

@@ -35,6 +35,7 @@ pub fn manager(
             host_blocks,
             limits,
             pin_threads: 1,
+            disk: None,
         },
         GpuMemory::Allocate,
     )
