@@ -355,7 +355,7 @@ impl DiskTier {
                     &self.shared.metrics.offload_skipped_blocks,
                     batch.len() as u64,
                 );
-                self.shared.finish(&batch);
+                self.shared.finish(batch);
             }
         }
     }
@@ -458,15 +458,21 @@ impl DiskShared {
         if let Err(rejected) = self.pool.register_all(complete) {
             unreachable!("slots come from the disk pool: {}", rejected.reason);
         }
-        self.finish(&host_blocks);
+        self.finish(host_blocks);
     }
 
-    /// The batch is done (written, failed or skipped): its hashes may be admitted again.
-    fn finish(&self, host_blocks: &[ImmutableBlock]) {
+    /// The batch is done (written, failed or skipped): its host blocks are released *before*
+    /// anyone waiting for idleness is told, and its hashes may be admitted again.
+    fn finish(&self, host_blocks: Vec<ImmutableBlock>) {
+        let hashes: Vec<SequenceHash> = host_blocks
+            .iter()
+            .map(ImmutableBlock::sequence_hash)
+            .collect();
+        drop(host_blocks);
         {
             let mut writing = self.writing.lock();
-            for b in host_blocks {
-                writing.remove(&b.sequence_hash());
+            for hash in &hashes {
+                writing.remove(hash);
             }
         }
         let mut busy = self.busy.lock();
