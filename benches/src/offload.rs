@@ -78,6 +78,13 @@ pub struct OffloadArgs {
     /// End with one JSON line of results.
     #[arg(long)]
     json: bool,
+    /// Disk tier size in GB (0: no disk tier). With a disk tier every block goes
+    /// Gpu -> Host -> Disk and comes back Disk -> Host -> Gpu before it is verified.
+    #[arg(long, default_value_t = 0.0)]
+    disk_gb: f64,
+    /// Directory of the disk cache file (default: a fresh one in the system temp dir).
+    #[arg(long)]
+    disk_dir: Option<std::path::PathBuf>,
 }
 
 struct Direction {
@@ -195,6 +202,38 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         Layout::BlockFirst => LayerShape::BlockFirst,
     };
     let show = !args.json || std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if !args.disk_gb.is_finite() || args.disk_gb < 0.0 {
+        bail!(
+            "--disk-gb {} must be a number of GB, 0 or more",
+            args.disk_gb
+        );
+    }
+    let disk_dir = args.disk_dir.clone().unwrap_or_else(|| {
+        std::env::temp_dir().join(format!("kvbm-bench-offload-{}", std::process::id()))
+    });
+    let disk = if args.disk_gb > 0.0 {
+        let slot_bytes = kv.contiguous_stride_bytes() + 4096;
+        let disk_blocks = (args.disk_gb * 1e9) as usize / slot_bytes;
+        if disk_blocks < args.blocks {
+            bail!(
+                "a disk tier of {} GB holds {disk_blocks} blocks; --blocks {} needs --disk-gb {:.2}",
+                args.disk_gb,
+                args.blocks,
+                (args.blocks * slot_bytes) as f64 / 1e9
+            );
+        }
+        Some(kvbm_core::DiskOptions {
+            dir: disk_dir.clone(),
+            file_name: "kvbm-bench.cache".into(),
+            blocks: disk_blocks,
+            disable_o_direct: false,
+            filter_disabled: true,
+            queue_depth: 16,
+            engine: Default::default(),
+        })
+    } else {
+        None
+    };
     let m = BlockManager::new(
         device,
         ManagerOptions {
@@ -208,7 +247,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
                 ..TransferLimits::default()
             },
             pin_threads: kvbm_cuda::HostRegionOptions::default().pin_threads,
-            disk: None,
+            disk,
         },
         GpuMemory::Allocate,
     )
@@ -243,13 +282,18 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
 
     let mut d2h = Direction::new();
     let mut h2d = Direction::new();
+    let mut to_disk_gbps = Vec::new();
+    let mut from_disk_gbps = Vec::new();
     let mut verified = true;
     let bytes = args.blocks * bpb;
     let metrics = m.metrics().clone();
     let counter = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     for _ in 0..args.iterations {
-        // Offload (the host tier starts empty each round, so nothing is de-duplicated).
+        // Offload (the lower tiers start empty each round, so nothing is de-duplicated).
         m.host_pool().evict_idle(usize::MAX);
+        if let Some(disk) = m.disk() {
+            disk.pool().evict_idle(usize::MAX);
+        }
         let bar = progress(show, args.blocks, "offload d2h");
         let base = counter(&metrics.offload_blocks_d2h);
         let start = Instant::now();
@@ -264,6 +308,11 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             bail!("offloaded {} of {} blocks", outcome.copied, args.blocks);
         }
         d2h.record(bytes, elapsed, &outcome);
+        if m.disk().is_some() {
+            // The disk writer started with the first host blocks; wait for the last.
+            m.wait_idle();
+            to_disk_gbps.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        }
 
         // Forget the GPU copies and scribble over every GPU block.
         drop(std::mem::take(&mut gpu_blocks));
@@ -278,8 +327,25 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
 
         let bar = progress(show, args.blocks, "onboard h2d");
         let base = counter(&metrics.onboard_blocks_h2d);
+        let sources = if m.disk().is_some() {
+            // Only the disk copies are left: bring them up to the host tier first.
+            m.host_pool().evict_idle(usize::MAX);
+            let matched = m.match_lower(&hashes);
+            if matched.count_in(kvbm_events::Tier::Disk) != args.blocks {
+                bail!(
+                    "matched {} of {} blocks on disk",
+                    matched.count_in(kvbm_events::Tier::Disk),
+                    args.blocks
+                );
+            }
+            let start = Instant::now();
+            let host_blocks = m.load_from_disk(matched.blocks)?;
+            from_disk_gbps.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+            host_blocks
+        } else {
+            m.match_host(&hashes)
+        };
         let start = Instant::now();
-        let sources = m.match_host(&hashes);
         if sources.len() != args.blocks {
             bail!(
                 "matched {} of {} blocks in the host tier",
@@ -380,6 +446,24 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         "{:<10} {:>8.2} {:>10.2} {:>10} {:>10}",
         "memcpy", memcpy_gbps, 1.0, "-", "-"
     );
+    let disk_summary = m.disk().map(|d| {
+        let stats = d.store().stats();
+        (
+            d.store().engine().kind().as_str(),
+            format!("{:?}", d.store().file().io_mode()),
+            stats,
+        )
+    });
+    if let Some((engine, io_mode, stats)) = &disk_summary {
+        println!(
+            "disk tier ({engine}, {io_mode}): gpu->host->disk pipeline {:.2} GB/s, disk->host {:.2} GB/s ({} writes, {} verified reads, {} corrupt)",
+            median(&to_disk_gbps),
+            median(&from_disk_gbps),
+            stats.writes_ok,
+            stats.read_hits,
+            stats.read_corrupt
+        );
+    }
     println!(
         "verified: {}",
         if verified {
@@ -408,8 +492,22 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             "host_full_ready_s": full_ready.unwrap_or_default().as_secs_f64(),
             "verified": verified,
             "device": device_kind,
+            "disk_write_pipeline_gbps": disk_summary.as_ref().map(|_| median(&to_disk_gbps)),
+            "disk_read_gbps": disk_summary.as_ref().map(|_| median(&from_disk_gbps)),
+            "disk_engine": disk_summary.as_ref().map(|d| d.0),
         });
         println!("{line}");
+    }
+    if m.disk().is_some() {
+        drop(gpu_blocks);
+        drop(m); // finishes disk writes and leaves a checkpoint
+        let _ = std::fs::remove_file(disk_dir.join("kvbm-bench.cache"));
+        let _ = std::fs::remove_file(
+            disk_dir.join(format!("kvbm-bench.cache{}", kvbm_disk::CHECKPOINT_SUFFIX)),
+        );
+        if args.disk_dir.is_none() {
+            let _ = std::fs::remove_dir(&disk_dir);
+        }
     }
     Ok(verified)
 }
