@@ -1,9 +1,11 @@
 //! `kvbm-bench disk`: kvbm-disk's store against fio, same file system, block size, queue depth
 //! and total bytes, in the same run.
 //!
-//! kvbm's side is the real store path: per block a payload write from a registered buffer plus a
-//! 4 KiB header write, with the payload checksum computed before the write and verified after the
-//! read; all of that is inside the timing. fio's side is `--ioengine=io_uring --direct=1
+//! kvbm's side is the real store path: per block one vectored I/O of its 4 KiB header and its
+//! payload, with the payload checksum computed before the write and verified after the read; all
+//! of that is inside the timing. The buffer is registered with io_uring, but a vectored op whose
+//! header lives elsewhere cannot use fixed buffers, so these ops are plain `writev`/`readv`
+//! (O_DIRECT, no copy; the kernel pins the pages per request). fio's side is `--ioengine=io_uring --direct=1
 //! --fixedbufs --registerfiles`, sequential, one job. Figures are medians over `--iterations`.
 
 use std::path::PathBuf;

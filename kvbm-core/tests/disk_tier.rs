@@ -286,3 +286,80 @@ proptest! {
         let _ = decode_identity(SequenceHash(1), &bytes);
     }
 }
+
+#[test]
+fn a_full_disk_tier_evicts_its_least_recently_used_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let events = EventPublisher::new();
+    let mut sub = events.subscribe(10_000);
+    let m = disk_manager(dir.path(), true, events);
+    let disk = m.disk().unwrap().pool();
+    // 8 disk blocks; write 6, then 4 more: the 2 oldest must go.
+    let (first, gpu1) = store_on_gpu(&m, &(0..24).collect::<Vec<u32>>());
+    drop(gpu1);
+    m.gpu_pool().evict_idle(usize::MAX);
+    let (second, _gpu2) = store_on_gpu(&m, &(1000..1016).collect::<Vec<u32>>());
+    assert_eq!(disk.counts().registered, 8);
+    let gone: Vec<bool> = first
+        .iter()
+        .map(|i| !disk.contains(i.sequence_hash))
+        .collect();
+    assert_eq!(
+        gone,
+        vec![true, true, false, false, false, false],
+        "LRU: the oldest two left"
+    );
+    assert!(second.iter().all(|i| disk.contains(i.sequence_hash)));
+    let removed: Vec<SequenceHash> = sub
+        .drain()
+        .into_iter()
+        .filter_map(|d| match &d.record.event {
+            KvEvent::BlockRemoved(r) if r.tier == Tier::Disk => Some(r.block_hashes.clone()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(
+        removed,
+        vec![first[0].sequence_hash, first[1].sequence_hash]
+    );
+}
+
+#[test]
+fn the_disk_tier_is_sized_from_the_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir_text = dir.path().to_str().unwrap().to_owned();
+    let config = kvbm_core::KvbmConfig::from_lookup(
+        |name| match name {
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS" => Some("8".into()),
+            "DYN_KVBM_DISK_CACHE_GB" => Some("0.0001".into()),
+            "DYN_KVBM_DISK_CACHE_DIR" => Some(dir_text.clone()),
+            "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER" => Some("1".into()),
+            _ => None,
+        },
+        u64::MAX,
+    )
+    .unwrap();
+    let options = ManagerOptions::from_config(&config, kv(2), 8, LayerShape::OuterFirst, 1)
+        .with_disk_from_config(&config, 1, 3);
+    let disk = options.disk.clone().expect("a disk tier");
+    // 100_000 bytes of (4096-byte host stride + 4096-byte header) slots: 12 blocks.
+    assert_eq!(disk.blocks, 12);
+    assert_eq!(disk.dir, dir.path());
+    assert_eq!(disk.file_name, "kvbm-rank3.cache");
+    assert!(disk.filter_disabled && !disk.disable_o_direct);
+    let m = BlockManager::new(Device::emulated(), options, GpuMemory::Allocate).unwrap();
+    assert_eq!(m.disk().unwrap().pool().capacity(), 12);
+    assert!(dir.path().join("kvbm-rank3.cache").exists());
+    let no_disk = kvbm_core::KvbmConfig::from_lookup(
+        |n| (n == "DYN_KVBM_CPU_CACHE_GB").then(|| "1".into()),
+        u64::MAX,
+    )
+    .unwrap();
+    assert!(
+        ManagerOptions::from_config(&no_disk, kv(2), 8, LayerShape::OuterFirst, 1)
+            .with_disk_from_config(&no_disk, 1, 0)
+            .disk
+            .is_none()
+    );
+}
