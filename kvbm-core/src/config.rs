@@ -20,6 +20,8 @@ pub const DISK_CACHE_DIR: &str = "DYN_KVBM_DISK_CACHE_DIR";
 pub const DISK_DISABLE_O_DIRECT: &str = "DYN_KVBM_DISK_DISABLE_O_DIRECT";
 /// Write every host block to disk, not only reused ones.
 pub const DISABLE_DISK_OFFLOAD_FILTER: &str = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER";
+/// kvbm's disk engine: `auto`, `io_uring` or `psync`.
+pub const DISK_ENGINE: &str = kvbm_disk::ENGINE_ENV;
 /// Blocks per transfer batch.
 pub const MAX_TRANSFER_BATCH_SIZE: &str = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE";
 /// Transfer batches in flight.
@@ -106,6 +108,8 @@ pub struct KvbmConfig {
     pub disk_disable_o_direct: bool,
     /// Write every host block to disk instead of those seen twice. Default off.
     pub disk_offload_filter_disabled: bool,
+    /// The disk I/O engine (`KVBM_DISK_ENGINE`). Default auto.
+    pub disk_engine: kvbm_disk::EngineChoice,
 }
 
 impl KvbmConfig {
@@ -170,7 +174,14 @@ impl KvbmConfig {
             }
             Some(v) => std::path::PathBuf::from(v),
         };
+        let disk_engine = match lookup(DISK_ENGINE) {
+            None => kvbm_disk::EngineChoice::Auto,
+            Some(v) => v
+                .parse()
+                .map_err(|_| invalid(DISK_ENGINE, &v, "expected auto, io_uring or psync"))?,
+        };
         Ok(Self {
+            disk_engine,
             disk_dir,
             disk_disable_o_direct: flag(DISK_DISABLE_O_DIRECT)?,
             disk_offload_filter_disabled: flag(DISABLE_DISK_OFFLOAD_FILTER)?,

@@ -97,7 +97,7 @@ impl ManagerOptions {
             disable_o_direct: config.disk_disable_o_direct,
             filter_disabled: config.disk_offload_filter_disabled,
             queue_depth: 16,
-            engine: kvbm_disk::EngineChoice::Auto,
+            engine: config.disk_engine,
         });
         self
     }

@@ -60,6 +60,13 @@ fn overrides_win_and_other_settings_parse() {
     .unwrap();
     assert_eq!(d.disk_dir, std::path::PathBuf::from("/var/cache/kvbm"));
     assert!(d.disk_disable_o_direct && d.disk_offload_filter_disabled);
+    assert_eq!(d.disk_engine, kvbm_disk::EngineChoice::Auto);
+    let p = load(&[
+        ("DYN_KVBM_DISK_CACHE_GB", "1"),
+        ("KVBM_DISK_ENGINE", "psync"),
+    ])
+    .unwrap();
+    assert_eq!(p.disk_engine, kvbm_disk::EngineChoice::Psync);
     assert_eq!(
         load(&[
             ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "10"),
@@ -115,6 +122,7 @@ fn every_bad_value_names_the_variable_and_the_value() {
         ("DYN_KVBM_DISK_CACHE_DIR", " "),
         ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "sometimes"),
         ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "2"),
+        ("KVBM_DISK_ENGINE", "spdk"),
     ];
     for &(variable, value) in cases {
         // A valid host size so that only the variable under test can be wrong.
