@@ -182,13 +182,13 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
     )
     .context("model shape")?;
     let bpb = kv.bytes_per_block();
-    let host_blocks = (args.host_gb * 1e9) as usize / kv.contiguous_stride_bytes();
+    let host_blocks = (args.host_gb * 1e9) as usize / kv.host_stride_bytes();
     if host_blocks < args.blocks {
         bail!(
             "a host tier of {} GB holds {host_blocks} blocks of {bpb} bytes; --blocks {} needs --host-gb {:.2}",
             args.host_gb,
             args.blocks,
-            (args.blocks * kv.contiguous_stride_bytes()) as f64 / 1e9
+            (args.blocks * kv.host_stride_bytes()) as f64 / 1e9
         );
     }
     let choice = match args.device {

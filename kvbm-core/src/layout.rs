@@ -19,6 +19,9 @@ use crate::CoreError;
 
 /// Alignment of a contiguous block's start (O_DIRECT and page pinning want 4 KiB).
 pub const BLOCK_ALIGN_BYTES: usize = 4096;
+/// Room kept before each host block for its disk header, so that a block and its header move
+/// to and from disk as one contiguous op from registered memory.
+pub const HEADER_ROOM_BYTES: usize = 4096;
 
 /// The shape of one worker's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -84,6 +87,11 @@ impl KvLayout {
         self.bytes_per_block().div_ceil(BLOCK_ALIGN_BYTES) * BLOCK_ALIGN_BYTES
     }
 
+    /// Stride between host blocks: [`Self::contiguous_stride_bytes`] plus the header room.
+    pub fn host_stride_bytes(&self) -> usize {
+        self.contiguous_stride_bytes() + HEADER_ROOM_BYTES
+    }
+
     /// Bytes of one layer's tensor holding `num_blocks` blocks in a layer-separate layout.
     pub fn layer_bytes(&self, num_blocks: usize) -> usize {
         self.outer_dim * num_blocks * self.chunk_bytes()
@@ -111,10 +119,12 @@ pub enum LayoutKind {
     },
     /// One contiguous run per block.
     FullyContiguous {
-        /// Address of block 0.
+        /// Address of the first block's stride.
         base: u64,
-        /// Bytes from one block's start to the next (at least `bytes_per_block`).
+        /// Bytes from one block's stride to the next (at least `lead_bytes + bytes_per_block`).
         block_stride_bytes: usize,
+        /// Bytes at the start of each stride before the block's data (header room, or 0).
+        lead_bytes: usize,
     },
 }
 
@@ -156,7 +166,32 @@ impl BlockLayout {
             kind: LayoutKind::FullyContiguous {
                 base,
                 block_stride_bytes: kv.contiguous_stride_bytes(),
+                lead_bytes: 0,
             },
+        }
+    }
+
+    /// The host tier's layout: fully contiguous blocks, each behind [`HEADER_ROOM_BYTES`] of
+    /// header room, `kv.host_stride_bytes()` apart.
+    pub fn host(kv: KvLayout, num_blocks: usize, base: u64) -> Self {
+        Self {
+            kv,
+            num_blocks,
+            kind: LayoutKind::FullyContiguous {
+                base,
+                block_stride_bytes: kv.host_stride_bytes(),
+                lead_bytes: HEADER_ROOM_BYTES,
+            },
+        }
+    }
+
+    /// Bytes from one block to the next in a fully contiguous layout.
+    pub fn block_stride_bytes(&self) -> Option<usize> {
+        match &self.kind {
+            LayoutKind::FullyContiguous {
+                block_stride_bytes, ..
+            } => Some(*block_stride_bytes),
+            LayoutKind::LayerSeparate { .. } => None,
         }
     }
 
@@ -193,9 +228,10 @@ impl BlockLayout {
             LayoutKind::FullyContiguous {
                 base,
                 block_stride_bytes,
+                lead_bytes,
             } => {
                 let within = (layer * self.kv.outer_dim + outer) as u64 * chunk;
-                base + (block * block_stride_bytes) as u64 + within
+                base + (block * block_stride_bytes + lead_bytes) as u64 + within
             }
         }
     }

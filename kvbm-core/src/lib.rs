@@ -27,7 +27,9 @@ pub use disk::{
 };
 pub use error::CoreError;
 pub use eviction::{EvictionPolicy, LruPriority};
-pub use layout::{BlockLayout, KvLayout, LayerShape, LayoutKind, BLOCK_ALIGN_BYTES};
+pub use layout::{
+    BlockLayout, KvLayout, LayerShape, LayoutKind, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES,
+};
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
 pub use pool::{

@@ -70,7 +70,7 @@ impl ManagerOptions {
             kv,
             gpu_blocks,
             gpu_shape,
-            host_blocks: config.host.blocks(kv.contiguous_stride_bytes(), world_size),
+            host_blocks: config.host.blocks(kv.host_stride_bytes(), world_size),
             limits: TransferLimits {
                 batch_blocks_max: config.transfer_batch_blocks_max.get(),
                 inflight_max: config.transfers_inflight_max.get(),
@@ -202,7 +202,7 @@ impl BlockManager {
             host_region: None,
         };
 
-        let stride = kv.contiguous_stride_bytes();
+        let stride = kv.host_stride_bytes();
         let host_bytes = stride
             .checked_mul(options.host_blocks)
             .ok_or_else(|| CoreError::InvalidArgument("host tier size overflows".into()))?;
@@ -223,7 +223,7 @@ impl BlockManager {
                 Box::new(crate::eviction::LruPriority::new(options.host_blocks)),
                 0,
             ),
-            layout: BlockLayout::fully_contiguous(kv, options.host_blocks, host_region.addr()),
+            layout: BlockLayout::host(kv, options.host_blocks, host_region.addr()),
             regions: vec![Region::from(host_region.clone())],
             host_region: Some(host_region),
         };

@@ -67,7 +67,11 @@ impl TierStorage {
             let blocks = if host.is_fully_ready() {
                 self.layout.num_blocks()
             } else {
-                host.ready_bytes() / self.layout.kv().contiguous_stride_bytes()
+                host.ready_bytes()
+                    / self
+                        .layout
+                        .block_stride_bytes()
+                        .expect("a host tier is fully contiguous")
             };
             self.pool.grow_available(blocks);
         }

@@ -86,6 +86,11 @@ fn a_full_gpu_host_disk_host_gpu_cycle_is_byte_exact_and_announced() {
     let events = EventPublisher::new();
     let mut sub = events.subscribe(10_000);
     let m = disk_manager(dir.path(), true, events);
+    // The host region is pinned (disk_manager waited): its registration follows.
+    assert_eq!(
+        m.disk().unwrap().wait_registered(Duration::from_secs(60)),
+        Some(true)
+    );
     let (ids, gpu) = store_on_gpu(&m, &(0..20).collect::<Vec<u32>>());
     assert_eq!(
         m.disk().unwrap().pool().counts().registered,
@@ -128,6 +133,14 @@ fn a_full_gpu_host_disk_host_gpu_cycle_is_byte_exact_and_announced() {
     assert!(resident.iter().any(|(t, _)| *t == Tier::Disk));
     let snap = m.metrics_snapshot();
     assert_eq!((snap.offload_blocks_h2d, snap.onboard_blocks_d2d), (5, 5));
+    let store = m.disk().unwrap().store();
+    if store.engine().kind() == kvbm_disk::EngineKind::IoUring {
+        assert_eq!(
+            store.engine().fixed_ops(),
+            10,
+            "5 writes and 5 reads, each one fixed-buffer op"
+        );
+    }
     assert_eq!(snap.disk_cache_hit_rate, 1.0);
 }
 

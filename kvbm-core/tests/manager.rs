@@ -96,7 +96,8 @@ fn round_trip(outer: usize, shape: LayerShape) {
         (5, 5)
     );
     assert_eq!(metrics.bytes_d2h, 5 * bpb as u64);
-    assert_eq!(metrics.host_pinned_bytes_ready, 6 * 4096);
+    // 6 host blocks of 768 bytes: 4 KiB strides plus 4 KiB of header room each.
+    assert_eq!(metrics.host_pinned_bytes_ready, 6 * 8192);
     replay(&mut sub, &mut resident);
     assert_eq!(resident, m.residency());
 }
@@ -289,10 +290,11 @@ fn options_from_config_split_the_host_tier_across_ranks() {
         u64::MAX,
     )
     .unwrap();
-    // 1_638_400 bytes of 4096-byte host blocks over 2 ranks: 200 blocks each.
+    // 1_638_400 bytes over 2 ranks, host blocks of 8192 bytes (4 KiB stride + 4 KiB header
+    // room): 100 blocks each.
     let options =
         kvbm_core::ManagerOptions::from_config(&config, kv(2), 16, LayerShape::BlockFirst, 2);
-    assert_eq!(options.host_blocks, 200);
+    assert_eq!(options.host_blocks, 100);
     assert_eq!(options.limits.batch_blocks_max, 8);
     assert_eq!(options.limits.inflight_max, 4);
 }

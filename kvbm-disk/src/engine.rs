@@ -133,6 +133,8 @@ pub struct BufOp {
 }
 
 struct Job {
+    /// Instead of I/O: register these buffers once nothing is in flight (io_uring only).
+    register: Option<Vec<(u64, usize)>>,
     ops: Vec<IoOp>,
     owned: Vec<AlignedBuf>,
     _keep: Option<Box<dyn Any + Send>>,
@@ -260,6 +262,7 @@ impl IoEngine {
         }
         self.validate(&resolved)?;
         self.enqueue(Job {
+            register: None,
             ops: resolved,
             owned: bufs,
             _keep: None,
@@ -280,6 +283,7 @@ impl IoEngine {
     ) -> Result<IoTicket, DiskError> {
         self.validate(&ops)?;
         self.enqueue(Job {
+            register: None,
             ops,
             owned: Vec::new(),
             _keep: Some(keep),
@@ -319,6 +323,43 @@ impl IoEngine {
             }
         }
         Ok(())
+    }
+
+    /// Registers `buffers` (address, length; each at most [`REGISTERED_BUFFER_BYTES_MAX`]) with
+    /// io_uring, replacing any registered before, once the I/O in flight has drained; ops inside
+    /// them then use fixed-buffer I/O. A no-op on psync.
+    ///
+    /// # Safety
+    /// Every range must stay valid memory for as long as the engine lives.
+    pub unsafe fn register_buffers(&self, buffers: &[(u64, usize)]) -> Result<(), DiskError> {
+        if let Some(&(addr, len)) = buffers
+            .iter()
+            .find(|(_, len)| *len == 0 || *len > REGISTERED_BUFFER_BYTES_MAX)
+        {
+            return Err(DiskError::Invalid(format!(
+                "registered buffer {addr:#x} of {len} bytes"
+            )));
+        }
+        let Backend::Uring(engine) = &self.backend else {
+            return Ok(());
+        };
+        let signal: Arc<Signal> = Arc::default();
+        engine.enqueue(Job {
+            register: Some(buffers.to_vec()),
+            ops: Vec::new(),
+            owned: Vec::new(),
+            _keep: None,
+            signal: signal.clone(),
+        })?;
+        IoTicket { signal }.wait().0
+    }
+
+    /// Ops issued with fixed (registered) buffers so far.
+    pub fn fixed_ops(&self) -> u64 {
+        match &self.backend {
+            Backend::Uring(e) => e.fixed_ops.load(std::sync::atomic::Ordering::Relaxed),
+            Backend::Psync(_) => 0,
+        }
     }
 
     fn enqueue(&self, job: Job) -> Result<IoTicket, DiskError> {
@@ -414,6 +455,7 @@ fn short_error(op: &IoOp, done: usize) -> DiskError {
 // io_uring
 
 struct UringEngine {
+    fixed_ops: Arc<std::sync::atomic::AtomicU64>,
     sender: Option<Sender<Job>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -451,11 +493,14 @@ impl UringEngine {
         }
         let (sender, receiver) = crossbeam_channel::bounded(JOBS_QUEUED_MAX);
         let registered = buffers.to_vec();
+        let fixed_ops = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = fixed_ops.clone();
         let thread = std::thread::Builder::new()
             .name("kvbm-uring".into())
-            .spawn(move || uring_loop(ring, receiver, queue_depth, registered))
+            .spawn(move || uring_loop(ring, receiver, queue_depth, registered, &counter))
             .map_err(|e| setup_error("spawn", e))?;
         Ok(Self {
+            fixed_ops,
             sender: Some(sender),
             thread: Some(thread),
         })
@@ -493,57 +538,95 @@ fn uring_loop(
     mut ring: IoUring,
     receiver: Receiver<Job>,
     queue_depth: usize,
-    registered: Vec<(u64, usize)>,
+    mut registered: Vec<(u64, usize)>,
+    fixed_ops: &std::sync::atomic::AtomicU64,
 ) {
     let mut jobs: Vec<Option<RunningJob>> = Vec::new();
     let mut free_slots: Vec<usize> = Vec::new();
     let mut pending: VecDeque<(usize, usize)> = VecDeque::new();
     let mut inflight = 0usize;
+    // A registration waits here, with no new job taken, until nothing is in flight.
+    let mut registration: Option<Job> = None;
     loop {
-        // Take new jobs; block only when nothing is queued or in flight. `recv` fails only once
-        // the engine is dropped and every job sent before has been taken: then stop.
         let idle = inflight == 0 && pending.is_empty();
-        let first = if idle {
-            match receiver.recv() {
-                Ok(job) => Some(job),
-                Err(_) => return,
-            }
-        } else {
-            None
-        };
-        for job in first
-            .into_iter()
-            .chain(std::iter::from_fn(|| receiver.try_recv().ok()))
-        {
-            let slot = free_slots.pop().unwrap_or_else(|| {
-                jobs.push(None);
-                jobs.len() - 1
-            });
-            pending.extend((0..job.ops.len()).map(|op| (slot, op)));
-            let remaining = job.ops.len();
-            let iovecs = job
-                .ops
+        if let (true, Some(job)) = (idle, registration.take()) {
+            let ranges = job.register.clone().unwrap_or_default();
+            let iovecs: Vec<libc::iovec> = ranges
                 .iter()
-                .map(|op| {
-                    let (lead_addr, lead_len) = op.lead.unwrap_or((op.addr, 0));
-                    [
-                        libc::iovec {
-                            iov_base: lead_addr as *mut libc::c_void,
-                            iov_len: lead_len,
-                        },
-                        libc::iovec {
-                            iov_base: op.addr as *mut libc::c_void,
-                            iov_len: op.len,
-                        },
-                    ]
+                .map(|&(addr, len)| libc::iovec {
+                    iov_base: addr as *mut libc::c_void,
+                    iov_len: len,
                 })
                 .collect();
-            jobs[slot] = Some(RunningJob {
-                job,
-                remaining,
-                error: None,
-                iovecs,
+            let submitter = ring.submitter();
+            let _ = submitter.unregister_buffers();
+            // SAFETY: the caller of `IoEngine::register_buffers` guarantees each range outlives
+            // the engine; nothing is in flight, so no op refers to the old registration.
+            let result = unsafe { submitter.register_buffers(&iovecs) };
+            registered = if result.is_ok() { ranges } else { Vec::new() };
+            let result = result.map_err(|source| DiskError::Io {
+                op: "register",
+                offset: 0,
+                len: 0,
+                source,
             });
+            job.signal.set(result, job.owned);
+            continue;
+        }
+        // While a registration waits, take nothing new: what is in flight drains first.
+        if registration.is_none() {
+            // Take new jobs; block only when nothing is queued or in flight. `recv` fails only once
+            // the engine is dropped and every job sent before has been taken: then stop.
+            let first = if idle {
+                match receiver.recv() {
+                    Ok(job) => Some(job),
+                    Err(_) => return,
+                }
+            } else {
+                None
+            };
+            for job in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| receiver.try_recv().ok()))
+            {
+                if job.register.is_some() {
+                    registration = Some(job);
+                    break;
+                }
+                let slot = free_slots.pop().unwrap_or_else(|| {
+                    jobs.push(None);
+                    jobs.len() - 1
+                });
+                pending.extend((0..job.ops.len()).map(|op| (slot, op)));
+                let remaining = job.ops.len();
+                let iovecs = job
+                    .ops
+                    .iter()
+                    .map(|op| {
+                        let (lead_addr, lead_len) = op.lead.unwrap_or((op.addr, 0));
+                        [
+                            libc::iovec {
+                                iov_base: lead_addr as *mut libc::c_void,
+                                iov_len: lead_len,
+                            },
+                            libc::iovec {
+                                iov_base: op.addr as *mut libc::c_void,
+                                iov_len: op.len,
+                            },
+                        ]
+                    })
+                    .collect();
+                jobs[slot] = Some(RunningJob {
+                    job,
+                    remaining,
+                    error: None,
+                    iovecs,
+                });
+            }
+        }
+        if inflight == 0 && pending.is_empty() {
+            // Only a registration arrived: perform it at the top of the loop.
+            continue;
         }
         // Fill the submission queue up to the depth, then submit the batch at once.
         {
@@ -554,8 +637,8 @@ fn uring_loop(
                 };
                 let running = jobs[slot].as_ref().expect("running job");
                 let op = running.job.ops[index];
-                let entry = sqe_for(&op, &running.iovecs[index], &registered)
-                    .user_data(((slot as u64) << 32) | index as u64);
+                let (entry, fixed) = sqe_for(&op, &running.iovecs[index], &registered);
+                let entry = entry.user_data(((slot as u64) << 32) | index as u64);
                 // SAFETY: the op's memory is owned by (or kept alive by) the job, which stays in
                 // `jobs` until this op's completion is reaped below.
                 if unsafe { sq.push(&entry) }.is_err() {
@@ -563,6 +646,9 @@ fn uring_loop(
                     break;
                 }
                 inflight += 1;
+                if fixed {
+                    fixed_ops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
             }
         }
         if let Err(e) = ring.submit_and_wait(1) {
@@ -606,15 +692,16 @@ fn uring_loop(
     }
 }
 
+/// The submission entry for one op, and whether it uses a registered (fixed) buffer.
 fn sqe_for(
     op: &IoOp,
     iovecs: &[libc::iovec; 2],
     registered: &[(u64, usize)],
-) -> io_uring::squeue::Entry {
+) -> (io_uring::squeue::Entry, bool) {
     let fd = types::Fixed(0);
     if op.lead.is_some() {
         // A header and its payload: two memory segments, one contiguous file range.
-        return match op.kind {
+        let entry = match op.kind {
             OpKind::Write => opcode::Writev::new(fd, iovecs.as_ptr(), 2)
                 .offset(op.offset)
                 .build(),
@@ -622,12 +709,13 @@ fn sqe_for(
                 .offset(op.offset)
                 .build(),
         };
+        return (entry, false);
     }
     let fixed = registered
         .iter()
         .position(|&(addr, len)| op.addr >= addr && op.addr + op.len as u64 <= addr + len as u64);
     let len = op.len as u32;
-    match (op.kind, fixed) {
+    let entry = match (op.kind, fixed) {
         (OpKind::Write, Some(i)) => {
             opcode::WriteFixed::new(fd, op.addr as *const u8, len, i as u16)
                 .offset(op.offset)
@@ -642,7 +730,8 @@ fn sqe_for(
         (OpKind::Read, None) => opcode::Read::new(fd, op.addr as *mut u8, len)
             .offset(op.offset)
             .build(),
-    }
+    };
+    (entry, fixed.is_some())
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -28,6 +28,6 @@ pub use engine::{
 pub use error::DiskError;
 pub use file::{CacheFile, CacheFileOptions, IoMode, CACHE_DIR_MODE, CACHE_FILE_MODE};
 pub use store::{
-    DiskStore, Lookup, Miss, Recovered, RecoveredBlock, StoreOptions, StoreStats, WriteOutcome,
-    WriteRequest, CHECKPOINT_SUFFIX, SCAN_SLOTS_PER_JOB,
+    DiskStore, Lookup, Miss, ReadRequest, Recovered, RecoveredBlock, StoreOptions, StoreStats,
+    WriteOutcome, WriteRequest, CHECKPOINT_SUFFIX, SCAN_SLOTS_PER_JOB,
 };

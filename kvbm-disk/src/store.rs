@@ -91,6 +91,24 @@ pub struct WriteRequest<'a> {
     pub addr: u64,
     /// Opaque metadata returned on recovery.
     pub metadata: &'a [u8],
+    /// The 4 KiB before `addr` is header room the store may overwrite: the block then moves as
+    /// one contiguous op (from a registered buffer when `addr` lies in one). Otherwise the header
+    /// comes from the store's own buffer in a vectored op.
+    pub framed: bool,
+}
+
+/// One block to read: slot `slot` holding `key` into `payload_area_bytes` at `addr` (see
+/// [`WriteRequest::framed`] for `framed`; a framed read also overwrites the header room).
+#[derive(Debug, Clone, Copy)]
+pub struct ReadRequest {
+    /// Source slot.
+    pub slot: u32,
+    /// The key the slot must hold.
+    pub key: u64,
+    /// Address of the destination (4 KiB-aligned, `payload_area_bytes` long).
+    pub addr: u64,
+    /// Use the 4 KiB before `addr` as header room.
+    pub framed: bool,
 }
 
 /// Why a read is not a hit.
@@ -414,6 +432,16 @@ impl DiskStore {
         &self.engine
     }
 
+    /// Registers memory with the engine (io_uring fixed buffers; a no-op on psync), replacing
+    /// what was registered; framed blocks inside it then move with fixed-buffer ops.
+    ///
+    /// # Safety
+    /// Every range must stay valid memory for as long as the store lives.
+    pub unsafe fn register_buffers(&self, buffers: &[(u64, usize)]) -> Result<(), DiskError> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.engine.register_buffers(buffers) }
+    }
+
     /// The cache file.
     pub fn file(&self) -> &CacheFile {
         &self.file
@@ -457,6 +485,7 @@ impl DiskStore {
             key,
             addr: payload.addr(),
             metadata,
+            framed: false,
         };
         // SAFETY: `payload` is borrowed for the whole call and `write_raw` waits for the I/O.
         let mut outcomes = unsafe { self.write_raw(&[request], Box::new(())) }?;
@@ -466,8 +495,14 @@ impl DiskStore {
     /// Reads one block into `out` (at least [`Self::payload_area_bytes`] long) and verifies it.
     pub fn read(&self, slot: u32, key: u64, out: &mut AlignedBuf) -> Result<Lookup, DiskError> {
         self.check_buffer(out.len())?;
+        let request = ReadRequest {
+            slot,
+            key,
+            addr: out.addr(),
+            framed: false,
+        };
         // SAFETY: `out` is borrowed mutably for the whole call and `read_raw` waits for the I/O.
-        let mut lookups = unsafe { self.read_raw(&[(slot, key, out.addr())], Box::new(())) }?;
+        let mut lookups = unsafe { self.read_raw(&[request], Box::new(())) }?;
         Ok(lookups.pop().expect("one read, one lookup"))
     }
 
@@ -504,7 +539,8 @@ impl DiskStore {
     ///
     /// # Safety
     /// Each `[addr, addr + payload_area_bytes)` must be valid, readable memory, not written by
-    /// anyone until this returns; `keep` is dropped once the I/O completed.
+    /// anyone until this returns, and when framed `[addr - 4096, addr)` must be valid memory only
+    /// this call uses; `keep` is dropped once the I/O completed.
     pub unsafe fn write_raw(
         &self,
         writes: &[WriteRequest<'_>],
@@ -556,10 +592,12 @@ impl DiskStore {
                     key,
                     addr,
                     metadata,
+                    framed,
                 } = *w;
                 // SAFETY: the caller guarantees the payload memory is valid and stable.
                 let payload =
                     unsafe { std::slice::from_raw_parts(addr as *const u8, self.payload_bytes) };
+                let mut header = [0u8; HEADER_BYTES];
                 BlockHeader {
                     key,
                     payload_len: self.payload_bytes as u64,
@@ -567,16 +605,40 @@ impl DiskStore {
                     generation: generations[first + i],
                     fingerprint: self.block_fingerprint,
                 }
-                .encode(&mut headers.as_mut_slice()[i * HEADER_BYTES..]);
-                encode_metadata(metadata, &mut headers.as_mut_slice()[i * HEADER_BYTES..])
+                .encode(&mut header);
+                encode_metadata(metadata, &mut header)
                     .map_err(|e| DiskError::Invalid(e.to_string()))?;
-                ops.push(IoOp {
-                    kind: OpKind::Write,
-                    offset: self.slot_offset(slot as usize),
-                    addr,
-                    len: self.payload_area,
-                    lead: Some((headers.addr() + (i * HEADER_BYTES) as u64, HEADER_BYTES)),
-                });
+                let offset = self.slot_offset(slot as usize);
+                if framed {
+                    let room = addr - HEADER_BYTES as u64;
+                    // SAFETY: the caller gives the 4 KiB before `addr` as header room, valid and
+                    // not used by anyone else until this returns.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            header.as_ptr(),
+                            room as *mut u8,
+                            HEADER_BYTES,
+                        )
+                    };
+                    ops.push(IoOp {
+                        kind: OpKind::Write,
+                        offset,
+                        addr: room,
+                        len: HEADER_BYTES + self.payload_area,
+                        lead: None,
+                    });
+                } else {
+                    headers.as_mut_slice()[i * HEADER_BYTES..(i + 1) * HEADER_BYTES]
+                        .copy_from_slice(&header);
+                    let lead = Some((headers.addr() + (i * HEADER_BYTES) as u64, HEADER_BYTES));
+                    ops.push(IoOp {
+                        kind: OpKind::Write,
+                        offset,
+                        addr,
+                        len: self.payload_area,
+                        lead,
+                    });
+                }
             }
             // SAFETY: the payloads are the caller's (see above); this group's headers and a share
             // of the caller's keep-alive move into the job.
@@ -633,26 +695,27 @@ impl DiskStore {
         Ok(outcomes)
     }
 
-    /// Reads blocks `(slot, key, destination address)`, waits, and verifies each. Each block is one
+    /// Reads blocks, waits, and verifies each. Each block is one
     /// vectored I/O; groups are verified as they complete, while later groups are on the disk.
     ///
     /// # Safety
-    /// Each `[addr, addr + payload_area_bytes)` must be valid, writable memory that nobody else
-    /// reads or writes until this returns; `keep` is dropped once the I/O completed.
+    /// Each `[addr, addr + payload_area_bytes)` (from `addr - 4096` when framed) must be valid,
+    /// writable memory that nobody else reads or writes until this returns; `keep` is dropped once
+    /// the I/O completed.
     pub unsafe fn read_raw(
         &self,
-        reads: &[(u32, u64, u64)],
+        reads: &[ReadRequest],
         keep: Box<dyn Any + Send>,
     ) -> Result<Vec<Lookup>, DiskError> {
-        self.check_slots(reads.iter().map(|r| r.0))?;
+        self.check_slots(reads.iter().map(|r| r.slot))?;
         // Decide what to read: only slots that hold the key, at the generation last written.
         let plan: Vec<Option<u64>> = {
             let state = self.state.lock();
             reads
                 .iter()
-                .map(|&(slot, key, _)| {
-                    let meta = &state.slots[slot as usize];
-                    (meta.readable && meta.key == key).then_some(meta.generation)
+                .map(|r| {
+                    let meta = &state.slots[r.slot as usize];
+                    (meta.readable && meta.key == r.key).then_some(meta.generation)
                 })
                 .collect()
         };
@@ -668,13 +731,28 @@ impl DiskStore {
                 .iter()
                 .enumerate()
                 .map(|(j, &i)| {
-                    let (slot, _, addr) = reads[i];
-                    IoOp {
-                        kind: OpKind::Read,
-                        offset: self.slot_offset(slot as usize),
-                        addr,
-                        len: self.payload_area,
-                        lead: Some((headers.addr() + (j * HEADER_BYTES) as u64, HEADER_BYTES)),
+                    let ReadRequest {
+                        slot, addr, framed, ..
+                    } = reads[i];
+                    let offset = self.slot_offset(slot as usize);
+                    if framed {
+                        let room = addr - HEADER_BYTES as u64;
+                        IoOp {
+                            kind: OpKind::Read,
+                            offset,
+                            addr: room,
+                            len: HEADER_BYTES + self.payload_area,
+                            lead: None,
+                        }
+                    } else {
+                        let lead = Some((headers.addr() + (j * HEADER_BYTES) as u64, HEADER_BYTES));
+                        IoOp {
+                            kind: OpKind::Read,
+                            offset,
+                            addr,
+                            len: self.payload_area,
+                            lead,
+                        }
                     }
                 })
                 .collect();
@@ -691,7 +769,12 @@ impl DiskStore {
         for (group, headers, ticket) in jobs {
             let result = ticket.wait().0;
             for (j, &i) in group.iter().enumerate() {
-                let (slot, key, addr) = reads[i];
+                let ReadRequest {
+                    slot,
+                    key,
+                    addr,
+                    framed,
+                } = reads[i];
                 lookups[i] = match &result {
                     Err(err) => {
                         self.counters.read_errors.fetch_add(1, Ordering::Relaxed);
@@ -702,7 +785,17 @@ impl DiskStore {
                         let payload = unsafe {
                             std::slice::from_raw_parts(addr as *const u8, self.payload_bytes)
                         };
-                        let header = &headers.as_slice()[j * HEADER_BYTES..(j + 1) * HEADER_BYTES];
+                        let header: &[u8] = if framed {
+                            // SAFETY: the caller gives the header room; the read into it completed.
+                            unsafe {
+                                std::slice::from_raw_parts(
+                                    (addr - HEADER_BYTES as u64) as *const u8,
+                                    HEADER_BYTES,
+                                )
+                            }
+                        } else {
+                            &headers.as_slice()[j * HEADER_BYTES..(j + 1) * HEADER_BYTES]
+                        };
                         match verify_block(header, payload, key, self.block_fingerprint, plan[i]) {
                             Ok(_) => {
                                 self.counters.read_hits.fetch_add(1, Ordering::Relaxed);

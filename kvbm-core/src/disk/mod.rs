@@ -194,6 +194,8 @@ pub struct DiskOptions {
     pub engine: EngineChoice,
 }
 
+/// Declares `store` before `host_region`: the store (and its registration of the region) drops
+/// first.
 struct DiskShared {
     store: DiskStore,
     pool: BlockPool,
@@ -207,6 +209,9 @@ struct DiskShared {
     busy: Mutex<usize>,
     idle_cv: Condvar,
     metrics: Arc<Metrics>,
+    /// Whether the host region got registered for fixed-buffer I/O, once decided.
+    registered: Mutex<Option<bool>>,
+    registered_cv: Condvar,
 }
 
 /// The disk tier and its writer thread.
@@ -297,7 +302,16 @@ impl DiskTier {
             busy: Mutex::new(0),
             idle_cv: Condvar::new(),
             metrics,
+            registered: Mutex::new(None),
+            registered_cv: Condvar::new(),
         });
+        // Register the host region with io_uring once it is fully pinned, in the background: the
+        // first writes go without fixed buffers rather than wait for the whole pool.
+        let weak = Arc::downgrade(&shared);
+        std::thread::Builder::new()
+            .name("kvbm-disk-register".into())
+            .spawn(move || register_when_ready(weak))
+            .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
         let (sender, receiver) = crossbeam_channel::bounded::<Vec<ImmutableBlock>>(DISK_QUEUE_MAX);
         let worker_shared = shared.clone();
         let writer = std::thread::Builder::new()
@@ -358,6 +372,17 @@ impl DiskTier {
                 self.shared.finish(batch);
             }
         }
+    }
+
+    /// Waits up to `timeout` for the host region's registration with the disk engine (done in
+    /// the background once the region is pinned); `Some(true)` when registered, `Some(false)`
+    /// when it failed, `None` when not decided yet.
+    pub fn wait_registered(&self, timeout: Duration) -> Option<bool> {
+        let mut registered = self.shared.registered.lock();
+        if registered.is_none() {
+            let _ = self.shared.registered_cv.wait_for(&mut registered, timeout);
+        }
+        *registered
     }
 
     /// Waits until every admitted block has been written (or failed).
@@ -479,6 +504,33 @@ impl DiskShared {
         *busy -= 1;
         if *busy == 0 {
             self.idle_cv.notify_all();
+        }
+    }
+}
+
+/// Waits (without keeping the tier alive) until the host region is pinned, then registers it.
+fn register_when_ready(weak: std::sync::Weak<DiskShared>) {
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        let region = &shared.host_region;
+        if region.wait_ready(region.len(), Duration::from_millis(100)) {
+            let ok = match handoff::register_host_region(&shared.store, &shared.host_layout, region)
+            {
+                Ok(()) => {
+                    tracing::info!(
+                        bytes = region.len(),
+                        "host tier registered for fixed-buffer disk I/O"
+                    );
+                    true
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "could not register the host tier for disk I/O; going on without");
+                    false
+                }
+            };
+            *shared.registered.lock() = Some(ok);
+            shared.registered_cv.notify_all();
+            return;
         }
     }
 }
