@@ -12,6 +12,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
+
+use crate::stats::{fill_block, median};
 use clap::{Args, ValueEnum};
 use kvbm_disk::{
     AlignedBuf, DiskStore, EngineChoice, Lookup, ReadRequest, StoreOptions, WriteOutcome,
@@ -51,26 +53,6 @@ pub struct DiskArgs {
     /// End with one JSON line of results.
     #[arg(long)]
     json: bool,
-}
-
-fn median(values: &[f64]) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-fn fill_block(key: u64, out: &mut [u8]) {
-    let mut x = key.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    for chunk in out.chunks_mut(8) {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let word = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
-        chunk.copy_from_slice(&word[..chunk.len()]);
-    }
 }
 
 /// fio's bandwidth in GB/s for one sequential pass, or the reason it could not run.

@@ -7,6 +7,7 @@
 
 mod disk;
 mod offload;
+mod stats;
 
 use clap::{Parser, Subcommand};
 

@@ -9,6 +9,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+
+use crate::stats::{fill_block, median, percentile};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_core::{
@@ -16,7 +18,7 @@ use kvbm_core::{
     TransferOutcome,
 };
 use kvbm_cuda::{BackendChoice, Device};
-use kvbm_events::{BlockHasher, SequenceHash};
+use kvbm_events::BlockHasher;
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Layout {
@@ -108,31 +110,6 @@ impl Direction {
                     .push(batch.latency.as_secs_f64() * 1e3);
             }
         }
-    }
-}
-
-fn median(values: &[f64]) -> f64 {
-    percentile(values, 0.5)
-}
-
-fn percentile(values: &[f64], q: f64) -> f64 {
-    if values.is_empty() {
-        return f64::NAN;
-    }
-    let mut v = values.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * q).round() as usize]
-}
-
-/// Deterministic pseudo-random bytes of the block with this hash (xorshift64*).
-fn fill_block(hash: SequenceHash, out: &mut [u8]) {
-    let mut x = hash.0 | 1;
-    for chunk in out.chunks_mut(8) {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let word = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
-        chunk.copy_from_slice(&word[..chunk.len()]);
     }
 }
 
@@ -261,7 +238,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
     let mut buf = vec![0u8; bpb];
     let mut complete = Vec::with_capacity(args.blocks);
     for (i, block) in m.allocate_gpu(args.blocks)?.into_iter().enumerate() {
-        fill_block(hashes[i], &mut buf);
+        fill_block(hashes[i].0, &mut buf);
         m.write_gpu_block(block.id(), &buf)?;
         complete.push(block.complete(kvbm_core::BlockIdentity {
             sequence_hash: hashes[i],
@@ -367,7 +344,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         let mut expected = vec![0u8; bpb];
         for block in &outcome.blocks {
             m.read_gpu_block(block.id(), &mut buf)?;
-            fill_block(block.sequence_hash(), &mut expected);
+            fill_block(block.sequence_hash().0, &mut expected);
             verified &= buf == expected;
             bar.inc(1);
         }

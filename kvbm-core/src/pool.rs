@@ -140,6 +140,36 @@ struct PoolState {
 }
 
 impl PoolState {
+    /// Returns a registered block nobody holds to `Free` and drops it from the registry (an
+    /// eviction); returns its hash for the `BlockRemoved` event.
+    fn free_registered(&mut self, id: BlockId) -> SequenceHash {
+        let slot = &mut self.slots[id.index()];
+        debug_assert!(slot.state == BlockState::Registered && slot.holders == 0);
+        let identity = slot
+            .identity
+            .take()
+            .expect("registered blocks have an identity");
+        slot.state = BlockState::Free;
+        slot.priority = 0;
+        slot.discard = false;
+        self.index.remove(&identity.sequence_hash);
+        self.free.push(id);
+        self.evictions += 1;
+        identity.sequence_hash
+    }
+
+    /// Evicts up to `max_blocks` idle blocks by policy; returns their hashes.
+    fn evict(&mut self, max_blocks: usize) -> Vec<SequenceHash> {
+        let mut removed = Vec::new();
+        while removed.len() < max_blocks {
+            let Some(id) = self.policy.pop_victim() else {
+                break;
+            };
+            removed.push(self.free_registered(id));
+        }
+        removed
+    }
+
     /// Returns a block that is being written, or complete but unregistered, to `Free`.
     fn free_unregistered(&mut self, id: BlockId) {
         let slot = &mut self.slots[id.index()];
@@ -332,26 +362,9 @@ impl BlockPool {
         }
         let shortfall = count.saturating_sub(state.free.len());
         if shortfall > 0 {
-            let mut removed = Vec::with_capacity(shortfall);
-            for _ in 0..shortfall {
-                let id = state.policy.pop_victim().expect("counted as evictable");
-                let slot = &mut state.slots[id.index()];
-                debug_assert!(slot.state == BlockState::Registered && slot.holders == 0);
-                let identity = slot
-                    .identity
-                    .take()
-                    .expect("registered blocks have an identity");
-                slot.state = BlockState::Free;
-                slot.priority = 0;
-                state.index.remove(&identity.sequence_hash);
-                state.free.push(id);
-                removed.push(identity.sequence_hash);
-            }
-            state.evictions += shortfall as u64;
-            self.publish(KvEvent::BlockRemoved(BlockRemoved {
-                tier: self.shared.tier,
-                block_hashes: removed,
-            }));
+            let removed = state.evict(shortfall);
+            debug_assert_eq!(removed.len(), shortfall, "counted as evictable");
+            self.publish_removed(removed);
         }
         let mut blocks = Vec::with_capacity(count);
         for _ in 0..count {
@@ -465,6 +478,11 @@ impl BlockPool {
         }
     }
 
+    /// Publishes one `BlockRemoved` for `hashes` (nothing when empty), with the pool lock held.
+    fn publish_removed(&self, hashes: Vec<SequenceHash>) {
+        publish_removed(&self.shared, hashes);
+    }
+
     fn publish(&self, event: KvEvent) {
         if let Some(events) = &self.shared.events {
             events.publish(event);
@@ -553,27 +571,11 @@ impl BlockPool {
     /// Evicts up to `max_blocks` idle blocks by policy; returns how many left.
     pub fn evict_idle(&self, max_blocks: usize) -> usize {
         let mut state = self.shared.state.lock();
-        let mut removed = Vec::new();
-        while removed.len() < max_blocks {
-            let Some(id) = state.policy.pop_victim() else {
-                break;
-            };
-            let slot = &mut state.slots[id.index()];
-            let identity = slot.identity.take().expect("registered");
-            slot.state = BlockState::Free;
-            slot.priority = 0;
-            state.index.remove(&identity.sequence_hash);
-            state.free.push(id);
-            removed.push(identity.sequence_hash);
-        }
+        let removed = state.evict(max_blocks);
         let n = removed.len();
-        state.evictions += n as u64;
-        if n > 0 {
-            self.publish(KvEvent::BlockRemoved(BlockRemoved {
-                tier: self.shared.tier,
-                block_hashes: removed,
-            }));
-        }
+        // Published under the lock, like every pool event.
+        self.publish_removed(removed);
+        drop(state);
         n
     }
 
@@ -650,14 +652,11 @@ pub fn clear_across(pools: &[&BlockPool]) -> Result<(), CoreError> {
         }
     }
     for state in states.iter_mut() {
-        while let Some(id) = state.policy.pop_victim() {
-            let slot = &mut state.slots[id.index()];
-            slot.identity = None;
-            slot.state = BlockState::Free;
-            slot.priority = 0;
-            state.free.push(id);
-        }
-        state.index.clear();
+        state.evict(usize::MAX);
+        debug_assert!(
+            state.index.is_empty(),
+            "nothing held, so every block was idle"
+        );
     }
     if let Some(events) = pools.first().and_then(|p| p.shared.events.as_ref()) {
         events.publish(KvEvent::AllBlocksCleared);
@@ -752,20 +751,15 @@ fn release_locked(pool: &PoolShared, state: &mut PoolState, id: BlockId) {
         state.policy.insert(id, priority);
         return;
     }
-    let identity = slot
-        .identity
-        .take()
-        .expect("registered blocks have an identity");
-    slot.state = BlockState::Free;
-    slot.priority = 0;
-    slot.discard = false;
-    state.index.remove(&identity.sequence_hash);
-    state.free.push(id);
-    state.evictions += 1;
-    if let Some(events) = &pool.events {
+    let hash = state.free_registered(id);
+    publish_removed(pool, vec![hash]);
+}
+
+fn publish_removed(pool: &PoolShared, hashes: Vec<SequenceHash>) {
+    if let (Some(events), false) = (&pool.events, hashes.is_empty()) {
         events.publish(KvEvent::BlockRemoved(BlockRemoved {
             tier: pool.tier,
-            block_hashes: vec![identity.sequence_hash],
+            block_hashes: hashes,
         }));
     }
 }
