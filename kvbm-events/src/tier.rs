@@ -33,13 +33,15 @@ impl Tier {
         }
     }
 
-    /// Reads a medium name as published by kvbm, vLLM, SGLang or Dynamo (case-insensitive).
-    /// `EXTERNAL` (shared pools) and unknown names are not local tiers and are refused.
+    /// Reads a medium name as published by kvbm, vLLM, SGLang or Dynamo (case-insensitive):
+    /// `GPU`/`DEVICE`; `CPU`/`CPU_PINNED`/`CPU_TIER1` (host); `STORAGE`/`DISK`/`NVME` and Dynamo
+    /// KVBM's `CPU_TIER2` (disk). Shared or remote pools (`EXTERNAL`, `NETWORK`, `REMOTE`,
+    /// `SHARED`) and unknown names are not local tiers and are refused.
     pub fn from_medium_name(name: &str) -> Result<Tier, TierParseError> {
         match name.to_ascii_uppercase().as_str() {
             "GPU" | "DEVICE" => Ok(Tier::Gpu),
-            "CPU_PINNED" | "CPU" | "CPU_TIER1" | "CPU_TIER2" => Ok(Tier::Host),
-            "DISK" | "STORAGE" | "NVME" => Ok(Tier::Disk),
+            "CPU_PINNED" | "CPU" | "CPU_TIER1" => Ok(Tier::Host),
+            "DISK" | "STORAGE" | "NVME" | "CPU_TIER2" => Ok(Tier::Disk),
             _ => Err(TierParseError(name.to_owned())),
         }
     }

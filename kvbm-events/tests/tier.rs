@@ -17,11 +17,15 @@ fn other_engines_names_map_to_tiers() {
         ("cpu", Some(Tier::Host)),
         ("CPU_PINNED", Some(Tier::Host)),
         ("CPU_TIER1", Some(Tier::Host)),
-        ("CPU_TIER2", Some(Tier::Host)),
+        // Dynamo KVBM's second CPU tier is its disk tier (the wire vectors' medium table).
+        ("CPU_TIER2", Some(Tier::Disk)),
         ("DISK", Some(Tier::Disk)),
         ("STORAGE", Some(Tier::Disk)),
         ("NVME", Some(Tier::Disk)),
         ("EXTERNAL", None),
+        ("NETWORK", None),
+        ("REMOTE", None),
+        ("SHARED", None),
         ("", None),
         ("TAPE", None),
     ];
