@@ -2,8 +2,9 @@
 //!
 //! Owns: block and sequence hashes (bit-for-bit Dynamo's KV-router hash), the storage [`Tier`]s and
 //! their wire medium names, the KV cache event model, and a bounded in-process event bus.
-//! Does not own: anything about memory, copies or pools (kvbm-cuda, kvbm-core), nor the wire codec,
-//! ZMQ transports and the router (a later addition to this crate).
+//! Also owns the wire codec ([`wire`]: vLLM's, SGLang's and Dynamo's msgpack event batches).
+//! Does not own: anything about memory, copies or pools (kvbm-cuda, kvbm-core), nor the ZMQ
+//! transports and the router (a later addition to this crate).
 //!
 //! Invariants:
 //! - A hash is computed only over a full block; a partial trailing block has no hash.
@@ -14,6 +15,7 @@ mod bus;
 mod event;
 mod hash;
 mod tier;
+pub mod wire;
 
 pub use bus::{Delivery, EventPublisher, EventSubscriber, SUBSCRIBER_CAPACITY_MAX};
 pub use event::{BlockRemoved, BlockStored, EventRecord, KvEvent};
@@ -21,3 +23,4 @@ pub use hash::{
     BlockHash, BlockHasher, SequenceHash, BLOCK_HASH_SEED, LORA_NAME_SEED, NAMESPACE_SEED,
 };
 pub use tier::{Tier, TierParseError};
+pub use wire::{decode_batch, encode_batch, DecodeError, Location, WireBatch, WireEvent};
