@@ -1,0 +1,213 @@
+//! Random operation sequences over all three tiers (GPU, host, disk): after each, replaying the
+//! event stream gives exactly the manager's residency, counts are conserved in every pool, and
+//! every block brought back to the GPU (from host or from disk) holds the bytes it was stored with.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use kvbm_core::{
+    BlockManager, DiskOptions, GpuMemory, ImmutableBlock, LayerShape, ManagerOptions,
+    TransferLimits,
+};
+use kvbm_cuda::Device;
+use kvbm_events::{EventPublisher, SequenceHash, Tier};
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Store `len` blocks of prompt `prompt` on the GPU, written through to host (and so, by
+    /// admission, maybe to disk).
+    Store { prompt: u32, len: usize },
+    /// Offload every held GPU block again (a second sighting for admission).
+    Reoffload,
+    /// Drop held block i.
+    Drop(usize),
+    /// Evict up to n idle blocks of tier t (0 GPU, 1 host, 2 disk).
+    Evict { tier: u8, n: usize },
+    /// Match prompt `prompt` below the GPU, load its disk part into host, onboard to the GPU.
+    Bring { prompt: u32, len: usize },
+    /// Drop every held block.
+    DropAll,
+    /// Reset every tier (refused while blocks are held).
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..4u32, 1..5usize).prop_map(|(prompt, len)| Op::Store { prompt, len }),
+        1 => Just(Op::Reoffload),
+        2 => (0..16usize).prop_map(Op::Drop),
+        3 => (0..3u8, 0..6usize).prop_map(|(tier, n)| Op::Evict { tier, n }),
+        3 => (0..4u32, 1..5usize).prop_map(|(prompt, len)| Op::Bring { prompt, len }),
+        1 => Just(Op::DropAll),
+        1 => Just(Op::Reset),
+    ]
+}
+
+fn prompt_tokens(prompt: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK_TOKENS) as u32)
+        .map(|i| {
+            if (i as usize) < BLOCK_TOKENS {
+                i
+            } else {
+                prompt * 1000 + i
+            }
+        })
+        .collect()
+}
+
+fn run(ops: Vec<Op>, filter_disabled: bool) {
+    let dir = tempfile::tempdir().unwrap();
+    let events = EventPublisher::new();
+    let mut sub = events.subscribe(100_000);
+    let m = BlockManager::with_publisher(
+        Device::emulated(),
+        ManagerOptions {
+            kv: kv(2),
+            gpu_blocks: 10,
+            gpu_shape: LayerShape::BlockFirst,
+            host_blocks: 6,
+            limits: TransferLimits {
+                batch_blocks_max: 2,
+                inflight_max: 2,
+                pending_max: 8,
+            },
+            pin_threads: 1,
+            disk: Some(DiskOptions {
+                dir: dir.path().to_owned(),
+                file_name: "model.cache".into(),
+                blocks: 5,
+                disable_o_direct: false,
+                filter_disabled,
+                queue_depth: 4,
+                engine: Default::default(),
+            }),
+        },
+        GpuMemory::Allocate,
+        events,
+    )
+    .unwrap();
+    assert!(m
+        .host_region()
+        .wait_ready(usize::MAX, Duration::from_secs(60)));
+    m.refresh_host_available();
+    let bpb = m.kv().bytes_per_block();
+    let mut resident: HashSet<(Tier, SequenceHash)> = HashSet::new();
+    let mut held: Vec<ImmutableBlock> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Store { prompt, len } => {
+                let ids = identities(&prompt_tokens(prompt, len));
+                let Ok(blocks) = m.allocate_gpu(len) else {
+                    continue;
+                };
+                let (gpu, ticket) = m
+                    .register_gpu_write_through(fill(&m, blocks, &ids))
+                    .unwrap();
+                assert!(ticket.wait().error.is_none());
+                held.extend(gpu);
+            }
+            Op::Reoffload => {
+                let gpu: Vec<_> = held
+                    .iter()
+                    .filter(|b| b.tier() == Tier::Gpu)
+                    .cloned()
+                    .collect();
+                m.offload(&gpu).unwrap().wait();
+            }
+            Op::Drop(i) if i < held.len() => {
+                held.swap_remove(i);
+            }
+            Op::Evict { tier, n } => {
+                let pool = match tier {
+                    0 => m.gpu_pool(),
+                    1 => m.host_pool(),
+                    _ => m.disk().unwrap().pool(),
+                };
+                pool.evict_idle(n);
+            }
+            Op::Bring { prompt, len } => {
+                let hashes: Vec<_> = identities(&prompt_tokens(prompt, len))
+                    .iter()
+                    .map(|i| i.sequence_hash)
+                    .collect();
+                let matched = m.match_lower(&hashes);
+                let (host, disk): (Vec<_>, Vec<_>) = matched
+                    .blocks
+                    .into_iter()
+                    .partition(|b| b.tier() == Tier::Host);
+                let mut sources = host;
+                if !disk.is_empty() {
+                    let loaded = m.load_from_disk(disk).unwrap();
+                    // Loaded host copies hold the disk blocks' bytes.
+                    let mut buf = vec![0u8; bpb];
+                    for b in &loaded {
+                        m.read_host_block(b.id(), &mut buf).unwrap();
+                        assert!(
+                            buf == block_bytes(b.sequence_hash(), bpb),
+                            "bytes loaded from disk"
+                        );
+                    }
+                    sources.extend(loaded);
+                }
+                let Ok(targets) = m.allocate_gpu(sources.len()) else {
+                    continue;
+                };
+                let outcome = m.onboard(sources, targets).unwrap().wait();
+                assert!(outcome.error.is_none());
+                let mut buf = vec![0u8; bpb];
+                for b in &outcome.blocks {
+                    m.read_gpu_block(b.id(), &mut buf).unwrap();
+                    assert!(
+                        buf == block_bytes(b.sequence_hash(), bpb),
+                        "bytes brought back to the GPU"
+                    );
+                }
+                held.extend(outcome.blocks);
+            }
+            Op::DropAll => held.clear(),
+            Op::Reset => {
+                m.wait_idle();
+                let busy = !held.is_empty();
+                match m.reset() {
+                    Ok(()) => assert!(!busy, "reset while blocks were held"),
+                    Err(_) => assert!(busy, "reset refused with nothing held"),
+                }
+            }
+            _ => {}
+        }
+        m.wait_idle();
+        replay(&mut sub, &mut resident);
+        assert_eq!(resident, m.residency());
+        for pool in [m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()] {
+            let c = pool.counts();
+            assert_eq!(
+                c.free + c.filling + c.complete + c.registered + c.reserved,
+                c.capacity,
+                "{c:?}"
+            );
+            assert_eq!(
+                (c.filling, c.complete),
+                (0, 0),
+                "nothing half-done once idle: {c:?}"
+            );
+        }
+    }
+    drop(held);
+    m.wait_idle();
+    for pool in [m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()] {
+        let c = pool.counts();
+        assert_eq!(c.idle, c.registered, "every block released: {c:?}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #[test]
+    fn three_tiers_stay_consistent_with_their_events(ops in proptest::collection::vec(op(), 1..40), filter_disabled in any::<bool>()) {
+        run(ops, filter_disabled);
+    }
+}
