@@ -15,6 +15,7 @@ mod bus;
 mod event;
 mod hash;
 mod tier;
+pub mod transport;
 pub mod wire;
 
 pub use bus::{Delivery, EventPublisher, EventSubscriber, SUBSCRIBER_CAPACITY_MAX};
@@ -23,4 +24,8 @@ pub use hash::{
     BlockHash, BlockHasher, SequenceHash, BLOCK_HASH_SEED, LORA_NAME_SEED, NAMESPACE_SEED,
 };
 pub use tier::{Tier, TierParseError};
+pub use transport::{
+    request_replay, PublisherConfig, PublisherStats, SubscriberEvent, TransportError,
+    WorkerEndpoint, ZmqPublisher, ZmqSubscriber,
+};
 pub use wire::{decode_batch, encode_batch, DecodeError, Location, WireBatch, WireEvent};
