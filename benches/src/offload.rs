@@ -87,6 +87,13 @@ pub struct OffloadArgs {
     /// Directory of the disk cache file (default: a fresh one in the system temp dir).
     #[arg(long)]
     disk_dir: Option<std::path::PathBuf>,
+    /// Publish the run's KV events over ZMQ here (vLLM's wire format), e.g.
+    /// tcp://127.0.0.1:5557, so that a router (kvbm's or Dynamo's) can watch the run.
+    #[arg(long)]
+    kv_events_endpoint: Option<String>,
+    /// Serve replays of the run's KV events here (a ROUTER socket), with --kv-events-endpoint.
+    #[arg(long)]
+    kv_events_replay_endpoint: Option<String>,
 }
 
 struct Direction {
@@ -225,6 +232,9 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             },
             pin_threads: kvbm_cuda::HostRegionOptions::default().pin_threads,
             disk,
+            kv_events: args.kv_events_endpoint.clone().map(|e| {
+                kvbm_events::PublisherConfig::new(e, args.kv_events_replay_endpoint.clone())
+            }),
         },
         GpuMemory::Allocate,
     )

@@ -22,6 +22,10 @@ pub const DISK_DISABLE_O_DIRECT: &str = "DYN_KVBM_DISK_DISABLE_O_DIRECT";
 pub const DISABLE_DISK_OFFLOAD_FILTER: &str = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER";
 /// kvbm's disk engine: `auto`, `io_uring` or `psync`.
 pub const DISK_ENGINE: &str = kvbm_disk::ENGINE_ENV;
+/// Where to publish KV events over ZMQ (a PUB socket; e.g. `tcp://127.0.0.1:5557`).
+pub const KV_EVENTS_ENDPOINT: &str = "DYN_KVBM_KV_EVENTS_ENDPOINT";
+/// Where to serve replays of recent KV event batches (a ROUTER socket).
+pub const KV_EVENTS_REPLAY_ENDPOINT: &str = "DYN_KVBM_KV_EVENTS_REPLAY_ENDPOINT";
 /// Blocks per transfer batch.
 pub const MAX_TRANSFER_BATCH_SIZE: &str = "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE";
 /// Transfer batches in flight.
@@ -110,6 +114,10 @@ pub struct KvbmConfig {
     pub disk_offload_filter_disabled: bool,
     /// The disk I/O engine (`KVBM_DISK_ENGINE`). Default auto.
     pub disk_engine: kvbm_disk::EngineChoice,
+    /// ZMQ endpoint for KV events. Default none (no ZMQ publishing).
+    pub kv_events_endpoint: Option<String>,
+    /// ZMQ endpoint for replays of KV events. Default none.
+    pub kv_events_replay_endpoint: Option<String>,
 }
 
 impl KvbmConfig {
@@ -180,7 +188,34 @@ impl KvbmConfig {
                 .parse()
                 .map_err(|_| invalid(DISK_ENGINE, &v, "expected auto, io_uring or psync"))?,
         };
+        let endpoint = |var: &'static str| match lookup(var) {
+            None => Ok(None),
+            Some(v)
+                if ["tcp://", "ipc://", "inproc://"]
+                    .iter()
+                    .any(|p| v.starts_with(p)) =>
+            {
+                Ok(Some(v))
+            }
+            Some(v) => Err(invalid(
+                var,
+                &v,
+                "expected a ZMQ endpoint (tcp://HOST:PORT, ipc://PATH)",
+            )),
+        };
+        let kv_events_endpoint = endpoint(KV_EVENTS_ENDPOINT)?;
+        let kv_events_replay_endpoint = endpoint(KV_EVENTS_REPLAY_ENDPOINT)?;
+        if kv_events_replay_endpoint.is_some() && kv_events_endpoint.is_none() {
+            let v = kv_events_replay_endpoint.clone().unwrap_or_default();
+            return Err(invalid(
+                KV_EVENTS_REPLAY_ENDPOINT,
+                &v,
+                format!("needs {KV_EVENTS_ENDPOINT} too"),
+            ));
+        }
         Ok(Self {
+            kv_events_endpoint,
+            kv_events_replay_endpoint,
             disk_engine,
             disk_dir,
             disk_disable_o_direct: flag(DISK_DISABLE_O_DIRECT)?,

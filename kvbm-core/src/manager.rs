@@ -54,6 +54,8 @@ pub struct ManagerOptions {
     pub pin_threads: usize,
     /// The disk tier, if any.
     pub disk: Option<DiskOptions>,
+    /// Publish every event over ZMQ (vLLM's wire format), if set.
+    pub kv_events: Option<kvbm_events::PublisherConfig>,
 }
 
 impl ManagerOptions {
@@ -78,6 +80,12 @@ impl ManagerOptions {
             },
             pin_threads: HostRegionOptions::default().pin_threads,
             disk: None,
+            kv_events: config.kv_events_endpoint.clone().map(|endpoint| {
+                kvbm_events::PublisherConfig::new(
+                    endpoint,
+                    config.kv_events_replay_endpoint.clone(),
+                )
+            }),
         }
     }
 
@@ -126,6 +134,8 @@ pub struct BlockManager {
     /// Declared before `disk`: it drops first, so its last offloads reach the disk writer.
     engine: TransferEngine,
     disk: Option<Arc<DiskTier>>,
+    /// Declared last: it drops last, after the tiers' final events.
+    zmq: Option<kvbm_events::ZmqPublisher>,
 }
 
 impl std::fmt::Debug for BlockManager {
@@ -167,6 +177,15 @@ impl BlockManager {
             )));
         }
         let metrics = Arc::new(Metrics::default());
+        // Subscribe the ZMQ publisher before any tier exists, so it sees every event (the disk
+        // tier announces what it recovered while it opens).
+        let zmq = match &options.kv_events {
+            None => None,
+            Some(config) => Some(
+                kvbm_events::ZmqPublisher::start(&events, config.clone())
+                    .map_err(|e| CoreError::InvalidArgument(format!("KV events over ZMQ: {e}")))?,
+            ),
+        };
 
         let layer_bytes = kv.layer_bytes(options.gpu_blocks);
         let gpu_regions = match gpu_memory {
@@ -269,6 +288,7 @@ impl BlockManager {
             metrics,
             engine,
             disk,
+            zmq,
         })
     }
 
@@ -317,6 +337,11 @@ impl BlockManager {
     /// The host tier's pool.
     pub fn host_pool(&self) -> &BlockPool {
         &self.engine.host().pool
+    }
+
+    /// The ZMQ publisher of this manager's events, if configured.
+    pub fn zmq_publisher(&self) -> Option<&kvbm_events::ZmqPublisher> {
+        self.zmq.as_ref()
     }
 
     /// The disk tier, if configured.

@@ -67,6 +67,20 @@ fn overrides_win_and_other_settings_parse() {
     ])
     .unwrap();
     assert_eq!(p.disk_engine, kvbm_disk::EngineChoice::Psync);
+    let z = load(&[
+        ("DYN_KVBM_CPU_CACHE_GB", "1"),
+        ("DYN_KVBM_KV_EVENTS_ENDPOINT", "tcp://127.0.0.1:5557"),
+        ("DYN_KVBM_KV_EVENTS_REPLAY_ENDPOINT", "tcp://127.0.0.1:5558"),
+    ])
+    .unwrap();
+    assert_eq!(
+        z.kv_events_endpoint.as_deref(),
+        Some("tcp://127.0.0.1:5557")
+    );
+    assert_eq!(
+        z.kv_events_replay_endpoint.as_deref(),
+        Some("tcp://127.0.0.1:5558")
+    );
     assert_eq!(
         load(&[
             ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "10"),
@@ -123,6 +137,8 @@ fn every_bad_value_names_the_variable_and_the_value() {
         ("DYN_KVBM_DISK_DISABLE_O_DIRECT", "sometimes"),
         ("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", "2"),
         ("KVBM_DISK_ENGINE", "spdk"),
+        ("DYN_KVBM_KV_EVENTS_ENDPOINT", "127.0.0.1:5557"),
+        ("DYN_KVBM_KV_EVENTS_REPLAY_ENDPOINT", "tcp://127.0.0.1:5558"),
     ];
     for &(variable, value) in cases {
         // A valid host size so that only the variable under test can be wrong.

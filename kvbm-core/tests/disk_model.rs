@@ -85,6 +85,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
                 queue_depth: 4,
                 engine: Default::default(),
             }),
+            kv_events: None,
         },
         GpuMemory::Allocate,
         events,

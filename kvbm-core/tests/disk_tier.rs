@@ -41,6 +41,7 @@ fn disk_manager(dir: &Path, filter_disabled: bool, events: EventPublisher) -> Bl
                 queue_depth: 8,
                 engine: Default::default(),
             }),
+            kv_events: None,
         },
         GpuMemory::Allocate,
         events,

@@ -298,3 +298,94 @@ fn options_from_config_split_the_host_tier_across_ranks() {
     assert_eq!(options.limits.batch_blocks_max, 8);
     assert_eq!(options.limits.inflight_max, 4);
 }
+
+#[test]
+fn a_managers_events_go_out_over_zmq_in_vllms_format() {
+    use kvbm_events::{SubscriberEvent, WireEvent, WorkerEndpoint, ZmqSubscriber};
+    let options = kvbm_core::ManagerOptions {
+        kv: kv(2),
+        gpu_blocks: 64,
+        gpu_shape: LayerShape::OuterFirst,
+        host_blocks: 64,
+        limits: TransferLimits::default(),
+        pin_threads: 1,
+        disk: None,
+        kv_events: Some(kvbm_events::PublisherConfig::new("tcp://127.0.0.1:*", None)),
+    };
+    let m =
+        kvbm_core::BlockManager::new(Device::emulated(), options, kvbm_core::GpuMemory::Allocate)
+            .unwrap();
+    assert!(m
+        .host_region()
+        .wait_ready(usize::MAX, std::time::Duration::from_secs(60)));
+    let endpoint = m.zmq_publisher().unwrap().endpoint().to_owned();
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let _sub = ZmqSubscriber::start(
+        vec![WorkerEndpoint {
+            worker_id: 1,
+            dp_rank: 0,
+            endpoint,
+            replay: None,
+        }],
+        tx,
+    )
+    .unwrap();
+    // Until the subscription is up, events are lost (ZMQ's slow joiner): store warm-up blocks.
+    let mut prompt = 0u32;
+    let mut store = |m: &kvbm_core::BlockManager| {
+        prompt += 1;
+        let ids = identities(&(prompt * 1000..prompt * 1000 + 4).collect::<Vec<u32>>());
+        let (gpu, ticket) = m
+            .register_gpu_write_through(fill(m, m.allocate_gpu(1).unwrap(), &ids))
+            .unwrap();
+        ticket.wait();
+        drop(gpu);
+        ids[0].sequence_hash
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        store(&m);
+        if rx
+            .recv_timeout(std::time::Duration::from_millis(50))
+            .is_ok()
+        {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no subscription");
+    }
+    while rx
+        .recv_timeout(std::time::Duration::from_millis(100))
+        .is_ok()
+    {}
+    // Now one block: stored on the GPU, then (after the write-through) on the host.
+    let hash = store(&m);
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        match rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("events")
+        {
+            SubscriberEvent::Batch { batch, .. } => seen.extend(batch.events),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    let stored: Vec<_> = seen
+        .iter()
+        .map(|e| match e {
+            WireEvent::Stored {
+                location,
+                block_hashes,
+                token_ids,
+                ..
+            } => (location.clone(), block_hashes.clone(), token_ids.len()),
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        stored,
+        vec![
+            (kvbm_events::Location::Local(Tier::Gpu), vec![hash.0], 4),
+            (kvbm_events::Location::Local(Tier::Host), vec![hash.0], 4),
+        ]
+    );
+}

@@ -36,6 +36,7 @@ pub fn manager(
             limits,
             pin_threads: 1,
             disk: None,
+            kv_events: None,
         },
         GpuMemory::Allocate,
     )
