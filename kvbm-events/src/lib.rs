@@ -14,6 +14,7 @@
 mod bus;
 mod event;
 mod hash;
+pub mod router;
 mod tier;
 pub mod transport;
 pub mod wire;
