@@ -7,7 +7,41 @@
 
 mod disk;
 mod offload;
+mod router;
 mod stats;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Heap bytes in use, for `kvbm-bench router`'s bytes per resident pair.
+pub(crate) static ALLOCATED: AtomicUsize = AtomicUsize::new(0);
+
+/// The system allocator, counting bytes in use.
+struct Counting;
+
+// SAFETY: every call is forwarded unchanged to the system allocator; the counter is only
+// arithmetic on the sizes it was given.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATED.fetch_add(layout.size(), Ordering::Relaxed);
+        // SAFETY: forwarded with the caller's layout, which meets `alloc`'s contract.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: `ptr` came from this allocator (hence `System`) with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATED.fetch_add(new_size, Ordering::Relaxed);
+        ALLOCATED.fetch_sub(layout.size(), Ordering::Relaxed);
+        // SAFETY: forwarded unchanged; `ptr` and `layout` came from this allocator.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +58,8 @@ enum Command {
     Offload(offload::OffloadArgs),
     /// Write and read blocks through kvbm-disk (io_uring, O_DIRECT, registered buffers) against fio.
     Disk(disk::DiskArgs),
+    /// The router index on the generated workload: apply rate, find_matches latency, bytes/pair.
+    Router(router::RouterArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -41,6 +77,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Offload(args) => offload::run(args),
         Command::Disk(args) => disk::run(args),
+        Command::Router(args) => router::run(args),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,
