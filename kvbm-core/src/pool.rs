@@ -19,10 +19,11 @@
 //! - This is the one place that mutates pool state; callers hold the lock only inside methods.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
-use kvbm_events::{BlockRemoved, BlockStored, EventPublisher, KvEvent, SequenceHash, Tier};
+use kvbm_events::{
+    BlockRemoved, BlockStored, EventPublisher, KvEvent, PassThroughBuildHasher, SequenceHash, Tier,
+};
 use parking_lot::Mutex;
 
 use crate::eviction::{EvictionPolicy, LruPriority};
@@ -97,25 +98,7 @@ pub struct Rejected<T> {
     pub reason: &'static str,
 }
 
-#[derive(Default)]
-struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        // Sequence hashes are already uniformly distributed.
-        self.0 = v;
-    }
-}
-
-type HashIndex = HashMap<SequenceHash, BlockId, BuildHasherDefault<IdentityHasher>>;
+type HashIndex = HashMap<SequenceHash, BlockId, PassThroughBuildHasher>;
 
 #[derive(Debug)]
 struct Slot {

@@ -47,18 +47,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn prompt_tokens(prompt: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BLOCK_TOKENS) as u32)
-        .map(|i| {
-            if (i as usize) < BLOCK_TOKENS {
-                i
-            } else {
-                prompt * 1000 + i
-            }
-        })
-        .collect()
-}
-
 fn run(ops: Vec<Op>, filter_disabled: bool) {
     let dir = tempfile::tempdir().unwrap();
     let events = EventPublisher::new();

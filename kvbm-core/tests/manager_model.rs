@@ -42,19 +42,6 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-/// Prompt p's tokens: prompts share their first block, so prefixes overlap.
-fn prompt_tokens(prompt: u32, blocks: usize) -> Vec<u32> {
-    (0..(blocks * BLOCK_TOKENS) as u32)
-        .map(|i| {
-            if (i as usize) < BLOCK_TOKENS {
-                i
-            } else {
-                prompt * 1000 + i
-            }
-        })
-        .collect()
-}
-
 fn check_onboarded(m: &BlockManager, blocks: &[ImmutableBlock]) {
     let bpb = m.kv().bytes_per_block();
     let mut buf = vec![0u8; bpb];

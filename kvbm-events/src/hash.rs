@@ -127,3 +127,25 @@ fn hash_u32_le(tokens: &[u32], seed: u64) -> u64 {
     let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
     xxh3_64_with_seed(&bytes, seed)
 }
+
+/// A `Hasher` for maps keyed by block or sequence hashes: the key already is a uniformly
+/// distributed 64-bit hash, so it is used as is (other input is folded byte by byte).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PassThroughHasher(u64);
+
+impl std::hash::Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// Builds [`PassThroughHasher`]s: `HashMap<SequenceHash, V, PassThroughBuildHasher>`.
+pub type PassThroughBuildHasher = std::hash::BuildHasherDefault<PassThroughHasher>;

@@ -127,3 +127,17 @@ pub fn replay(sub: &mut EventSubscriber, set: &mut HashSet<(Tier, SequenceHash)>
         }
     }
 }
+
+/// Prompt `prompt`'s tokens for `blocks` blocks: every prompt shares its first block, so
+/// prefixes overlap across prompts.
+pub fn prompt_tokens(prompt: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BLOCK_TOKENS) as u32)
+        .map(|i| {
+            if (i as usize) < BLOCK_TOKENS {
+                i
+            } else {
+                prompt * 1000 + i
+            }
+        })
+        .collect()
+}

@@ -12,12 +12,12 @@
 //! Layout: one hash map from block hash to its holders, with the first holder stored inline
 //! (most blocks belong to one worker) and the rest in a small vector.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::router::selector::{Overlap, WorkerKey};
 use crate::wire::{Location, WireEvent};
-use crate::Tier;
+use crate::{PassThroughBuildHasher, Tier};
 
 /// Default limit of (block, tier) holdings per worker.
 pub const BLOCKS_PER_WORKER_MAX_DEFAULT: usize = 1 << 24;
@@ -47,24 +47,6 @@ impl ApplyStatus {
     }
 }
 
-#[derive(Default)]
-struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        // Block hashes are uniformly distributed already.
-        self.0 = v;
-    }
-}
-
 /// One worker's references to one block, per tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holding {
@@ -73,6 +55,13 @@ struct Holding {
 }
 
 impl Holding {
+    /// One reference in tier `t`.
+    fn new(worker: u32, t: usize) -> Self {
+        let mut counts = [0; 3];
+        counts[t] = 1;
+        Self { worker, counts }
+    }
+
     fn is_empty(&self) -> bool {
         self.counts == [0; 3]
     }
@@ -135,7 +124,7 @@ struct WorkerState {
 
 /// The index of every worker's blocks per tier.
 pub struct KvIndex {
-    blocks: HashMap<u64, Holders, BuildHasherDefault<PassThrough>>,
+    blocks: HashMap<u64, Holders, PassThroughBuildHasher>,
     workers: Vec<WorkerState>,
     by_key: HashMap<WorkerKey, u32>,
     blocks_per_worker_max: usize,
@@ -213,42 +202,39 @@ impl KvIndex {
         let t = tier.index();
         let mut status = ApplyStatus::Ok;
         for &hash in hashes {
-            let state = &self.workers[w as usize];
-            let total: usize = state.blocks.iter().sum();
-            match self.blocks.get_mut(&hash) {
-                Some(holders) => match holders.find_mut(w) {
-                    Some(h) => {
-                        if h.counts[t] == 0 {
-                            if total >= self.blocks_per_worker_max {
-                                status = ApplyStatus::WorkerFull;
-                                continue;
-                            }
-                            self.workers[w as usize].blocks[t] += 1;
-                        }
+            let total: usize = self.workers[w as usize].blocks.iter().sum();
+            let full = total >= self.blocks_per_worker_max;
+            // One lookup; `added` when the worker starts holding the block in this tier.
+            let added = match self.blocks.entry(hash) {
+                Entry::Occupied(mut e) => match e.get_mut().find_mut(w) {
+                    Some(h) if h.counts[t] > 0 => {
                         h.counts[t] = h.counts[t].saturating_add(1);
+                        false
                     }
-                    None => {
-                        if total >= self.blocks_per_worker_max {
-                            status = ApplyStatus::WorkerFull;
-                            continue;
-                        }
-                        let mut counts = [0; 3];
-                        counts[t] = 1;
-                        holders.push(Holding { worker: w, counts });
-                        self.workers[w as usize].blocks[t] += 1;
+                    Some(h) if !full => {
+                        h.counts[t] = 1;
+                        true
+                    }
+                    None if !full => {
+                        e.get_mut().push(Holding::new(w, t));
+                        true
+                    }
+                    _ => {
+                        status = ApplyStatus::WorkerFull;
+                        false
                     }
                 },
-                None => {
-                    if total >= self.blocks_per_worker_max {
-                        status = ApplyStatus::WorkerFull;
-                        continue;
-                    }
-                    let mut counts = [0; 3];
-                    counts[t] = 1;
-                    self.blocks
-                        .insert(hash, Holders::One(Holding { worker: w, counts }));
-                    self.workers[w as usize].blocks[t] += 1;
+                Entry::Vacant(e) if !full => {
+                    e.insert(Holders::One(Holding::new(w, t)));
+                    true
                 }
+                Entry::Vacant(_) => {
+                    status = ApplyStatus::WorkerFull;
+                    false
+                }
+            };
+            if added {
+                self.workers[w as usize].blocks[t] += 1;
             }
         }
         status
