@@ -169,28 +169,16 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
             _ => {}
         }
         m.wait_idle();
-        replay(&mut sub, &mut resident);
-        assert_eq!(resident, m.residency());
-        for pool in [m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()] {
-            let c = pool.counts();
-            assert_eq!(
-                c.free + c.filling + c.complete + c.registered + c.reserved,
-                c.capacity,
-                "{c:?}"
-            );
-            assert_eq!(
-                (c.filling, c.complete),
-                (0, 0),
-                "nothing half-done once idle: {c:?}"
-            );
-        }
+        check_idle_consistency(
+            &m,
+            &[m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()],
+            &mut sub,
+            &mut resident,
+        );
     }
     drop(held);
     m.wait_idle();
-    for pool in [m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()] {
-        let c = pool.counts();
-        assert_eq!(c.idle, c.registered, "every block released: {c:?}");
-    }
+    check_all_released(&[m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()]);
 }
 
 proptest! {

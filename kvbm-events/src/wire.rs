@@ -348,10 +348,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: Option<u32>, out: &mut
                 write_str(out, "type");
                 write_str(out, "BlockStored");
                 write_str(out, "block_hashes");
-                done(w::write_array_len(out, s.block_hashes.len() as u32));
-                for h in &s.block_hashes {
-                    done(w::write_uint(out, h.0));
-                }
+                write_hashes(out, &s.block_hashes);
                 write_str(out, "parent_block_hash");
                 match s.parent_hash {
                     Some(p) => done(w::write_uint(out, p.0)),
@@ -379,10 +376,7 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: Option<u32>, out: &mut
                 write_str(out, "type");
                 write_str(out, "BlockRemoved");
                 write_str(out, "block_hashes");
-                done(w::write_array_len(out, r.block_hashes.len() as u32));
-                for h in &r.block_hashes {
-                    done(w::write_uint(out, h.0));
-                }
+                write_hashes(out, &r.block_hashes);
                 write_str(out, "medium");
                 write_str(out, r.tier.medium_name());
             }
@@ -396,6 +390,13 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: Option<u32>, out: &mut
     match dp_rank {
         Some(rank) => done(w::write_uint(out, u64::from(rank))),
         None => done(w::write_nil(out)),
+    }
+}
+
+fn write_hashes(out: &mut Vec<u8>, hashes: &[SequenceHash]) {
+    done(rmp::encode::write_array_len(out, hashes.len() as u32));
+    for h in hashes {
+        done(rmp::encode::write_uint(out, h.0));
     }
 }
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_core::{
-    BlockIdentity, BlockManager, CompleteBlock, GpuMemory, KvLayout, LayerShape, ManagerOptions,
-    MutableBlock, TransferLimits,
+    BlockIdentity, BlockManager, BlockPool, CompleteBlock, GpuMemory, KvLayout, LayerShape,
+    ManagerOptions, MutableBlock, TransferLimits,
 };
 use kvbm_cuda::Device;
 use kvbm_events::{BlockHasher, EventSubscriber, KvEvent, SequenceHash, Tier};
@@ -140,4 +140,37 @@ pub fn prompt_tokens(prompt: u32, blocks: usize) -> Vec<u32> {
             }
         })
         .collect()
+}
+
+/// After the manager went idle: replaying the events gives its residency, and every pool has
+/// conserved its blocks with nothing half-done.
+pub fn check_idle_consistency(
+    m: &BlockManager,
+    pools: &[&BlockPool],
+    sub: &mut EventSubscriber,
+    resident: &mut HashSet<(Tier, SequenceHash)>,
+) {
+    replay(sub, resident);
+    assert_eq!(*resident, m.residency());
+    for pool in pools {
+        let c = pool.counts();
+        assert_eq!(
+            c.free + c.filling + c.complete + c.registered + c.reserved,
+            c.capacity,
+            "{c:?}"
+        );
+        assert_eq!(
+            (c.filling, c.complete),
+            (0, 0),
+            "nothing half-done once idle: {c:?}"
+        );
+    }
+}
+
+/// Once every handle is dropped: every registered block of every pool is idle.
+pub fn check_all_released(pools: &[&BlockPool]) {
+    for pool in pools {
+        let c = pool.counts();
+        assert_eq!(c.idle, c.registered, "every block released: {c:?}");
+    }
 }
