@@ -17,8 +17,13 @@ enum Op {
     Remote(Key, Vec<u64>),
 }
 
-fn key() -> impl Strategy<Value = Key> {
+fn key() -> impl Strategy<Value = Key> + Clone {
     (0..4u64, 0..2u32)
+}
+
+/// Enough workers that holder sets span several groups of 64.
+fn wide_key() -> impl Strategy<Value = Key> + Clone {
+    (0..200u64, 0..1u32)
 }
 
 fn tier() -> impl Strategy<Value = Tier> {
@@ -29,14 +34,18 @@ fn hashes() -> impl Strategy<Value = Vec<u64>> {
     proptest::collection::vec(0..12u64, 0..6)
 }
 
-fn op() -> impl Strategy<Value = Op> {
+fn op_with(key: impl Strategy<Value = Key> + Clone) -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (key(), tier(), hashes()).prop_map(|(k, t, h)| Op::Store(k, t, h)),
-        4 => (key(), tier(), hashes()).prop_map(|(k, t, h)| Op::Remove(k, t, h)),
-        1 => key().prop_map(Op::Clear),
-        1 => key().prop_map(Op::DropWorker),
-        1 => (key(), hashes()).prop_map(|(k, h)| Op::Remote(k, h)),
+        6 => (key.clone(), tier(), hashes()).prop_map(|(k, t, h)| Op::Store(k, t, h)),
+        4 => (key.clone(), tier(), hashes()).prop_map(|(k, t, h)| Op::Remove(k, t, h)),
+        1 => key.clone().prop_map(Op::Clear),
+        1 => key.clone().prop_map(Op::DropWorker),
+        1 => (key, hashes()).prop_map(|(k, h)| Op::Remote(k, h)),
     ]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    op_with(key())
 }
 
 #[derive(Default)]
@@ -97,9 +106,15 @@ fn stored(t: Tier, h: &[u64]) -> WireEvent {
     }
 }
 
-fn run(ops: Vec<Op>, queries: Vec<Vec<u64>>) {
-    let mut index = KvIndex::default();
+/// Applies `ops` to `index` and to the model, and after each compares every query (plus each
+/// stored run as a query, which follows the index's arena order) and every count.
+fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
     let mut model = Model::default();
+    for op in &ops {
+        if let Op::Store(_, _, h) = op {
+            queries.push(h.clone());
+        }
+    }
     for op in ops {
         match &op {
             Op::Store(k, t, h) => {
@@ -164,7 +179,20 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
     #[test]
     fn the_index_matches_its_model(ops in proptest::collection::vec(op(), 1..60), queries in proptest::collection::vec(proptest::collection::vec(0..12u64, 0..8), 1..5)) {
-        run(ops, queries);
+        run(KvIndex::default(), ops, queries);
+    }
+
+    #[test]
+    fn the_index_matches_its_model_when_it_compacts_eagerly(ops in proptest::collection::vec(op(), 1..60), queries in proptest::collection::vec(proptest::collection::vec(0..12u64, 0..8), 1..5)) {
+        run(KvIndex::default().with_min_tombstones(0), ops, queries);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+    #[test]
+    fn the_index_matches_its_model_with_hundreds_of_workers(ops in proptest::collection::vec(op_with(wide_key()), 1..100), queries in proptest::collection::vec(proptest::collection::vec(0..12u64, 0..8), 1..5)) {
+        run(KvIndex::default().with_min_tombstones(4), ops, queries);
     }
 }
 

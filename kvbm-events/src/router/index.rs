@@ -9,18 +9,36 @@
 //! - `find_matches` follows DESIGN.md: per worker, the contiguous GPU prefix of the request,
 //!   then the blocks that continue it in host memory, then on disk, tier by tier.
 //!
-//! Layout: one hash map from block hash to its holders, with the first holder stored inline
-//! (most blocks belong to one worker) and the rest in a small vector.
+//! Layout, chosen for the two hot paths (applying a store, matching a 512-block prompt):
+//! - Every distinct block is a node in an arena of parallel arrays (its hash, its holder set).
+//!   Blocks that arrive in one store event are appended next to each other, so a match that
+//!   follows a stored run reads the arena sequentially and looks the hash table up only where a
+//!   run ends.
+//! - Holder sets (per worker, a mask of tiers) are interned: a node holds a 4-byte set id, and
+//!   nodes along a stored prefix usually share one set. `find_matches` re-examines its workers only
+//!   where the set id changes; elsewhere every active worker advances in its current tier.
+//! - The hash table holds node ids only (4 bytes a slot), keyed by the block hash mixed with a
+//!   per-index random seed, so crafted hashes from a worker cannot pile into one probe chain.
+//! - A second reference to a holding (rare) lives in a side table, not in every node.
+//! - Dead nodes are tombstones until more than half of the arena is dead; then the arena is
+//!   compacted in order, keeping stored runs contiguous.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
+use crate::router::mapped::MappedVec;
 use crate::router::selector::{Overlap, WorkerKey};
+use crate::router::table::BlockTable;
 use crate::wire::{Location, WireEvent};
-use crate::{PassThroughBuildHasher, Tier};
+use crate::Tier;
 
 /// Default limit of (block, tier) holdings per worker.
 pub const BLOCKS_PER_WORKER_MAX_DEFAULT: usize = 1 << 24;
+
+/// How many blocks ahead an event's table buckets are prefetched.
+const PREFETCH_DISTANCE: usize = 8;
+
+/// Default number of tombstones tolerated before a compaction is considered.
+pub const MIN_TOMBSTONES_DEFAULT: usize = 1 << 16;
 
 /// What applying an event did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,70 +65,184 @@ impl ApplyStatus {
     }
 }
 
-/// One worker's references to one block, per tier.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Holding {
-    worker: u32,
-    counts: [u16; 3],
+/// The empty set; a node whose set is empty is dead.
+const EMPTY: u32 = 0;
+
+/// A holder set as bits: for each group of 64 workers (by worker index), three words (GPU, host,
+/// disk) with bit `w % 64` set when worker `w` holds the block in that tier. Trailing all-zero
+/// groups are trimmed, so that equal sets have equal bits.
+type Bits = Box<[u64]>;
+
+#[derive(Debug, Default)]
+struct HolderSet {
+    bits: Bits,
+    /// Nodes pointing at this set.
+    refs: u32,
 }
 
-impl Holding {
-    /// One reference in tier `t`.
-    fn new(worker: u32, t: usize) -> Self {
-        let mut counts = [0; 3];
-        counts[t] = 1;
-        Self { worker, counts }
+/// The tiers (bit `t` for tier `t`) worker `w` holds in `bits`.
+#[inline]
+fn mask_of(bits: &[u64], w: u32) -> u8 {
+    let k = (w / 64) as usize * 3;
+    if k >= bits.len() {
+        return 0;
     }
+    let b = w % 64;
+    (((bits[k] >> b) & 1) | (((bits[k + 1] >> b) & 1) << 1) | (((bits[k + 2] >> b) & 1) << 2)) as u8
+}
 
-    fn is_empty(&self) -> bool {
-        self.counts == [0; 3]
+/// The workers of group `k` (any tier).
+#[inline]
+fn group(bits: &[u64], k: usize) -> u64 {
+    match bits.get(3 * k..3 * k + 3) {
+        Some(g) => g[0] | g[1] | g[2],
+        None => 0,
     }
 }
 
-#[derive(Debug, Clone)]
-enum Holders {
-    One(Holding),
-    Many(Vec<Holding>),
+/// The workers of group `k` whose tiers differ between `a` and `b`.
+#[inline]
+fn group_diff(a: &[u64], b: &[u64], k: usize) -> u64 {
+    let word = |bits: &[u64], i: usize| bits.get(i).copied().unwrap_or(0);
+    (0..3).fold(0, |x, t| x | (word(a, 3 * k + t) ^ word(b, 3 * k + t)))
 }
 
-impl Holders {
-    fn as_slice(&self) -> &[Holding] {
-        match self {
-            Holders::One(h) => std::slice::from_ref(h),
-            Holders::Many(v) => v,
+/// Interned holder sets.
+#[derive(Debug)]
+struct Sets {
+    sets: Vec<HolderSet>,
+    free: Vec<u32>,
+    by_bits: HashMap<Bits, u32>,
+    /// Sets whose count reached zero during the current operation; freed at its end, so that a
+    /// memoised id cannot be reused for another set mid-operation.
+    unreferenced: Vec<u32>,
+}
+
+impl Sets {
+    fn new() -> Self {
+        let mut by_bits = HashMap::new();
+        by_bits.insert(Bits::default(), EMPTY);
+        Self {
+            sets: vec![HolderSet::default()],
+            free: Vec::new(),
+            by_bits,
+            unreferenced: Vec::new(),
         }
     }
 
-    fn find_mut(&mut self, worker: u32) -> Option<&mut Holding> {
-        match self {
-            Holders::One(h) => (h.worker == worker).then_some(h),
-            Holders::Many(v) => v.iter_mut().find(|h| h.worker == worker),
-        }
+    #[inline]
+    fn bits(&self, id: u32) -> &[u64] {
+        &self.sets[id as usize].bits
     }
 
-    fn push(&mut self, holding: Holding) {
-        match self {
-            Holders::One(first) => *self = Holders::Many(vec![*first, holding]),
-            Holders::Many(v) => v.push(holding),
-        }
+    /// The tiers `worker` holds in set `id`.
+    #[inline]
+    fn mask(&self, id: u32, worker: u32) -> u8 {
+        mask_of(self.bits(id), worker)
     }
 
-    /// Drops empty holdings; false when none is left.
-    fn compact(&mut self) -> bool {
-        match self {
-            Holders::One(h) => !h.is_empty(),
-            Holders::Many(v) => {
-                v.retain(|h| !h.is_empty());
-                match v.len() {
-                    0 => false,
-                    1 => {
-                        *self = Holders::One(v[0]);
-                        true
-                    }
-                    _ => true,
-                }
+    /// The id of the set with exactly `bits` (trimmed).
+    fn intern(&mut self, bits: Vec<u64>) -> u32 {
+        if let Some(&id) = self.by_bits.get(bits.as_slice()) {
+            return id;
+        }
+        let boxed: Bits = bits.into_boxed_slice();
+        let set = HolderSet {
+            bits: boxed.clone(),
+            refs: 0,
+        };
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.sets[id as usize] = set;
+                id
+            }
+            None => {
+                self.sets.push(set);
+                (self.sets.len() - 1) as u32
+            }
+        };
+        self.by_bits.insert(boxed, id);
+        // Unreferenced until a node points at it; a set created but never used is collected.
+        self.unreferenced.push(id);
+        id
+    }
+
+    /// Set `id` with `worker`'s tiers changed by `f`.
+    fn with(&mut self, id: u32, worker: u32, f: impl Fn(u8) -> u8) -> u32 {
+        let mut bits = self.bits(id).to_vec();
+        let k = (worker / 64) as usize * 3;
+        if bits.len() < k + 3 {
+            bits.resize(k + 3, 0);
+        }
+        let mask = f(mask_of(&bits, worker));
+        let bit = 1u64 << (worker % 64);
+        for t in 0..3 {
+            if mask & (1 << t) != 0 {
+                bits[k + t] |= bit;
+            } else {
+                bits[k + t] &= !bit;
             }
         }
+        while bits.len() >= 3 && bits[bits.len() - 3..].iter().all(|&x| x == 0) {
+            bits.truncate(bits.len() - 3);
+        }
+        self.intern(bits)
+    }
+
+    fn incref(&mut self, id: u32) {
+        if id != EMPTY {
+            self.sets[id as usize].refs += 1;
+        }
+    }
+
+    fn decref(&mut self, id: u32) {
+        if id != EMPTY {
+            let set = &mut self.sets[id as usize];
+            set.refs -= 1;
+            if set.refs == 0 {
+                self.unreferenced.push(id);
+            }
+        }
+    }
+
+    /// Frees the sets left without nodes by the operation that just ended.
+    fn collect(&mut self) {
+        while let Some(id) = self.unreferenced.pop() {
+            let set = &mut self.sets[id as usize];
+            if set.refs == 0 && !set.bits.is_empty() {
+                let bits = std::mem::take(&mut set.bits);
+                self.by_bits.remove(&bits);
+                self.free.push(id);
+            }
+        }
+    }
+
+    fn live(&self) -> usize {
+        self.sets.len() - self.free.len()
+    }
+}
+
+/// A few (old set -> new set) transitions of the operation in progress: consecutive blocks of one
+/// event usually share their set, so each distinct transition is computed once.
+#[derive(Debug, Default)]
+struct Memo {
+    entries: [(u32, u32); 4],
+    len: usize,
+    next: usize,
+}
+
+impl Memo {
+    fn get(&self, old: u32) -> Option<u32> {
+        self.entries[..self.len]
+            .iter()
+            .find(|(o, _)| *o == old)
+            .map(|(_, n)| *n)
+    }
+
+    fn put(&mut self, old: u32, new: u32) {
+        self.entries[self.next] = (old, new);
+        self.next = (self.next + 1) % self.entries.len();
+        self.len = (self.len + 1).min(self.entries.len());
     }
 }
 
@@ -122,18 +254,35 @@ struct WorkerState {
     live: bool,
 }
 
+impl WorkerState {
+    fn total(&self) -> usize {
+        self.blocks.iter().sum()
+    }
+}
+
 /// The index of every worker's blocks per tier.
 pub struct KvIndex {
-    blocks: HashMap<u64, Holders, PassThroughBuildHasher>,
+    /// Node arena: the block hash and the holder set of each node (`EMPTY`: a tombstone).
+    hashes: MappedVec<u64>,
+    node_sets: MappedVec<u32>,
+    dead: usize,
+    /// Nodes (live, and tombstones until the next compaction) by block hash.
+    table: BlockTable,
+    sets: Sets,
+    /// References beyond the first, per (node, worker, tier).
+    extra: HashMap<(u32, u32, u8), u32>,
     workers: Vec<WorkerState>,
     by_key: HashMap<WorkerKey, u32>,
     blocks_per_worker_max: usize,
+    min_tombstones: usize,
 }
 
 impl std::fmt::Debug for KvIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KvIndex")
-            .field("blocks", &self.blocks.len())
+            .field("blocks", &self.distinct_blocks())
+            .field("holder_sets", &self.sets.live())
+            .field("table_entries", &self.table.len())
             .field("workers", &self.by_key.len())
             .finish()
     }
@@ -149,11 +298,50 @@ impl KvIndex {
     /// An empty index allowing each worker `blocks_per_worker_max` holdings.
     pub fn new(blocks_per_worker_max: usize) -> Self {
         Self {
-            blocks: HashMap::default(),
+            hashes: MappedVec::new(),
+            node_sets: MappedVec::new(),
+            dead: 0,
+            table: BlockTable::new(rand::random()),
+            sets: Sets::new(),
+            extra: HashMap::new(),
             workers: Vec::new(),
             by_key: HashMap::new(),
             blocks_per_worker_max,
+            min_tombstones: MIN_TOMBSTONES_DEFAULT,
         }
+    }
+
+    /// Sets how many tombstones (nodes of blocks no worker holds any more) are tolerated before
+    /// the arena is compacted; compaction also waits until half of the arena is tombstones.
+    pub fn with_min_tombstones(mut self, min_tombstones: usize) -> Self {
+        self.min_tombstones = min_tombstones;
+        self
+    }
+
+    #[inline]
+    fn lookup(&self, hash: u64) -> Option<u32> {
+        let hashes = &self.hashes;
+        self.table
+            .find(hash, |n| hashes[n as usize] == hash)
+            .filter(|&n| self.node_sets[n as usize] != EMPTY)
+    }
+
+    /// The node of `hash`, created (without holders) when there is none, revived (no longer
+    /// counted as a tombstone) when it is one.
+    #[inline]
+    fn lookup_or_add(&mut self, hash: u64) -> u32 {
+        let (node, new) = self.table.find_or_insert(
+            hash,
+            |n| self.hashes[n as usize] == hash,
+            || self.hashes.len() as u32,
+        );
+        if new {
+            self.hashes.push(hash);
+            self.node_sets.push(EMPTY);
+        } else if self.node_sets[node as usize] == EMPTY {
+            self.dead -= 1;
+        }
+        node
     }
 
     fn worker_index(&mut self, key: WorkerKey) -> u32 {
@@ -196,47 +384,56 @@ impl KvIndex {
         }
     }
 
+    /// Points node `n` at set `new`.
+    fn set_node(&mut self, n: u32, new: u32) {
+        let old = std::mem::replace(&mut self.node_sets[n as usize], new);
+        self.sets.incref(new);
+        self.sets.decref(old);
+    }
+
     /// Records that `worker` stored `hashes` in `tier`.
     pub fn store(&mut self, worker: WorkerKey, tier: Tier, hashes: &[u64]) -> ApplyStatus {
         let w = self.worker_index(worker);
         let t = tier.index();
+        let bit = 1u8 << t;
         let mut status = ApplyStatus::Ok;
-        for &hash in hashes {
-            let total: usize = self.workers[w as usize].blocks.iter().sum();
-            let full = total >= self.blocks_per_worker_max;
-            // One lookup; `added` when the worker starts holding the block in this tier.
-            let added = match self.blocks.entry(hash) {
-                Entry::Occupied(mut e) => match e.get_mut().find_mut(w) {
-                    Some(h) if h.counts[t] > 0 => {
-                        h.counts[t] = h.counts[t].saturating_add(1);
-                        false
-                    }
-                    Some(h) if !full => {
-                        h.counts[t] = 1;
-                        true
-                    }
-                    None if !full => {
-                        e.get_mut().push(Holding::new(w, t));
-                        true
-                    }
-                    _ => {
-                        status = ApplyStatus::WorkerFull;
-                        false
-                    }
-                },
-                Entry::Vacant(e) if !full => {
-                    e.insert(Holders::One(Holding::new(w, t)));
-                    true
+        let mut memo = Memo::default();
+        let mut prev: Option<u32> = None;
+        for (i, &hash) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
+                self.table.prefetch(ahead);
+            }
+            // Blocks stored together earlier sit next to each other: try the previous block's
+            // successor before the table.
+            let n = match prev {
+                Some(p) if self.is_live_successor(p, hash) => p + 1,
+                _ => self.lookup_or_add(hash),
+            };
+            prev = Some(n);
+            let old = self.node_sets[n as usize];
+            if old != EMPTY && self.sets.mask(old, w) & bit != 0 {
+                *self.extra.entry((n, w, t as u8)).or_insert(0) += 1;
+                continue;
+            }
+            if self.workers[w as usize].total() >= self.blocks_per_worker_max {
+                status = ApplyStatus::WorkerFull;
+                if old == EMPTY {
+                    self.kill(n);
                 }
-                Entry::Vacant(_) => {
-                    status = ApplyStatus::WorkerFull;
-                    false
+                continue;
+            }
+            let new = match memo.get(old) {
+                Some(new) => new,
+                None => {
+                    let new = self.sets.with(old, w, |m| m | bit);
+                    memo.put(old, new);
+                    new
                 }
             };
-            if added {
-                self.workers[w as usize].blocks[t] += 1;
-            }
+            self.set_node(n, new);
+            self.workers[w as usize].blocks[t] += 1;
         }
+        self.sets.collect();
         status
     }
 
@@ -250,29 +447,105 @@ impl KvIndex {
             };
         };
         let t = tier.index();
+        let bit = 1u8 << t;
         let mut status = ApplyStatus::Ok;
-        for hash in hashes {
-            let Some(holders) = self.blocks.get_mut(hash) else {
+        let mut memo = Memo::default();
+        let mut prev: Option<u32> = None;
+        for (i, &hash) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
+                self.table.prefetch(ahead);
+            }
+            // Engines remove a run head-first or tail-first: try both neighbours first.
+            let found = match prev {
+                Some(p) if self.is_live_successor(p, hash) => Some(p + 1),
+                Some(p) if p > 0 && self.is_live_at(p - 1, hash) => Some(p - 1),
+                _ => self.lookup(hash),
+            };
+            let Some(n) = found else {
                 status = ApplyStatus::BlockNotFound;
                 continue;
             };
-            match holders.find_mut(w) {
-                Some(h) if h.counts[t] > 0 => {
-                    h.counts[t] -= 1;
-                    if h.counts[t] == 0 {
-                        self.workers[w as usize].blocks[t] -= 1;
+            prev = Some(n);
+            let old = self.node_sets[n as usize];
+            if self.sets.mask(old, w) & bit == 0 {
+                status = ApplyStatus::BlockNotFound;
+                continue;
+            }
+            if !self.extra.is_empty() {
+                if let Some(more) = self.extra.get_mut(&(n, w, t as u8)) {
+                    *more -= 1;
+                    if *more == 0 {
+                        self.extra.remove(&(n, w, t as u8));
                     }
-                }
-                _ => {
-                    status = ApplyStatus::BlockNotFound;
                     continue;
                 }
             }
-            if !holders.compact() {
-                self.blocks.remove(hash);
+            let new = match memo.get(old) {
+                Some(new) => new,
+                None => {
+                    let new = self.sets.with(old, w, |m| m & !bit);
+                    memo.put(old, new);
+                    new
+                }
+            };
+            self.set_node(n, new);
+            self.workers[w as usize].blocks[t] -= 1;
+            if new == EMPTY {
+                self.kill(n);
             }
         }
+        self.sets.collect();
+        self.maybe_compact();
         status
+    }
+
+    /// Whether node `n` exists, is live and holds `hash`.
+    #[inline]
+    fn is_live_at(&self, n: u32, hash: u64) -> bool {
+        let n = n as usize;
+        n < self.hashes.len() && self.hashes[n] == hash && self.node_sets[n] != EMPTY
+    }
+
+    /// Whether the node after `p` is live and holds `hash`.
+    #[inline]
+    fn is_live_successor(&self, p: u32, hash: u64) -> bool {
+        self.is_live_at(p + 1, hash)
+    }
+
+    /// Counts node `n` (now without holders) as a tombstone. It stays in the arena and the table
+    /// until the next compaction (a later store of its hash revives it); lookups skip it.
+    fn kill(&mut self, n: u32) {
+        debug_assert_eq!(self.node_sets[n as usize], EMPTY);
+        self.dead += 1;
+    }
+
+    /// Compacts the arena, in order, once more than half of it is tombstones.
+    fn maybe_compact(&mut self) {
+        if self.dead < self.min_tombstones || self.dead * 2 < self.hashes.len() {
+            return;
+        }
+        let mut moved = vec![u32::MAX; self.hashes.len()];
+        let mut live = 0usize;
+        for (n, to) in moved.iter_mut().enumerate() {
+            if self.node_sets[n] != EMPTY {
+                // Nodes only move down, so this never overwrites one not yet visited.
+                self.hashes[live] = self.hashes[n];
+                self.node_sets[live] = self.node_sets[n];
+                *to = live as u32;
+                live += 1;
+            }
+        }
+        self.hashes.truncate(live);
+        self.node_sets.truncate(live);
+        self.hashes.shrink();
+        self.node_sets.shrink();
+        self.dead = 0;
+        self.table
+            .rebuild(self.hashes.iter().enumerate().map(|(n, &h)| (h, n as u32)));
+        self.extra = std::mem::take(&mut self.extra)
+            .into_iter()
+            .map(|((n, w, t), c)| ((moved[n as usize], w, t), c))
+            .collect();
     }
 
     /// Drops everything `worker` holds.
@@ -280,12 +553,27 @@ impl KvIndex {
         let Some(w) = self.by_key.remove(&worker) else {
             return;
         };
-        self.blocks.retain(|_, holders| {
-            if let Some(h) = holders.find_mut(w) {
-                h.counts = [0; 3];
+        // Every set containing the worker maps to the same set without it.
+        let known = self.sets.sets.len();
+        let mut without: Vec<u32> = (0..known as u32).collect();
+        for id in 1..known as u32 {
+            if self.sets.mask(id, w) != 0 {
+                without[id as usize] = self.sets.with(id, w, |_| 0);
             }
-            holders.compact()
-        });
+        }
+        for n in 0..self.node_sets.len() as u32 {
+            let old = self.node_sets[n as usize];
+            let new = without[old as usize];
+            if new != old {
+                self.set_node(n, new);
+                if new == EMPTY {
+                    self.kill(n);
+                }
+            }
+        }
+        self.extra.retain(|&(_, holder, _), _| holder != w);
+        self.sets.collect();
+        self.maybe_compact();
         self.workers[w as usize] = WorkerState::default();
     }
 
@@ -303,68 +591,118 @@ impl KvIndex {
         keys
     }
 
+    /// Bytes of the index's own mappings (arena and table), which a heap profiler does not see.
+    pub fn mapped_bytes(&self) -> usize {
+        self.hashes.mapped_bytes() + self.node_sets.mapped_bytes() + self.table.mapped_bytes()
+    }
+
     /// Distinct blocks indexed.
     pub fn distinct_blocks(&self) -> usize {
-        self.blocks.len()
+        self.hashes.len() - self.dead
     }
 
     /// Per worker holding any of the prefix: its GPU prefix, then host and disk continuations.
+    ///
+    /// Walks the request's blocks (sequentially through stored runs, through the table where a
+    /// run ends). Where the holder set changes from one block to the next, only the workers whose
+    /// tiers differ between the two sets are re-examined (an XOR of the sets' bits); every other
+    /// active worker keeps advancing in its tier.
     pub fn find_matches(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
-        #[derive(Clone, Copy)]
-        struct Progress {
-            /// 0 GPU, 1 host, 2 disk.
-            phase: usize,
-            /// The last request position matched.
-            last: usize,
-            overlap: Overlap,
-        }
-        let mut progress: Vec<Option<Progress>> = vec![None; self.workers.len()];
-        let mut touched: Vec<u32> = Vec::new();
-        for (i, hash) in hashes.iter().enumerate() {
-            let Some(holders) = self.blocks.get(hash) else {
-                break;
-            };
-            let mut active = 0usize;
-            for h in holders.as_slice() {
-                let slot = &mut progress[h.worker as usize];
-                // The first tier, from the worker's current phase on, that holds this block.
-                let start_phase = match slot {
-                    None if i == 0 => 0,
-                    Some(p) if p.last + 1 == i => p.phase,
-                    _ => continue, // not contiguous: this worker's match ended earlier
-                };
-                let Some(phase) = (start_phase..3).find(|&t| h.counts[t] > 0) else {
-                    continue;
-                };
-                let p = slot.get_or_insert_with(|| {
-                    touched.push(h.worker);
-                    Progress {
-                        phase,
-                        last: i,
-                        overlap: Overlap::default(),
+        let Some((&first, rest)) = hashes.split_first() else {
+            return Vec::new();
+        };
+        let Some(mut node) = self.lookup(first) else {
+            return Vec::new();
+        };
+        let mut set = self.node_sets[node as usize];
+        let first_bits = self.sets.bits(set);
+        let groups = first_bits.len() / 3;
+        // Workers still matching, by group of 64; only workers holding the first block can match.
+        let mut active: Vec<u64> = (0..groups).map(|k| group(first_bits, k)).collect();
+        let started = active.clone();
+        let n = groups * 64;
+        // Per worker: its current tier, where that tier's stretch began, blocks per tier.
+        let mut phase = vec![0u8; n];
+        let mut since = vec![0u32; n];
+        let mut counts = vec![[0u32; 3]; n];
+        for_each_bit(&started, |w| {
+            phase[w as usize] = mask_of(first_bits, w).trailing_zeros() as u8;
+        });
+        let mut end = hashes.len() as u32;
+        for (i, &hash) in rest.iter().enumerate() {
+            let i = i as u32 + 1;
+            node = if self.is_live_successor(node, hash) {
+                node + 1
+            } else {
+                match self.lookup(hash) {
+                    Some(n) => n,
+                    None => {
+                        end = i;
+                        break;
                     }
-                });
-                p.phase = phase;
-                p.last = i;
-                match phase {
-                    0 => p.overlap.gpu += 1,
-                    1 => p.overlap.host += 1,
-                    _ => p.overlap.disk += 1,
                 }
-                active += 1;
+            };
+            let s = self.node_sets[node as usize];
+            if s == set {
+                continue;
             }
-            if active == 0 {
+            let (old, new) = (self.sets.bits(set), self.sets.bits(s));
+            let mut any = 0u64;
+            for (k, live) in active.iter_mut().enumerate() {
+                let mut changed = group_diff(old, new, k) & *live;
+                while changed != 0 {
+                    let b = changed.trailing_zeros();
+                    changed &= changed - 1;
+                    let w = (k as u32) * 64 + b;
+                    let wi = w as usize;
+                    let p = phase[wi];
+                    // The first tier, from the worker's current one on, that holds this block.
+                    let allowed = mask_of(new, w) & !((1u8 << p) - 1);
+                    if allowed == 0 || allowed.trailing_zeros() as u8 != p {
+                        counts[wi][p as usize] += i - since[wi];
+                        since[wi] = i;
+                    }
+                    if allowed == 0 {
+                        *live &= !(1u64 << b);
+                    } else {
+                        phase[wi] = allowed.trailing_zeros() as u8;
+                    }
+                }
+                any |= *live;
+            }
+            if any == 0 {
+                end = i;
                 break;
             }
+            set = s;
         }
-        touched
-            .into_iter()
-            .map(|w| {
-                (
-                    self.workers[w as usize].key,
-                    progress[w as usize].expect("touched").overlap,
-                )
-            })
-            .collect()
+        for_each_bit(&active, |w| {
+            let wi = w as usize;
+            counts[wi][phase[wi] as usize] += end - since[wi];
+        });
+        let mut out = Vec::new();
+        for_each_bit(&started, |w| {
+            let c = counts[w as usize];
+            out.push((
+                self.workers[w as usize].key,
+                Overlap {
+                    gpu: c[0] as usize,
+                    host: c[1] as usize,
+                    disk: c[2] as usize,
+                },
+            ));
+        });
+        out
+    }
+}
+
+/// Calls `f` with the index of every bit set in `words`.
+fn for_each_bit(words: &[u64], mut f: impl FnMut(u32)) {
+    for (k, &word) in words.iter().enumerate() {
+        let mut x = word;
+        while x != 0 {
+            f(k as u32 * 64 + x.trailing_zeros());
+            x &= x - 1;
+        }
     }
 }

@@ -7,8 +7,10 @@
 
 pub mod index;
 pub mod load;
+mod mapped;
 pub mod selector;
+mod table;
 
-pub use index::{ApplyStatus, KvIndex, BLOCKS_PER_WORKER_MAX_DEFAULT};
+pub use index::{ApplyStatus, KvIndex, BLOCKS_PER_WORKER_MAX_DEFAULT, MIN_TOMBSTONES_DEFAULT};
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use selector::{select, Candidate, Overlap, Selection, SelectorConfig, WorkerKey};
