@@ -404,9 +404,16 @@ pub enum SubscriberEvent {
     },
 }
 
-/// Subscribes to many workers on one thread until dropped, reporting to a channel.
+/// Subscribes to many workers on one thread until dropped, reporting to a channel. Workers can
+/// be added and removed while it runs.
+///
+/// A worker added with a replay endpoint is first synchronised from it: the subscriber asks for
+/// every buffered batch from sequence 0, reports them, and then follows the live stream from
+/// there (batches it already reported are skipped). If the buffer no longer starts at 0, the
+/// batches before it are reported as an unfilled gap.
 pub struct ZmqSubscriber {
     stop: Arc<AtomicBool>,
+    commands: crossbeam_channel::Sender<Command>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -419,43 +426,68 @@ impl std::fmt::Debug for ZmqSubscriber {
 /// Time to wait for a replay before reporting the gap unfilled.
 pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
+enum Command {
+    Add(
+        WorkerEndpoint,
+        crossbeam_channel::Sender<Result<(), TransportError>>,
+    ),
+    Remove((u64, u32)),
+}
+
+/// One subscribed worker.
+struct Subscribed {
+    endpoint: WorkerEndpoint,
+    socket: zmq::Socket,
+    /// The next sequence number expected; `None` before the first batch.
+    next_seq: Option<u64>,
+}
+
 impl ZmqSubscriber {
     /// Connects to every worker and starts reporting to `sink`.
     pub fn start(
         workers: Vec<WorkerEndpoint>,
         sink: Sender<SubscriberEvent>,
     ) -> Result<Self, TransportError> {
-        let ctx = zmq::Context::new();
-        let mut sockets = Vec::with_capacity(workers.len());
-        for w in &workers {
-            let socket = ctx
-                .socket(zmq::SUB)
-                .map_err(|e| zmq_err("socket", &w.endpoint, e))?;
-            socket
-                .set_linger(0)
-                .map_err(|e| zmq_err("linger", &w.endpoint, e))?;
-            socket
-                .set_subscribe(b"")
-                .map_err(|e| zmq_err("subscribe", &w.endpoint, e))?;
-            socket
-                .connect(&w.endpoint)
-                .map_err(|e| zmq_err("connect", &w.endpoint, e))?;
-            sockets.push(socket);
-        }
+        let (commands, command_rx) = crossbeam_channel::unbounded();
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = stop.clone();
         let thread = std::thread::Builder::new()
             .name("kvbm-zmq-sub".into())
-            .spawn(move || subscribe_loop(&ctx, &workers, &sockets, &sink, &thread_stop))
+            .spawn(move || subscribe_loop(&command_rx, &sink, &thread_stop))
             .map_err(|e| TransportError::Zmq {
                 call: "spawn",
                 endpoint: String::new(),
                 error: e.to_string(),
             })?;
-        Ok(Self {
+        let subscriber = Self {
             stop,
+            commands,
             thread: Some(thread),
-        })
+        };
+        for w in workers {
+            subscriber.add(w)?;
+        }
+        Ok(subscriber)
+    }
+
+    /// Subscribes to one more worker (replacing any subscription of the same id and rank); returns
+    /// once its socket is connected and its initial replay, if any, was reported.
+    pub fn add(&self, worker: WorkerEndpoint) -> Result<(), TransportError> {
+        let (reply, answer) = crossbeam_channel::bounded(1);
+        let gone = || TransportError::Zmq {
+            call: "add",
+            endpoint: worker.endpoint.clone(),
+            error: "the subscriber thread has stopped".into(),
+        };
+        self.commands
+            .send(Command::Add(worker.clone(), reply))
+            .map_err(|_| gone())?;
+        answer.recv().map_err(|_| gone())?
+    }
+
+    /// Stops following a worker (its later batches are not reported).
+    pub fn remove(&self, worker: (u64, u32)) {
+        let _ = self.commands.send(Command::Remove(worker));
     }
 }
 
@@ -468,18 +500,63 @@ impl Drop for ZmqSubscriber {
     }
 }
 
+fn connect(ctx: &zmq::Context, w: &WorkerEndpoint) -> Result<zmq::Socket, TransportError> {
+    let socket = ctx
+        .socket(zmq::SUB)
+        .map_err(|e| zmq_err("socket", &w.endpoint, e))?;
+    socket
+        .set_linger(0)
+        .map_err(|e| zmq_err("linger", &w.endpoint, e))?;
+    socket
+        .set_subscribe(b"")
+        .map_err(|e| zmq_err("subscribe", &w.endpoint, e))?;
+    socket
+        .connect(&w.endpoint)
+        .map_err(|e| zmq_err("connect", &w.endpoint, e))?;
+    Ok(socket)
+}
+
 fn subscribe_loop(
-    ctx: &zmq::Context,
-    workers: &[WorkerEndpoint],
-    sockets: &[zmq::Socket],
+    commands: &crossbeam_channel::Receiver<Command>,
     sink: &Sender<SubscriberEvent>,
     stop: &AtomicBool,
 ) {
-    let mut next_seq: Vec<Option<u64>> = vec![None; workers.len()];
+    let ctx = zmq::Context::new();
+    let mut workers: Vec<Subscribed> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
-        let mut items: Vec<zmq::PollItem> = sockets
+        while let Ok(command) = commands.try_recv() {
+            match command {
+                Command::Add(endpoint, reply) => {
+                    let key = (endpoint.worker_id, endpoint.dp_rank);
+                    workers.retain(|w| (w.endpoint.worker_id, w.endpoint.dp_rank) != key);
+                    match connect(&ctx, &endpoint) {
+                        Ok(socket) => {
+                            let mut w = Subscribed {
+                                endpoint,
+                                socket,
+                                next_seq: None,
+                            };
+                            initial_sync(&ctx, &mut w, sink);
+                            workers.push(w);
+                            let _ = reply.send(Ok(()));
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                        }
+                    }
+                }
+                Command::Remove(key) => {
+                    workers.retain(|w| (w.endpoint.worker_id, w.endpoint.dp_rank) != key);
+                }
+            }
+        }
+        if workers.is_empty() {
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
+        let mut items: Vec<zmq::PollItem> = workers
             .iter()
-            .map(|s| s.as_poll_item(zmq::POLLIN))
+            .map(|w| w.socket.as_poll_item(zmq::POLLIN))
             .collect();
         if zmq::poll(&mut items, 20).unwrap_or(0) == 0 {
             continue;
@@ -490,70 +567,126 @@ fn subscribe_loop(
             .filter(|(_, i)| i.is_readable())
             .map(|(k, _)| k)
             .collect();
+        drop(items);
         for k in ready {
-            while let Ok(frames) = sockets[k].recv_multipart(zmq::DONTWAIT) {
-                let w = &workers[k];
-                let worker = (w.worker_id, w.dp_rank);
-                // [topic, seq, payload]; anything else is counted as undecodable.
-                let (seq, payload) = match frames.as_slice() {
-                    [_, seq, payload] if seq.len() == 8 => (
-                        u64::from_be_bytes(seq.as_slice().try_into().expect("8 bytes")),
-                        payload,
-                    ),
-                    _ => {
-                        let error = DecodeError::Shape(format!(
-                            "{} frames, expected [topic, seq, payload]",
-                            frames.len()
-                        ));
-                        let _ = sink.send(SubscriberEvent::Undecodable {
-                            worker,
-                            seq: 0,
-                            error,
-                        });
-                        continue;
-                    }
-                };
-                match next_seq[k] {
-                    Some(_) if seq == 0 => {
-                        let _ = sink.send(SubscriberEvent::Restart { worker });
-                    }
-                    Some(expected) if seq < expected => continue, // a duplicate
-                    Some(expected) if seq > expected => {
-                        let filled = match &w.replay {
-                            Some(replay) => {
-                                match request_replay(ctx, replay, expected, REPLAY_TIMEOUT) {
-                                    Ok(batches) => {
-                                        let wanted: Vec<_> = batches
-                                            .into_iter()
-                                            .filter(|(s, _)| (expected..seq).contains(s))
-                                            .collect();
-                                        let complete = wanted.len() as u64 == seq - expected;
-                                        if complete {
-                                            for (s, p) in &wanted {
-                                                report(sink, worker, *s, p);
-                                            }
-                                        }
-                                        complete
-                                    }
-                                    Err(_) => false,
-                                }
-                            }
-                            None => false,
-                        };
-                        let _ = sink.send(SubscriberEvent::Gap {
-                            worker,
-                            from: expected,
-                            to: seq,
-                            filled,
-                        });
-                    }
-                    _ => {}
-                }
-                next_seq[k] = Some(seq + 1);
-                report(sink, worker, seq, payload);
+            while let Ok(frames) = workers[k].socket.recv_multipart(zmq::DONTWAIT) {
+                receive(&ctx, &mut workers[k], &frames, sink);
             }
         }
     }
+}
+
+/// Reports what a new worker's replay socket still buffers, from sequence 0.
+fn initial_sync(ctx: &zmq::Context, w: &mut Subscribed, sink: &Sender<SubscriberEvent>) {
+    let Some(replay) = w.endpoint.replay.clone() else {
+        return;
+    };
+    let worker = (w.endpoint.worker_id, w.endpoint.dp_rank);
+    let Ok(batches) = request_replay(ctx, &replay, 0, REPLAY_TIMEOUT) else {
+        return;
+    };
+    let Some(&(first, _)) = batches.first() else {
+        return;
+    };
+    if first > 0 {
+        let _ = sink.send(SubscriberEvent::Gap {
+            worker,
+            from: 0,
+            to: first,
+            filled: false,
+        });
+    }
+    let mut next = first;
+    for (seq, payload) in &batches {
+        if *seq < next {
+            continue;
+        }
+        if *seq > next {
+            let _ = sink.send(SubscriberEvent::Gap {
+                worker,
+                from: next,
+                to: *seq,
+                filled: false,
+            });
+        }
+        report(sink, worker, *seq, payload);
+        next = seq + 1;
+    }
+    w.next_seq = Some(next);
+}
+
+/// Handles one message from a worker's PUB socket.
+fn receive(
+    ctx: &zmq::Context,
+    w: &mut Subscribed,
+    frames: &[Vec<u8>],
+    sink: &Sender<SubscriberEvent>,
+) {
+    let worker = (w.endpoint.worker_id, w.endpoint.dp_rank);
+    // [topic, seq, payload]; anything else is counted as undecodable.
+    let (seq, payload) = match frames {
+        [_, seq, payload] if seq.len() == 8 => (
+            u64::from_be_bytes(seq.as_slice().try_into().expect("8 bytes")),
+            payload,
+        ),
+        _ => {
+            let error = DecodeError::Shape(format!(
+                "{} frames, expected [topic, seq, payload]",
+                frames.len()
+            ));
+            let _ = sink.send(SubscriberEvent::Undecodable {
+                worker,
+                seq: 0,
+                error,
+            });
+            return;
+        }
+    };
+    match w.next_seq {
+        // The first batch seen, not the first sent: what came before is unknown here.
+        None if seq > 0 => {
+            let _ = sink.send(SubscriberEvent::Gap {
+                worker,
+                from: 0,
+                to: seq,
+                filled: false,
+            });
+        }
+        Some(expected) if seq == 0 && expected > 0 => {
+            let _ = sink.send(SubscriberEvent::Restart { worker });
+        }
+        Some(expected) if seq < expected => return, // a duplicate
+        Some(expected) if seq > expected => {
+            let filled = match &w.endpoint.replay {
+                Some(replay) => match request_replay(ctx, replay, expected, REPLAY_TIMEOUT) {
+                    Ok(batches) => {
+                        let wanted: Vec<_> = batches
+                            .into_iter()
+                            .filter(|(s, _)| (expected..seq).contains(s))
+                            .collect();
+                        let complete = wanted.len() as u64 == seq - expected;
+                        if complete {
+                            for (s, p) in &wanted {
+                                report(sink, worker, *s, p);
+                            }
+                        }
+                        complete
+                    }
+                    Err(_) => false,
+                },
+                None => false,
+            };
+            let _ = sink.send(SubscriberEvent::Gap {
+                worker,
+                from: expected,
+                to: seq,
+                filled,
+            });
+        }
+        _ => {}
+    }
+    w.next_seq = Some(seq + 1);
+    report(sink, worker, seq, payload);
 }
 
 fn report(sink: &Sender<SubscriberEvent>, worker: (u64, u32), seq: u64, payload: &[u8]) {

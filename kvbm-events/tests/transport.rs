@@ -203,18 +203,23 @@ fn batch_seq(event: SubscriberEvent) -> u64 {
     }
 }
 
+/// Subscribes to `peer`; with a replay socket, the peer answers the subscriber's initial replay
+/// request from what it keeps at that moment.
 fn subscribe(peer: &Peer, with_replay: bool) -> (ZmqSubscriber, Receiver<SubscriberEvent>) {
     let (tx, rx) = crossbeam_channel::unbounded();
-    let sub = ZmqSubscriber::start(
-        vec![WorkerEndpoint {
-            worker_id: 1,
-            dp_rank: 2,
-            endpoint: peer.endpoint.clone(),
-            replay: with_replay.then(|| peer.replay.clone()),
-        }],
-        tx,
-    )
-    .unwrap();
+    let worker = WorkerEndpoint {
+        worker_id: 1,
+        dp_rank: 2,
+        endpoint: peer.endpoint.clone(),
+        replay: with_replay.then(|| peer.replay.clone()),
+    };
+    let sub = std::thread::scope(|scope| {
+        let started = scope.spawn(|| ZmqSubscriber::start(vec![worker], tx));
+        if with_replay {
+            peer.serve_replay();
+        }
+        started.join().unwrap().unwrap()
+    });
     peer.wait_for_subscriber();
     (sub, rx)
 }
@@ -223,8 +228,9 @@ fn subscribe(peer: &Peer, with_replay: bool) -> (ZmqSubscriber, Receiver<Subscri
 fn a_gap_is_filled_from_the_replay_socket() {
     let ctx = zmq::Context::new();
     let mut peer = Peer::new(&ctx);
-    peer.kept = vec![(1, Peer::payload(1)), (2, Peer::payload(2))];
+    // Nothing buffered yet when the subscriber synchronises.
     let (_sub, rx) = subscribe(&peer, true);
+    peer.kept = vec![(1, Peer::payload(1)), (2, Peer::payload(2))];
     peer.send(0, &Peer::payload(0));
     assert_eq!(batch_seq(next(&rx)), 0);
     // 1 and 2 are "lost"; 3 arrives.
@@ -280,4 +286,28 @@ fn gaps_without_replay_restarts_and_garbage_are_reported_and_survived() {
     peer.send(0, &Peer::payload(0));
     assert_eq!(next(&rx), SubscriberEvent::Restart { worker: (1, 2) });
     assert_eq!(batch_seq(next(&rx)), 0);
+}
+
+#[test]
+fn a_new_subscriber_first_reports_what_the_replay_socket_buffers() {
+    let ctx = zmq::Context::new();
+    let mut peer = Peer::new(&ctx);
+    peer.kept = vec![(3, Peer::payload(3)), (4, Peer::payload(4))];
+    let (_sub, rx) = subscribe(&peer, true);
+    // Batches 0..3 are gone from the buffer: an unfilled gap, then what is buffered.
+    assert_eq!(
+        next(&rx),
+        SubscriberEvent::Gap {
+            worker: (1, 2),
+            from: 0,
+            to: 3,
+            filled: false
+        }
+    );
+    assert_eq!(batch_seq(next(&rx)), 3);
+    assert_eq!(batch_seq(next(&rx)), 4);
+    // The live stream goes on from there; what the replay already reported is skipped.
+    peer.send(4, &Peer::payload(4));
+    peer.send(5, &Peer::payload(5));
+    assert_eq!(batch_seq(next(&rx)), 5);
 }

@@ -83,6 +83,7 @@ impl<T: Pod> MappedVec<T> {
         self.map = map;
     }
 
+    #[inline]
     pub(crate) fn push(&mut self, value: T) {
         if self.len == self.capacity() {
             let grown = (self.capacity() * 2).max(4096 / std::mem::size_of::<T>().max(1));
@@ -109,6 +110,7 @@ impl<T: Pod> MappedVec<T> {
 impl<T: Pod> Deref for MappedVec<T> {
     type Target = [T];
 
+    #[inline]
     fn deref(&self) -> &[T] {
         match &self.map {
             Some(m) => &bytemuck::cast_slice(&m[..])[..self.len],
@@ -118,6 +120,7 @@ impl<T: Pod> Deref for MappedVec<T> {
 }
 
 impl<T: Pod> DerefMut for MappedVec<T> {
+    #[inline]
     fn deref_mut(&mut self) -> &mut [T] {
         match &mut self.map {
             Some(m) => &mut bytemuck::cast_slice_mut(&mut m[..])[..self.len],

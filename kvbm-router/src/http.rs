@@ -1,0 +1,330 @@
+//! The HTTP API (JSON), served on 127.0.0.1 unless told otherwise.
+//!
+//! | method and path | body | answer |
+//! | --- | --- | --- |
+//! | `POST /query` | `{"token_ids": [..], "lora_name"?, "cache_salt"?}` | every worker's per-tier overlap |
+//! | `POST /route` | the same, plus `"request_id"?` | the chosen worker, its overlap and cost, the runner-ups' costs; the request counts toward that worker's load |
+//! | `POST /first_token` | `{"request_id"}` | the request's load moves from prefill to decode |
+//! | `POST /finished` | `{"request_id"}` | the request no longer counts |
+//! | `POST /register` | `{"worker_id", "dp_rank"?, "endpoint", "replay_endpoint"?}` | follows the worker |
+//! | `POST /unregister` | `{"worker_id", "dp_rank"?}` | forgets it |
+//! | `GET /workers` | | registered workers: endpoints, blocks per tier, load, stream health |
+//! | `GET /metrics` | | Prometheus text |
+//! | `GET /healthz` | | `{"status": "ok", "workers": N}` |
+//!
+//! Every error is a 4xx or 5xx with `{"error": "..."}`; bodies over `--max-body-bytes` get 413.
+
+use std::sync::Arc;
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use kvbm_events::WorkerEndpoint;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::config::parse_worker;
+use crate::state::{RequestTokens, RouteError, Router};
+
+/// An error answer.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(json!({ "error": self.message }))).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        let status = rejection.status();
+        // Body-shape errors are the client's: 400 rather than axum's 422.
+        let status = if status == StatusCode::UNPROCESSABLE_ENTITY {
+            StatusCode::BAD_REQUEST
+        } else {
+            status
+        };
+        Self::new(status, rejection.body_text())
+    }
+}
+
+type ApiResult<T> = Result<Json<T>, ApiError>;
+
+/// The body of `/query` and `/route`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokensBody {
+    /// Prompt token ids.
+    pub token_ids: Vec<u32>,
+    /// LoRA adapter name.
+    #[serde(default)]
+    pub lora_name: Option<String>,
+    /// Cache salt.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+    /// The caller's request id (route only).
+    #[serde(default)]
+    pub request_id: Option<String>,
+}
+
+impl TokensBody {
+    fn tokens(&self) -> RequestTokens<'_> {
+        RequestTokens {
+            token_ids: &self.token_ids,
+            lora_name: self.lora_name.as_deref(),
+            cache_salt: self.cache_salt.as_deref(),
+        }
+    }
+}
+
+/// The body of `/first_token` and `/finished`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RequestIdBody {
+    /// The id `/route` answered with.
+    pub request_id: String,
+}
+
+/// The body of `/register`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterBody {
+    /// Worker id.
+    pub worker_id: u64,
+    /// Data-parallel rank.
+    #[serde(default)]
+    pub dp_rank: u32,
+    /// Its KV events PUB endpoint.
+    pub endpoint: String,
+    /// Its replay endpoint.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+}
+
+/// The body of `/unregister`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UnregisterBody {
+    /// Worker id.
+    pub worker_id: u64,
+    /// Data-parallel rank.
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct WorkerView {
+    #[serde(flatten)]
+    info: crate::state::WorkerInfo,
+    blocks: TierBlocks,
+    load: LoadView,
+}
+
+#[derive(Debug, Serialize)]
+struct TierBlocks {
+    gpu: usize,
+    host: usize,
+    disk: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct LoadView {
+    prefill_tokens: usize,
+    decode_blocks: usize,
+    requests: usize,
+}
+
+type Shared = Arc<Router>;
+
+async fn query(
+    State(router): State<Shared>,
+    body: Result<Json<TokensBody>, JsonRejection>,
+) -> ApiResult<crate::state::QueryAnswer> {
+    let Json(body) = body?;
+    if body.request_id.is_some() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "request_id is for /route; /query does not track requests",
+        ));
+    }
+    Ok(Json(router.query(&body.tokens())))
+}
+
+async fn route(
+    State(router): State<Shared>,
+    body: Result<Json<TokensBody>, JsonRejection>,
+) -> ApiResult<crate::state::RouteAnswer> {
+    let Json(body) = body?;
+    match router.route(&body.tokens(), body.request_id.clone()) {
+        Ok(answer) => Ok(Json(answer)),
+        Err(RouteError::NoWorkers) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no worker is registered",
+        )),
+    }
+}
+
+fn known(known: bool, id: &str) -> ApiResult<serde_json::Value> {
+    if known {
+        Ok(Json(json!({ "request_id": id })))
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("request {id:?} is not tracked (never routed, finished, or expired)"),
+        ))
+    }
+}
+
+async fn first_token(
+    State(router): State<Shared>,
+    body: Result<Json<RequestIdBody>, JsonRejection>,
+) -> ApiResult<serde_json::Value> {
+    let Json(body) = body?;
+    known(router.first_token(&body.request_id), &body.request_id)
+}
+
+async fn finished(
+    State(router): State<Shared>,
+    body: Result<Json<RequestIdBody>, JsonRejection>,
+) -> ApiResult<serde_json::Value> {
+    let Json(body) = body?;
+    known(router.finished(&body.request_id), &body.request_id)
+}
+
+async fn register(
+    State(router): State<Shared>,
+    body: Result<Json<RegisterBody>, JsonRejection>,
+) -> ApiResult<serde_json::Value> {
+    let Json(body) = body?;
+    // Validate through the same parser as --workers.
+    let mut spec = format!("{}:{}={}", body.worker_id, body.dp_rank, body.endpoint);
+    if let Some(replay) = &body.replay_endpoint {
+        spec.push_str(",replay=");
+        spec.push_str(replay);
+    }
+    let worker: WorkerEndpoint =
+        parse_worker(&spec).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
+    // Connecting and reading the replay buffer block: off the async workers.
+    let r = router.clone();
+    tokio::task::spawn_blocking(move || r.register(worker))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
+    Ok(Json(
+        json!({ "worker_id": body.worker_id, "dp_rank": body.dp_rank }),
+    ))
+}
+
+async fn unregister(
+    State(router): State<Shared>,
+    body: Result<Json<UnregisterBody>, JsonRejection>,
+) -> ApiResult<serde_json::Value> {
+    let Json(body) = body?;
+    if router.unregister((body.worker_id, body.dp_rank)) {
+        Ok(Json(
+            json!({ "worker_id": body.worker_id, "dp_rank": body.dp_rank }),
+        ))
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "worker {}:{} is not registered",
+                body.worker_id, body.dp_rank
+            ),
+        ))
+    }
+}
+
+async fn workers(State(router): State<Shared>) -> Json<serde_json::Value> {
+    let workers: Vec<WorkerView> = router
+        .workers()
+        .into_iter()
+        .map(|(info, blocks, load)| WorkerView {
+            info,
+            blocks: TierBlocks {
+                gpu: blocks[0],
+                host: blocks[1],
+                disk: blocks[2],
+            },
+            load: LoadView {
+                prefill_tokens: load.prefill_tokens,
+                decode_blocks: load.decode_blocks,
+                requests: load.requests,
+            },
+        })
+        .collect();
+    Json(json!({ "workers": workers }))
+}
+
+async fn metrics(State(router): State<Shared>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        router.render_metrics(),
+    )
+        .into_response()
+}
+
+async fn healthz(State(router): State<Shared>) -> Json<serde_json::Value> {
+    Json(json!({ "status": "ok", "workers": router.workers().len() }))
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method not allowed here")
+}
+
+/// Counts every answer in `kv_router_requests_total{endpoint, code}`.
+async fn count(State(router): State<Shared>, request: Request, next: Next) -> Response {
+    let endpoint = match request.uri().path() {
+        p @ ("/query" | "/route" | "/first_token" | "/finished" | "/register" | "/unregister"
+        | "/workers" | "/metrics" | "/healthz") => p.trim_start_matches('/').to_owned(),
+        _ => "other".to_owned(),
+    };
+    let response = next.run(request).await;
+    router
+        .metrics()
+        .requests
+        .with_label_values(&[endpoint.as_str(), response.status().as_str()])
+        .inc();
+    response
+}
+
+/// The API over `router`.
+pub fn app(router: Arc<Router>) -> axum::Router {
+    let limit = router.config().max_body_bytes;
+    axum::Router::new()
+        .route("/query", post(query))
+        .route("/route", post(route))
+        .route("/first_token", post(first_token))
+        .route("/finished", post(finished))
+        .route("/register", post(register))
+        .route("/unregister", post(unregister))
+        .route("/workers", get(workers))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(router.clone(), count))
+        .with_state(router)
+}

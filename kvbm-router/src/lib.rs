@@ -1,0 +1,34 @@
+//! `kvbm-router`: a KV-aware router service. It follows workers' KV cache events over ZMQ (vLLM's
+//! wire format, kvbm's host and disk tiers included), keeps the per-worker, per-tier block index
+//! of `kvbm-events`, and answers over HTTP which worker should serve a request: the one holding
+//! most of its prefix, weighed against how busy each worker is (Dynamo's default cost).
+//!
+//! Modules: [`config`] (command line, `--workers`), [`state`] (the router: index, load, workers,
+//! the event pump), [`http`] (the JSON API), [`metrics`] (Prometheus).
+
+pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod state;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+pub use config::{parse_worker, parse_workers, Args, ConfigError, RouterConfig};
+pub use state::{QueryAnswer, RouteAnswer, Router};
+
+/// Serves the API of `router` on `listener` until `shutdown` completes.
+pub async fn serve(
+    router: Arc<Router>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, http::app(router))
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// Binds the API's listener.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind(addr).await
+}

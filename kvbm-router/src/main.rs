@@ -1,0 +1,61 @@
+//! The `kvbm-router` command: see `kvbm-router --help`.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use kvbm_router::{parse_workers, Args, Router};
+use tracing_subscriber::EnvFilter;
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter = EnvFilter::try_from_env("DYN_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    let config = args.router_config()?;
+    let workers = parse_workers(&args.workers)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = SocketAddr::new(args.http_host, args.http_port);
+        let listener = kvbm_router::bind(addr)
+            .await
+            .with_context(|| format!("binding the HTTP API to {addr}"))?;
+        let bound = listener.local_addr()?;
+        let router = tokio::task::spawn_blocking(move || Router::start(config, workers))
+            .await?
+            .context("subscribing to the workers")?;
+        let router = Arc::new(router);
+        // The line tests and scripts wait for.
+        println!("kvbm-router listening on http://{bound}");
+        tracing::info!(%bound, "serving");
+        kvbm_router::serve(router, listener, shutdown_signal())
+            .await
+            .context("serving HTTP")
+    })
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+    tracing::info!("shutting down");
+}

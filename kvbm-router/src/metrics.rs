@@ -1,0 +1,165 @@
+//! The router's Prometheus metrics, named as Dynamo's router names them where it has them.
+//!
+//! - `kv_cache_events_applied{event_type, status}`: events by type (`stored`, `removed`,
+//!   `cleared`, plus `batch` for whole payloads and `unknown` for event types not understood) and
+//!   outcome (`ok`, `not_local`, `block_not_found`, `worker_full`, `placeholder_skipped`,
+//!   `unknown_event`, `decode_error`, `unregistered_worker`).
+//! - `kv_router_blocks{worker_id, dp_rank, tier}`: blocks indexed per worker and tier (set at
+//!   each scrape).
+//! - `kv_router_gaps_total{filled}`, `kv_router_replays_total`, `kv_router_decode_errors_total`,
+//!   `kv_router_restarts_total`.
+//! - `kv_router_find_matches_seconds`: latency of the index lookup of each query and route.
+//! - `kv_router_requests_total{endpoint, code}`, `kv_router_workers`,
+//!   `kv_router_active_requests`, `kv_router_distinct_blocks`.
+
+use prometheus::{
+    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Every metric the router exports.
+#[derive(Debug, Clone)]
+pub struct RouterMetrics {
+    registry: Registry,
+    /// Events applied, by type and status.
+    pub events_applied: IntCounterVec,
+    /// Blocks indexed per worker and tier.
+    pub blocks: IntGaugeVec,
+    /// Sequence gaps, by whether replay filled them.
+    pub gaps: IntCounterVec,
+    /// Gaps filled by replay.
+    pub replays: IntCounter,
+    /// Payloads that did not decode.
+    pub decode_errors: IntCounter,
+    /// Engine restarts seen.
+    pub restarts: IntCounter,
+    /// `find_matches` latency.
+    pub find_matches: Histogram,
+    /// HTTP requests by endpoint and status code.
+    pub requests: IntCounterVec,
+    /// Workers registered.
+    pub workers: IntGauge,
+    /// Routed requests still counted as load.
+    pub active_requests: IntGauge,
+    /// Distinct blocks indexed.
+    pub distinct_blocks: IntGauge,
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn register<M: prometheus::core::Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric names are unique and valid");
+    metric
+}
+
+impl RouterMetrics {
+    /// A fresh set of metrics in its own registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            register(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let events_applied = counter_vec(
+            "kv_cache_events_applied",
+            "KV cache events applied to the index, by event type and outcome",
+            &["event_type", "status"],
+        );
+        let gaps = counter_vec(
+            "kv_router_gaps_total",
+            "Gaps in a worker's event sequence, by whether replay filled them",
+            &["filled"],
+        );
+        let requests = counter_vec(
+            "kv_router_requests_total",
+            "HTTP requests, by endpoint and status code",
+            &["endpoint", "code"],
+        );
+        let blocks = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new("kv_router_blocks", "Blocks indexed per worker and tier"),
+                &["worker_id", "dp_rank", "tier"],
+            )
+            .expect("valid metric"),
+        );
+        let counter = |name: &str, help: &str| {
+            register(
+                &registry,
+                IntCounter::new(name, help).expect("valid metric"),
+            )
+        };
+        let gauge = |name: &str, help: &str| {
+            register(&registry, IntGauge::new(name, help).expect("valid metric"))
+        };
+        let find_matches = register(
+            &registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kv_router_find_matches_seconds",
+                    "Latency of the index lookup of a query or a route",
+                )
+                .buckets(exponential_buckets(1e-6, 2.0, 18).expect("valid buckets")),
+            )
+            .expect("valid metric"),
+        );
+        Self {
+            events_applied,
+            blocks,
+            gaps,
+            replays: counter(
+                "kv_router_replays_total",
+                "Gaps filled from a worker's replay socket",
+            ),
+            decode_errors: counter(
+                "kv_router_decode_errors_total",
+                "Event payloads that did not decode",
+            ),
+            restarts: counter(
+                "kv_router_restarts_total",
+                "Engine restarts seen (sequence back to 0)",
+            ),
+            find_matches,
+            requests,
+            workers: gauge("kv_router_workers", "Workers registered"),
+            active_requests: gauge(
+                "kv_router_active_requests",
+                "Routed requests still counted toward a worker's load",
+            ),
+            distinct_blocks: gauge("kv_router_distinct_blocks", "Distinct blocks indexed"),
+            registry,
+        }
+    }
+
+    /// Counts `n` events of `event_type` with `status`.
+    pub fn applied(&self, event_type: &str, status: &str, n: u64) {
+        if n > 0 {
+            self.events_applied
+                .with_label_values(&[event_type, status])
+                .inc_by(n);
+        }
+    }
+
+    /// The current `kv_cache_events_applied` count of one event type and status.
+    pub fn applied_count(&self, event_type: &str, status: &str) -> u64 {
+        self.events_applied
+            .get_metric_with_label_values(&[event_type, status])
+            .map(|c| c.get())
+            .unwrap_or(0)
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
+    }
+}

@@ -1,0 +1,582 @@
+//! The router's state: the index fed by the workers' event streams, the load of routed requests,
+//! and the registered workers; queries and routing decisions over them.
+//!
+//! Threads: the ZMQ subscriber (kvbm-events) receives and decodes; one pump thread applies what it
+//! reports to the index (the only writer); HTTP handlers read the index under a read lock.
+//!
+//! Invariants:
+//! - Only registered workers are indexed: events still in flight from an unregistered worker are
+//!   counted (`unregistered_worker`) and dropped.
+//! - An engine restart (sequence back to 0) drops everything the index held for that worker
+//!   before the new stream is applied.
+//! - A gap that replay could not fill leaves the worker's state as it was (stale stores and
+//!   removals may be missing) and marks it `resync_needed` in `/workers`, until it restarts.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Receiver;
+use kvbm_events::router::{
+    select, Candidate, KvIndex, LoadTracker, Overlap, WorkerKey, WorkerLoad,
+};
+use kvbm_events::{
+    BlockHasher, SubscriberEvent, Tier, TransportError, WireEvent, WorkerEndpoint, ZmqSubscriber,
+};
+use parking_lot::{Mutex, RwLock};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use serde::Serialize;
+
+use crate::config::RouterConfig;
+use crate::metrics::RouterMetrics;
+
+/// What is known of one registered worker.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerInfo {
+    /// Worker id.
+    pub worker_id: u64,
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+    /// Its KV events endpoint.
+    pub endpoint: String,
+    /// Its replay endpoint.
+    pub replay_endpoint: Option<String>,
+    /// The last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Batches applied.
+    pub batches: u64,
+    /// Events applied (all statuses).
+    pub events: u64,
+    /// Gaps replay could not fill since the last restart.
+    pub unfilled_gaps: u64,
+    /// True after an unfilled gap: the index may miss some of this worker's changes.
+    pub resync_needed: bool,
+}
+
+/// A worker's share of a request's prefix, in blocks and tokens, tier by tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TierOverlap {
+    /// Blocks of the contiguous prefix on the GPU.
+    pub gpu_blocks: usize,
+    /// Blocks continuing it in pinned host memory.
+    pub host_blocks: usize,
+    /// Blocks continuing it on disk.
+    pub disk_blocks: usize,
+    /// `gpu_blocks` in tokens.
+    pub gpu_tokens: usize,
+    /// `host_blocks` in tokens.
+    pub host_tokens: usize,
+    /// `disk_blocks` in tokens.
+    pub disk_tokens: usize,
+}
+
+impl TierOverlap {
+    fn new(o: Overlap, block_size: usize) -> Self {
+        Self {
+            gpu_blocks: o.gpu,
+            host_blocks: o.host,
+            disk_blocks: o.disk,
+            gpu_tokens: o.gpu * block_size,
+            host_tokens: o.host * block_size,
+            disk_tokens: o.disk * block_size,
+        }
+    }
+}
+
+/// One worker in a query's answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerOverlap {
+    /// Worker id.
+    pub worker_id: u64,
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+    /// Its overlap.
+    pub overlap: TierOverlap,
+}
+
+/// The answer to a query.
+#[derive(Debug, Clone, Serialize)]
+pub struct QueryAnswer {
+    /// Full blocks in the request.
+    pub request_blocks: usize,
+    /// Every registered worker, best GPU overlap first.
+    pub workers: Vec<WorkerOverlap>,
+}
+
+/// A worker's cost in a routing decision.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerCost {
+    /// Worker id.
+    pub worker_id: u64,
+    /// Data-parallel rank.
+    pub dp_rank: u32,
+    /// Its cost (lower is better).
+    pub cost: f64,
+}
+
+/// The answer to a route.
+#[derive(Debug, Clone, Serialize)]
+pub struct RouteAnswer {
+    /// The request's id (the caller's, or one made up), for reporting its progress.
+    pub request_id: String,
+    /// The chosen worker.
+    pub worker_id: u64,
+    /// Its data-parallel rank.
+    pub dp_rank: u32,
+    /// Its overlap with the request.
+    pub overlap: TierOverlap,
+    /// Its cost.
+    pub cost: f64,
+    /// The other workers' costs, lowest first.
+    pub runner_ups: Vec<WorkerCost>,
+    /// Full blocks in the request.
+    pub request_blocks: usize,
+}
+
+/// What a request is about: its tokens and what seeds their hashes.
+#[derive(Debug, Clone, Default)]
+pub struct RequestTokens<'a> {
+    /// Prompt token ids.
+    pub token_ids: &'a [u32],
+    /// The LoRA adapter, if any.
+    pub lora_name: Option<&'a str>,
+    /// The cache salt (namespace), if any.
+    pub cache_salt: Option<&'a str>,
+}
+
+/// Why a routing call failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// No worker is registered.
+    #[error("no worker is registered")]
+    NoWorkers,
+}
+
+struct Shared {
+    config: RouterConfig,
+    index: RwLock<KvIndex>,
+    load: Mutex<LoadTrack>,
+    workers: Mutex<BTreeMap<WorkerKey, WorkerInfo>>,
+    metrics: RouterMetrics,
+    rng: Mutex<StdRng>,
+}
+
+struct LoadTrack {
+    tracker: LoadTracker,
+    last_expiry: Instant,
+}
+
+/// The router: owns the subscriber and the pump thread; cheap to share through an `Arc`.
+pub struct Router {
+    shared: Arc<Shared>,
+    /// `Some` until dropped.
+    subscriber: Option<ZmqSubscriber>,
+    pump: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Router {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Router")
+            .field("workers", &self.shared.workers.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How often, at most, routed requests past their time-to-live are expired.
+const EXPIRY_INTERVAL: Duration = Duration::from_secs(1);
+
+impl Router {
+    /// Starts following `workers` (more can be registered later).
+    pub fn start(
+        config: RouterConfig,
+        workers: Vec<WorkerEndpoint>,
+    ) -> Result<Self, TransportError> {
+        let shared = Arc::new(Shared {
+            index: RwLock::new(KvIndex::new(config.max_blocks_per_worker)),
+            load: Mutex::new(LoadTrack {
+                tracker: LoadTracker::new(config.request_ttl),
+                last_expiry: Instant::now(),
+            }),
+            workers: Mutex::new(BTreeMap::new()),
+            metrics: RouterMetrics::new(),
+            rng: Mutex::new(StdRng::from_entropy()),
+            config,
+        });
+        let (sink, events) = crossbeam_channel::unbounded();
+        let subscriber = ZmqSubscriber::start(Vec::new(), sink)?;
+        let pump_shared = shared.clone();
+        let pump = std::thread::Builder::new()
+            .name("kvbm-router-pump".into())
+            .spawn(move || pump_loop(&pump_shared, &events))
+            .map_err(|e| TransportError::Zmq {
+                call: "spawn",
+                endpoint: String::new(),
+                error: e.to_string(),
+            })?;
+        let router = Self {
+            shared,
+            subscriber: Some(subscriber),
+            pump: Some(pump),
+        };
+        for w in workers {
+            router.register(w)?;
+        }
+        Ok(router)
+    }
+
+    fn subscriber(&self) -> &ZmqSubscriber {
+        self.subscriber.as_ref().expect("present until dropped")
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RouterConfig {
+        &self.shared.config
+    }
+
+    /// The metrics (with the per-worker gauges as of the last [`Router::render_metrics`]).
+    pub fn metrics(&self) -> &RouterMetrics {
+        &self.shared.metrics
+    }
+
+    /// Follows a worker (replacing an earlier registration of the same id and rank, whose state
+    /// is dropped). Returns once its events are being received and its replay buffer, if any,
+    /// was read.
+    pub fn register(&self, worker: WorkerEndpoint) -> Result<(), TransportError> {
+        let key = (worker.worker_id, worker.dp_rank);
+        self.unregister(key);
+        self.shared.workers.lock().insert(
+            key,
+            WorkerInfo {
+                worker_id: worker.worker_id,
+                dp_rank: worker.dp_rank,
+                endpoint: worker.endpoint.clone(),
+                replay_endpoint: worker.replay.clone(),
+                last_seq: None,
+                batches: 0,
+                events: 0,
+                unfilled_gaps: 0,
+                resync_needed: false,
+            },
+        );
+        self.shared
+            .metrics
+            .workers
+            .set(self.shared.workers.lock().len() as i64);
+        if let Err(e) = self.subscriber().add(worker) {
+            self.shared.workers.lock().remove(&key);
+            self.shared
+                .metrics
+                .workers
+                .set(self.shared.workers.lock().len() as i64);
+            return Err(e);
+        }
+        tracing::info!(worker = ?key, "worker registered");
+        Ok(())
+    }
+
+    /// Stops following a worker and forgets its blocks and load. False if it was not registered.
+    pub fn unregister(&self, key: WorkerKey) -> bool {
+        self.subscriber().remove(key);
+        let known = self.shared.workers.lock().remove(&key).is_some();
+        self.shared.index.write().remove_worker(key);
+        self.shared.load.lock().tracker.drop_worker(key);
+        self.shared
+            .metrics
+            .workers
+            .set(self.shared.workers.lock().len() as i64);
+        if known {
+            tracing::info!(worker = ?key, "worker unregistered");
+        }
+        known
+    }
+
+    /// The registered workers.
+    pub fn workers(&self) -> Vec<(WorkerInfo, [usize; 3], WorkerLoad)> {
+        let infos: Vec<WorkerInfo> = self.shared.workers.lock().values().cloned().collect();
+        let index = self.shared.index.read();
+        let load = self.shared.load.lock();
+        infos
+            .into_iter()
+            .map(|info| {
+                let key = (info.worker_id, info.dp_rank);
+                let blocks = Tier::ALL.map(|t| index.blocks_in(key, t));
+                let l = load.tracker.load(key);
+                (info, blocks, l)
+            })
+            .collect()
+    }
+
+    fn hashes(&self, request: &RequestTokens<'_>) -> Vec<u64> {
+        BlockHasher::new(
+            self.shared.config.block_size,
+            request.lora_name,
+            request.cache_salt,
+        )
+        .sequence_hashes(None, request.token_ids)
+        .into_iter()
+        .map(|h| h.0)
+        .collect()
+    }
+
+    /// Every registered worker's overlap with `hashes`.
+    fn overlaps(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
+        let start = Instant::now();
+        let found = self.shared.index.read().find_matches(hashes);
+        self.shared
+            .metrics
+            .find_matches
+            .observe(start.elapsed().as_secs_f64());
+        let keys: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
+        keys.into_iter()
+            .map(|k| {
+                let o = found
+                    .iter()
+                    .find(|(w, _)| *w == k)
+                    .map_or(Overlap::default(), |(_, o)| *o);
+                (k, o)
+            })
+            .collect()
+    }
+
+    /// Every registered worker's overlap with the request, best GPU overlap first.
+    pub fn query(&self, request: &RequestTokens<'_>) -> QueryAnswer {
+        let hashes = self.hashes(request);
+        let bs = self.shared.config.block_size;
+        let mut workers: Vec<WorkerOverlap> = self
+            .overlaps(&hashes)
+            .into_iter()
+            .map(|((worker_id, dp_rank), o)| WorkerOverlap {
+                worker_id,
+                dp_rank,
+                overlap: TierOverlap::new(o, bs),
+            })
+            .collect();
+        workers.sort_by(|a, b| {
+            (
+                b.overlap.gpu_blocks,
+                b.overlap.host_blocks,
+                b.overlap.disk_blocks,
+            )
+                .cmp(&(
+                    a.overlap.gpu_blocks,
+                    a.overlap.host_blocks,
+                    a.overlap.disk_blocks,
+                ))
+                .then((a.worker_id, a.dp_rank).cmp(&(b.worker_id, b.dp_rank)))
+        });
+        QueryAnswer {
+            request_blocks: hashes.len(),
+            workers,
+        }
+    }
+
+    /// Picks the worker for a request and counts the request toward its load.
+    pub fn route(
+        &self,
+        request: &RequestTokens<'_>,
+        request_id: Option<String>,
+    ) -> Result<RouteAnswer, RouteError> {
+        let hashes = self.hashes(request);
+        let overlaps = self.overlaps(&hashes);
+        if overlaps.is_empty() {
+            return Err(RouteError::NoWorkers);
+        }
+        let config = &self.shared.config;
+        let input_tokens = request.token_ids.len();
+        let now = Instant::now();
+        let mut load = self.shared.load.lock();
+        if now.duration_since(load.last_expiry) >= EXPIRY_INTERVAL {
+            load.tracker.expire(now);
+            load.last_expiry = now;
+        }
+        let candidates: Vec<Candidate> = overlaps
+            .iter()
+            .map(|&(worker, overlap)| Candidate {
+                worker,
+                overlap,
+                load: load.tracker.load(worker),
+            })
+            .collect();
+        let selection = select(
+            &config.selector,
+            &candidates,
+            input_tokens,
+            config.block_size,
+            &mut *self.shared.rng.lock(),
+        )
+        .ok_or(RouteError::NoWorkers)?;
+        let request_id = request_id.unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
+        load.tracker.routed(
+            request_id.clone(),
+            selection.chosen,
+            input_tokens,
+            config.block_size,
+            now,
+        );
+        self.shared
+            .metrics
+            .active_requests
+            .set(load.tracker.len() as i64);
+        drop(load);
+        let chosen = selection.chosen;
+        let overlap = overlaps
+            .iter()
+            .find(|(w, _)| *w == chosen)
+            .map_or(Overlap::default(), |(_, o)| *o);
+        let cost = selection
+            .costs
+            .iter()
+            .find(|(w, _)| *w == chosen)
+            .map_or(0.0, |(_, c)| *c);
+        Ok(RouteAnswer {
+            request_id,
+            worker_id: chosen.0,
+            dp_rank: chosen.1,
+            overlap: TierOverlap::new(overlap, config.block_size),
+            cost,
+            runner_ups: selection
+                .costs
+                .iter()
+                .filter(|(w, _)| *w != chosen)
+                .map(|&((worker_id, dp_rank), cost)| WorkerCost {
+                    worker_id,
+                    dp_rank,
+                    cost,
+                })
+                .collect(),
+            request_blocks: hashes.len(),
+        })
+    }
+
+    /// A routed request produced its first token. False for an unknown (or expired) id.
+    pub fn first_token(&self, request_id: &str) -> bool {
+        self.shared
+            .load
+            .lock()
+            .tracker
+            .first_token(request_id, Instant::now())
+    }
+
+    /// A routed request finished. False for an unknown (or expired) id.
+    pub fn finished(&self, request_id: &str) -> bool {
+        let mut load = self.shared.load.lock();
+        let known = load.tracker.finished(request_id);
+        self.shared
+            .metrics
+            .active_requests
+            .set(load.tracker.len() as i64);
+        known
+    }
+
+    /// Refreshes the gauges and renders every metric as Prometheus text.
+    pub fn render_metrics(&self) -> String {
+        let m = &self.shared.metrics;
+        m.blocks.reset();
+        for (info, blocks, _) in self.workers() {
+            let (id, rank) = (info.worker_id.to_string(), info.dp_rank.to_string());
+            for t in Tier::ALL {
+                m.blocks
+                    .with_label_values(&[id.as_str(), rank.as_str(), t.medium_name()])
+                    .set(blocks[t.index()] as i64);
+            }
+        }
+        m.distinct_blocks
+            .set(self.shared.index.read().distinct_blocks() as i64);
+        m.active_requests
+            .set(self.shared.load.lock().tracker.len() as i64);
+        m.render()
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        // Dropping the subscriber closes the pump's channel; the pump then ends.
+        drop(self.subscriber.take());
+        if let Some(pump) = self.pump.take() {
+            let _ = pump.join();
+        }
+    }
+}
+
+fn event_type(event: &WireEvent) -> &'static str {
+    match event {
+        WireEvent::Stored { .. } => "stored",
+        WireEvent::Removed { .. } => "removed",
+        WireEvent::Cleared => "cleared",
+    }
+}
+
+fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>) {
+    let m = &shared.metrics;
+    while let Ok(event) = events.recv() {
+        let worker = match &event {
+            SubscriberEvent::Batch { worker, .. }
+            | SubscriberEvent::Undecodable { worker, .. }
+            | SubscriberEvent::Gap { worker, .. }
+            | SubscriberEvent::Restart { worker } => *worker,
+        };
+        let mut workers = shared.workers.lock();
+        let Some(info) = workers.get_mut(&worker) else {
+            if let SubscriberEvent::Batch { batch, .. } = &event {
+                for e in &batch.events {
+                    m.applied(event_type(e), "unregistered_worker", 1);
+                }
+            }
+            continue;
+        };
+        match event {
+            SubscriberEvent::Batch { seq, batch, .. } => {
+                {
+                    let mut index = shared.index.write();
+                    for e in &batch.events {
+                        let status = index.apply(worker, e);
+                        m.applied(event_type(e), status.label(), 1);
+                    }
+                }
+                m.applied(
+                    "stored",
+                    "placeholder_skipped",
+                    batch.placeholders_skipped as u64,
+                );
+                m.applied("unknown", "unknown_event", batch.unknown_skipped as u64);
+                info.last_seq = Some(seq);
+                info.batches += 1;
+                info.events += batch.events.len() as u64;
+            }
+            SubscriberEvent::Undecodable { seq, error, .. } => {
+                m.applied("batch", "decode_error", 1);
+                m.decode_errors.inc();
+                tracing::warn!(?worker, seq, %error, "undecodable KV event payload skipped");
+            }
+            SubscriberEvent::Gap {
+                from, to, filled, ..
+            } => {
+                m.gaps
+                    .with_label_values(&[if filled { "true" } else { "false" }])
+                    .inc();
+                if filled {
+                    m.replays.inc();
+                } else {
+                    info.unfilled_gaps += 1;
+                    info.resync_needed = true;
+                    tracing::warn!(
+                        ?worker,
+                        from,
+                        to,
+                        "KV events lost; the index may be stale for this worker"
+                    );
+                }
+            }
+            SubscriberEvent::Restart { .. } => {
+                m.restarts.inc();
+                shared.index.write().remove_worker(worker);
+                info.last_seq = None;
+                info.unfilled_gaps = 0;
+                info.resync_needed = false;
+                tracing::info!(?worker, "engine restarted; its blocks were dropped");
+            }
+        }
+    }
+}

@@ -1,0 +1,596 @@
+//! End to end: scripted workers publish KV events over real ZMQ sockets on loopback (vLLM's
+//! framing, kvbm's GPU/host/disk media), the `kvbm-router` binary follows them, and its HTTP
+//! answers are checked against an index fed directly with the same stream. Covers the initial
+//! replay, registration over HTTP, a gap filled by replay, a gap without replay, an engine
+//! restart, malformed payloads, unregistration and the API's error answers.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvbm_events::router::KvIndex;
+use kvbm_events::{
+    decode_batch, encode_batch, BlockHasher, BlockRemoved, BlockStored, KvEvent, SequenceHash, Tier,
+};
+use serde_json::{json, Value};
+
+const BLOCK: usize = 4;
+const WAIT: Duration = Duration::from_secs(20);
+
+type Buffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
+
+/// A worker whose event stream the test scripts: an XPUB socket (so the test knows when the
+/// router has subscribed) and, optionally, a replay socket served from a thread.
+struct Worker {
+    id: u64,
+    rank: u32,
+    xpub: zmq::Socket,
+    endpoint: String,
+    replay: Option<String>,
+    buffer: Buffer,
+    stop: Arc<AtomicBool>,
+    server: Option<JoinHandle<()>>,
+    seq: u64,
+}
+
+impl Worker {
+    fn new(ctx: &zmq::Context, id: u64, rank: u32, with_replay: bool) -> Self {
+        let xpub = ctx.socket(zmq::XPUB).unwrap();
+        xpub.set_linger(0).unwrap();
+        xpub.bind("tcp://127.0.0.1:*").unwrap();
+        let endpoint = xpub.get_last_endpoint().unwrap().unwrap();
+        let buffer: Buffer = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (replay, server) = if with_replay {
+            let router = ctx.socket(zmq::ROUTER).unwrap();
+            router.set_linger(0).unwrap();
+            router.bind("tcp://127.0.0.1:*").unwrap();
+            let replay = router.get_last_endpoint().unwrap().unwrap();
+            let (buffer, stop) = (buffer.clone(), stop.clone());
+            let server = std::thread::spawn(move || serve_replays(&router, &buffer, &stop));
+            (Some(replay), Some(server))
+        } else {
+            (None, None)
+        };
+        Self {
+            id,
+            rank,
+            xpub,
+            endpoint,
+            replay,
+            buffer,
+            stop,
+            server,
+            seq: 0,
+        }
+    }
+
+    fn spec(&self) -> String {
+        match &self.replay {
+            Some(r) => format!("{}:{}={},replay={}", self.id, self.rank, self.endpoint, r),
+            None => format!("{}:{}={}", self.id, self.rank, self.endpoint),
+        }
+    }
+
+    /// Waits until a subscriber has subscribed.
+    fn wait_for_subscriber(&self) {
+        assert!(
+            self.xpub
+                .poll(zmq::POLLIN, WAIT.as_millis() as i64)
+                .unwrap()
+                > 0,
+            "the router never subscribed to worker {}",
+            self.id
+        );
+        let subscription = self.xpub.recv_bytes(0).unwrap();
+        assert_eq!(subscription.first(), Some(&1u8));
+    }
+
+    /// Encodes `events` as the next batch, keeps it for replay, and sends it unless `lose`.
+    fn batch(&mut self, events: &[KvEvent], lose: bool, expected: &mut KvIndex) -> u64 {
+        let mut payload = Vec::new();
+        encode_batch(1.0, events, Some(self.rank), &mut payload);
+        // The direct computation: the same bytes, decoded and applied.
+        for e in &decode_batch(&payload).unwrap().events {
+            expected.apply((self.id, self.rank), e);
+        }
+        let seq = self.seq;
+        self.seq += 1;
+        self.buffer.lock().unwrap().push((seq, payload.clone()));
+        if !lose {
+            self.send(seq, &payload);
+        }
+        seq
+    }
+
+    fn send(&self, seq: u64, payload: &[u8]) {
+        let frames: [&[u8]; 3] = [b"", &seq.to_be_bytes(), payload];
+        self.xpub.send_multipart(frames, 0).unwrap();
+    }
+
+    /// The engine restarted: sequence numbers and the replay buffer start again.
+    fn restart(&mut self, expected: &mut KvIndex) {
+        self.seq = 0;
+        self.buffer.lock().unwrap().clear();
+        expected.remove_worker((self.id, self.rank));
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(server) = self.server.take() {
+            let _ = server.join();
+        }
+    }
+}
+
+/// Answers replay requests `[identity, "", start]` from the buffer, as vLLM's publisher does.
+fn serve_replays(router: &zmq::Socket, buffer: &Buffer, stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        if router.poll(zmq::POLLIN, 20).unwrap_or(0) == 0 {
+            continue;
+        }
+        let Ok(frames) = router.recv_multipart(0) else {
+            continue;
+        };
+        let start = u64::from_be_bytes(frames[2].as_slice().try_into().unwrap());
+        for (seq, payload) in buffer.lock().unwrap().iter().filter(|(s, _)| *s >= start) {
+            let out: [&[u8]; 5] = [&frames[0], b"", b"", &seq.to_be_bytes(), payload];
+            router.send_multipart(out, 0).unwrap();
+        }
+        let end: [&[u8]; 5] = [&frames[0], b"", b"", &u64::MAX.to_be_bytes(), b""];
+        router.send_multipart(end, 0).unwrap();
+    }
+}
+
+fn hashes(tokens: &[u32]) -> Vec<SequenceHash> {
+    BlockHasher::new(BLOCK, None, None).sequence_hashes(None, tokens)
+}
+
+/// Stores blocks `from..to` of `tokens` in `tier`, with their parent and tokens.
+fn stored(tokens: &[u32], from: usize, to: usize, tier: Tier) -> KvEvent {
+    let h = hashes(tokens);
+    KvEvent::BlockStored(BlockStored {
+        tier,
+        block_hashes: h[from..to].to_vec(),
+        parent_hash: from.checked_sub(1).map(|p| h[p]),
+        token_ids: tokens[from * BLOCK..to * BLOCK].to_vec(),
+        block_size: BLOCK as u32,
+        lora_name: None,
+    })
+}
+
+fn removed(tokens: &[u32], from: usize, to: usize, tier: Tier) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        tier,
+        block_hashes: hashes(tokens)[from..to].to_vec(),
+    })
+}
+
+/// The `kvbm-router` binary, killed when dropped.
+struct RouterProcess {
+    child: Child,
+    base: String,
+}
+
+impl RouterProcess {
+    fn start(workers: &str) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
+            .args([
+                "--workers",
+                workers,
+                "--http-port",
+                "0",
+                "--block-size",
+                &BLOCK.to_string(),
+                "--max-body-bytes",
+                "65536",
+            ])
+            .env("DYN_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let base = line
+            .trim()
+            .strip_prefix("kvbm-router listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+            .to_owned();
+        assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+        Self { child, base }
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+        let request = ureq::request(method, &format!("{}{path}", self.base));
+        let response = match body {
+            Some(b) => request.send_json(b),
+            None => request.call(),
+        };
+        let response = match response {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {path}: {e}"),
+        };
+        let status = response.status();
+        let text = response.into_string().unwrap();
+        let value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        (status, value)
+    }
+
+    fn ok(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        let (status, value) = self.call(method, path, body);
+        assert_eq!(status, 200, "{method} {path}: {value}");
+        value
+    }
+
+    fn worker(&self, id: u64, rank: u32) -> Option<Value> {
+        let all = self.ok("GET", "/workers", None);
+        all["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["worker_id"] == id && w["dp_rank"] == rank)
+            .cloned()
+    }
+
+    /// Waits until the router has applied batch `seq` of a worker.
+    fn wait_applied(&self, w: &Worker, seq: u64) {
+        wait_until(&format!("worker {} batch {seq}", w.id), || {
+            self.worker(w.id, w.rank)
+                .is_some_and(|v| v["last_seq"].as_u64() == Some(seq))
+        });
+    }
+
+    fn metric(&self, name_and_labels: &str) -> f64 {
+        let (status, text) = self.call("GET", "/metrics", None);
+        assert_eq!(status, 200);
+        let text = text.as_str().unwrap().to_owned();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Checks `/query` for `tokens` against the directly fed index, for every registered worker.
+fn check_query(router: &RouterProcess, expected: &KvIndex, tokens: &[u32]) -> Value {
+    let answer = router.ok("POST", "/query", Some(json!({ "token_ids": tokens })));
+    let h: Vec<u64> = hashes(tokens).iter().map(|h| h.0).collect();
+    assert_eq!(answer["request_blocks"], h.len());
+    let direct = expected.find_matches(&h);
+    for w in answer["workers"].as_array().unwrap() {
+        let key = (
+            w["worker_id"].as_u64().unwrap(),
+            w["dp_rank"].as_u64().unwrap() as u32,
+        );
+        let want = direct
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, o)| *o)
+            .unwrap_or_default();
+        let o = &w["overlap"];
+        assert_eq!(
+            (
+                o["gpu_blocks"].as_u64(),
+                o["host_blocks"].as_u64(),
+                o["disk_blocks"].as_u64()
+            ),
+            (
+                Some(want.gpu as u64),
+                Some(want.host as u64),
+                Some(want.disk as u64)
+            ),
+            "worker {key:?} for {} tokens: {answer}",
+            tokens.len()
+        );
+        assert_eq!(o["host_tokens"].as_u64(), Some((want.host * BLOCK) as u64));
+    }
+    answer
+}
+
+fn overlap_of(answer: &Value, id: u64) -> (u64, u64, u64) {
+    let w = answer["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == id)
+        .unwrap_or_else(|| panic!("worker {id} missing from {answer}"));
+    let o = &w["overlap"];
+    (
+        o["gpu_blocks"].as_u64().unwrap(),
+        o["host_blocks"].as_u64().unwrap(),
+        o["disk_blocks"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn the_router_follows_workers_over_zmq_and_answers_over_http() {
+    let ctx = zmq::Context::new();
+    let mut expected = KvIndex::default();
+    // Prompt A: 8 full blocks plus 2 tokens; prompt B: 8 blocks.
+    let a: Vec<u32> = (0..34).collect();
+    let b: Vec<u32> = (1000..1032).collect();
+
+    // Workers 1 and 2 publish before the router starts: it catches up from their replay sockets.
+    let mut w1 = Worker::new(&ctx, 1, 0, true);
+    let mut w2 = Worker::new(&ctx, 2, 0, true);
+    let mut w3 = Worker::new(&ctx, 3, 1, false);
+    w1.batch(
+        &[
+            stored(&a, 0, 4, Tier::Gpu),
+            stored(&a, 4, 6, Tier::Host),
+            stored(&a, 6, 8, Tier::Disk),
+        ],
+        false,
+        &mut expected,
+    );
+    w2.batch(&[stored(&a, 0, 2, Tier::Gpu)], false, &mut expected);
+    w2.batch(&[stored(&a, 2, 8, Tier::Host)], false, &mut expected);
+
+    let router = RouterProcess::start(&format!("{};{}", w1.spec(), w2.spec()));
+    router.wait_applied(&w1, 0);
+    router.wait_applied(&w2, 1);
+    w1.wait_for_subscriber();
+    w2.wait_for_subscriber();
+
+    // Worker 3 (rank 1, no replay socket) registers over HTTP.
+    let registered = router.ok(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": 3, "dp_rank": 1, "endpoint": w3.endpoint })),
+    );
+    assert_eq!(registered["worker_id"], 3);
+    w3.wait_for_subscriber();
+    let seq = w3.batch(&[stored(&b, 0, 8, Tier::Gpu)], false, &mut expected);
+    router.wait_applied(&w3, seq);
+
+    // Queries: every tier, against the direct computation.
+    let answer = check_query(&router, &expected, &a);
+    assert_eq!(overlap_of(&answer, 1), (4, 2, 2));
+    assert_eq!(overlap_of(&answer, 2), (2, 6, 0));
+    assert_eq!(overlap_of(&answer, 3), (0, 0, 0));
+    assert_eq!(
+        answer["workers"][0]["worker_id"], 1,
+        "best GPU overlap first"
+    );
+    check_query(&router, &expected, &b);
+    check_query(&router, &expected, &a[..12]);
+    check_query(&router, &expected, &[7, 7, 7, 7, 7]);
+    // A different cache salt is a different hash space.
+    let salted = router.ok(
+        "POST",
+        "/query",
+        Some(json!({ "token_ids": a, "cache_salt": "tenant-b" })),
+    );
+    assert_eq!(overlap_of(&salted, 1), (0, 0, 0));
+
+    // Routing: 34 tokens = 8.5 blocks; credit w1 = 4 + 0.75*2 + 0.25*2 = 6, w2 = 2 + 0.75*6 = 6.5.
+    let first = router.ok(
+        "POST",
+        "/route",
+        Some(json!({ "token_ids": a, "request_id": "r1" })),
+    );
+    assert_eq!(
+        (first["worker_id"].as_u64(), first["dp_rank"].as_u64()),
+        (Some(2), Some(0))
+    );
+    assert_eq!(first["request_id"], "r1");
+    assert!(
+        (first["cost"].as_f64().unwrap() - 2.0).abs() < 1e-9,
+        "{first}"
+    );
+    let runner_ups: Vec<(u64, f64)> = first["runner_ups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["worker_id"].as_u64().unwrap(),
+                c["cost"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(runner_ups.len(), 2);
+    assert_eq!(runner_ups[0].0, 1);
+    assert!((runner_ups[0].1 - 2.5).abs() < 1e-9);
+    assert!((runner_ups[1].1 - 8.5).abs() < 1e-9);
+    assert_eq!(first["overlap"]["host_tokens"], 24);
+    // Worker 2 now carries r1's prefill: (34 + 34) / 4 - 6.5 = 10.5 > 2.5, so worker 1 wins.
+    let second = router.ok("POST", "/route", Some(json!({ "token_ids": a })));
+    assert_eq!(second["worker_id"], 1);
+    assert_eq!(second["request_id"].as_str().unwrap().len(), 32);
+    let w2_load = router.worker(2, 0).unwrap()["load"].clone();
+    assert_eq!(
+        (
+            w2_load["prefill_tokens"].as_u64(),
+            w2_load["requests"].as_u64()
+        ),
+        (Some(34), Some(1))
+    );
+    router.ok("POST", "/first_token", Some(json!({ "request_id": "r1" })));
+    let w2_load = router.worker(2, 0).unwrap()["load"].clone();
+    assert_eq!(
+        (
+            w2_load["prefill_tokens"].as_u64(),
+            w2_load["decode_blocks"].as_u64()
+        ),
+        (Some(0), Some(9))
+    );
+    router.ok("POST", "/finished", Some(json!({ "request_id": "r1" })));
+    let (status, error) = router.call("POST", "/finished", Some(json!({ "request_id": "r1" })));
+    assert_eq!(status, 404);
+    assert!(error["error"].as_str().unwrap().contains("r1"));
+
+    // A forced gap, filled by replay: batch k (removing w1's disk blocks) never goes out live.
+    let lost = w1.batch(&[removed(&a, 6, 8, Tier::Disk)], true, &mut expected);
+    let next = w1.batch(&[stored(&b, 0, 2, Tier::Host)], false, &mut expected);
+    router.wait_applied(&w1, next);
+    assert_eq!(lost + 1, next);
+    let answer = check_query(&router, &expected, &a);
+    assert_eq!(overlap_of(&answer, 1), (4, 2, 0));
+    check_query(&router, &expected, &b);
+    assert_eq!(router.metric("kv_router_gaps_total{filled=\"true\"}"), 1.0);
+    assert_eq!(router.metric("kv_router_replays_total"), 1.0);
+    assert_eq!(router.worker(1, 0).unwrap()["resync_needed"], false);
+
+    // A gap without a replay socket: counted, and the worker is marked for a resync.
+    w3.batch(&[removed(&b, 7, 8, Tier::Gpu)], true, &mut expected);
+    let seq = w3.batch(&[stored(&a, 0, 1, Tier::Disk)], false, &mut expected);
+    router.wait_applied(&w3, seq);
+    let w3_view = router.worker(3, 1).unwrap();
+    assert_eq!(w3_view["resync_needed"], true);
+    assert_eq!(w3_view["unfilled_gaps"], 1);
+    assert_eq!(router.metric("kv_router_gaps_total{filled=\"false\"}"), 1.0);
+    // The lost removal is not known to the router: it still counts block 7 of B.
+    assert_eq!(w3_view["blocks"]["gpu"], 8);
+    expected.store((3, 1), Tier::Gpu, &[hashes(&b)[7].0]);
+
+    // An engine restart: worker 2's sequence starts again at 0 and its old blocks are dropped.
+    w2.restart(&mut expected);
+    let seq = w2.batch(&[stored(&a, 0, 1, Tier::Gpu)], false, &mut expected);
+    assert_eq!(seq, 0);
+    wait_until("worker 2's restart", || {
+        router.worker(2, 0).unwrap()["blocks"]["host"] == 0
+    });
+    router.wait_applied(&w2, 0);
+    let answer = check_query(&router, &expected, &a);
+    assert_eq!(overlap_of(&answer, 2), (1, 0, 0));
+    assert_eq!(router.metric("kv_router_restarts_total"), 1.0);
+
+    // Malformed input: a payload that is not msgpack, a message with two frames, and a removal of
+    // blocks never stored. Each is counted; the router keeps serving.
+    let garbage = w1.seq;
+    w1.seq += 1;
+    w1.send(garbage, b"\xc1 this is not msgpack");
+    w1.xpub
+        .send_multipart([&b"two"[..], &b"frames"[..]], 0)
+        .unwrap();
+    let seq = w1.batch(&[removed(&b, 5, 7, Tier::Gpu)], false, &mut expected);
+    router.wait_applied(&w1, seq);
+    assert_eq!(
+        router.metric("kv_cache_events_applied{event_type=\"batch\",status=\"decode_error\"}"),
+        2.0
+    );
+    assert_eq!(
+        router.metric("kv_cache_events_applied{event_type=\"removed\",status=\"block_not_found\"}"),
+        1.0
+    );
+    assert_eq!(router.metric("kv_router_decode_errors_total"), 2.0);
+    assert!(router.metric("kv_cache_events_applied{event_type=\"stored\",status=\"ok\"}") >= 9.0);
+    assert_eq!(
+        router.metric("kv_router_blocks{dp_rank=\"0\",tier=\"CPU_PINNED\",worker_id=\"1\"}"),
+        4.0
+    );
+    assert_eq!(router.ok("GET", "/healthz", None)["status"], "ok");
+    check_query(&router, &expected, &a);
+    check_query(&router, &expected, &b);
+
+    // Unregistering forgets the worker.
+    router.ok(
+        "POST",
+        "/unregister",
+        Some(json!({ "worker_id": 3, "dp_rank": 1 })),
+    );
+    assert!(router.worker(3, 1).is_none());
+    let answer = router.ok("POST", "/query", Some(json!({ "token_ids": b })));
+    assert_eq!(answer["workers"].as_array().unwrap().len(), 2);
+    let (status, _) = router.call(
+        "POST",
+        "/unregister",
+        Some(json!({ "worker_id": 3, "dp_rank": 1 })),
+    );
+    assert_eq!(status, 404);
+    assert!(router.metric("kv_router_find_matches_seconds_count") >= 8.0);
+}
+
+#[test]
+fn bad_requests_get_json_errors_and_the_router_keeps_serving() {
+    let router = RouterProcess::start("");
+    let post_raw = |path: &str, body: &str| {
+        let r = ureq::post(&format!("{}{path}", router.base))
+            .set("Content-Type", "application/json")
+            .send_string(body);
+        let r = match r {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{e}"),
+        };
+        let status = r.status();
+        let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+        assert!(v["error"].is_string(), "{status}: {v}");
+        status
+    };
+    assert_eq!(post_raw("/query", "{not json"), 400);
+    assert_eq!(post_raw("/query", r#"{"token_ids": [-1]}"#), 400);
+    assert_eq!(post_raw("/query", r#"{"tokens": [1]}"#), 400);
+    assert_eq!(post_raw("/first_token", r#"{}"#), 400);
+    let huge = format!("{{\"token_ids\": [{}1]}}", "1,".repeat(40_000));
+    assert_eq!(post_raw("/query", &huge), 413);
+    // No worker yet: nothing to route to.
+    assert_eq!(post_raw("/route", r#"{"token_ids": [1, 2, 3, 4]}"#), 503);
+    assert_eq!(
+        post_raw("/register", r#"{"worker_id": 1, "endpoint": "http://x"}"#),
+        400
+    );
+    assert_eq!(post_raw("/nope", "{}"), 404);
+    let (status, v) = router.call("GET", "/route", None);
+    assert_eq!((status, v["error"].is_string()), (405, true));
+    let empty = router.ok("POST", "/query", Some(json!({ "token_ids": [] })));
+    assert_eq!(empty["request_blocks"], 0);
+    assert_eq!(router.ok("GET", "/healthz", None)["workers"], 0);
+    assert!(router.metric("kv_router_requests_total{code=\"400\",endpoint=\"query\"}") >= 3.0);
+}
+
+#[test]
+fn a_bad_command_line_is_refused_with_the_flag_named() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
+        .args(["--workers", "1=http://nope", "--http-port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--workers entry"), "{stderr}");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
+        .args(["--router-temperature=-2", "--http-port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--router-temperature=-2"));
+    let help = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--workers",
+        "--http-host",
+        "--block-size",
+        "--router-host-cache-hit-weight",
+        "--router-disk-cache-hit-weight",
+        "--router-temperature",
+    ] {
+        assert!(help.contains(flag), "--help lacks {flag}");
+    }
+}
