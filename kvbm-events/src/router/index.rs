@@ -189,12 +189,14 @@ impl Sets {
         self.intern(bits)
     }
 
+    #[inline(always)]
     fn incref(&mut self, id: u32) {
         if id != EMPTY {
             self.sets[id as usize].refs += 1;
         }
     }
 
+    #[inline(always)]
     fn decref(&mut self, id: u32) {
         if id != EMPTY {
             let set = &mut self.sets[id as usize];
@@ -273,6 +275,7 @@ pub struct KvIndex {
     extra: HashMap<(u32, u32, u8), u32>,
     workers: Vec<WorkerState>,
     by_key: HashMap<WorkerKey, u32>,
+    last_worker: Option<(WorkerKey, u32)>,
     blocks_per_worker_max: usize,
     min_tombstones: usize,
 }
@@ -306,6 +309,7 @@ impl KvIndex {
             extra: HashMap::new(),
             workers: Vec::new(),
             by_key: HashMap::new(),
+            last_worker: None,
             blocks_per_worker_max,
             min_tombstones: MIN_TOMBSTONES_DEFAULT,
         }
@@ -344,8 +348,21 @@ impl KvIndex {
         node
     }
 
+    /// The index of a known worker; consecutive events usually come from one worker, so the
+    /// last answer is kept.
+    fn known_worker(&mut self, key: WorkerKey) -> Option<u32> {
+        if let Some((k, i)) = self.last_worker {
+            if k == key {
+                return Some(i);
+            }
+        }
+        let i = *self.by_key.get(&key)?;
+        self.last_worker = Some((key, i));
+        Some(i)
+    }
+
     fn worker_index(&mut self, key: WorkerKey) -> u32 {
-        if let Some(&i) = self.by_key.get(&key) {
+        if let Some(i) = self.known_worker(key) {
             return i;
         }
         let i = match self.workers.iter().position(|w| !w.live) {
@@ -385,6 +402,7 @@ impl KvIndex {
     }
 
     /// Points node `n` at set `new`.
+    #[inline(always)]
     fn set_node(&mut self, n: u32, new: u32) {
         let old = std::mem::replace(&mut self.node_sets[n as usize], new);
         self.sets.incref(new);
@@ -399,10 +417,9 @@ impl KvIndex {
         let mut status = ApplyStatus::Ok;
         let mut memo = Memo::default();
         let mut prev: Option<u32> = None;
+        self.prefetch_first(hashes);
         for (i, &hash) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
-                self.table.prefetch(ahead);
-            }
+            self.prefetch_ahead(hashes, i);
             // Blocks stored together earlier sit next to each other: try the previous block's
             // successor before the table.
             let n = match prev {
@@ -439,7 +456,7 @@ impl KvIndex {
 
     /// Records that `worker` removed `hashes` from `tier` (one reference each).
     pub fn remove(&mut self, worker: WorkerKey, tier: Tier, hashes: &[u64]) -> ApplyStatus {
-        let Some(&w) = self.by_key.get(&worker) else {
+        let Some(w) = self.known_worker(worker) else {
             return if hashes.is_empty() {
                 ApplyStatus::Ok
             } else {
@@ -451,10 +468,9 @@ impl KvIndex {
         let mut status = ApplyStatus::Ok;
         let mut memo = Memo::default();
         let mut prev: Option<u32> = None;
+        self.prefetch_first(hashes);
         for (i, &hash) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
-                self.table.prefetch(ahead);
-            }
+            self.prefetch_ahead(hashes, i);
             // Engines remove a run head-first or tail-first: try both neighbours first.
             let found = match prev {
                 Some(p) if self.is_live_successor(p, hash) => Some(p + 1),
@@ -499,8 +515,24 @@ impl KvIndex {
         status
     }
 
-    /// Whether node `n` exists, is live and holds `hash`.
+    /// Prefetches the table buckets of an event's first blocks.
     #[inline]
+    fn prefetch_first(&self, hashes: &[u64]) {
+        for &h in hashes.iter().take(PREFETCH_DISTANCE) {
+            self.table.prefetch(h);
+        }
+    }
+
+    /// Prefetches the table bucket of the block `PREFETCH_DISTANCE` ahead of `i` in an event.
+    #[inline]
+    fn prefetch_ahead(&self, hashes: &[u64], i: usize) {
+        if let Some(&ahead) = hashes.get(i + PREFETCH_DISTANCE) {
+            self.table.prefetch(ahead);
+        }
+    }
+
+    /// Whether node `n` exists, is live and holds `hash`.
+    #[inline(always)]
     fn is_live_at(&self, n: u32, hash: u64) -> bool {
         let n = n as usize;
         n < self.hashes.len() && self.hashes[n] == hash && self.node_sets[n] != EMPTY
@@ -550,6 +582,7 @@ impl KvIndex {
 
     /// Drops everything `worker` holds.
     pub fn remove_worker(&mut self, worker: WorkerKey) {
+        self.last_worker = None;
         let Some(w) = self.by_key.remove(&worker) else {
             return;
         };

@@ -12,6 +12,20 @@ use std::ops::{Deref, DerefMut};
 use bytemuck::Pod;
 use memmap2::{Advice, MmapMut};
 
+/// Starts loading the cache line of `value` (a hint: it never faults and changes nothing).
+#[inline]
+pub(crate) fn prefetch<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    #[allow(unused_unsafe)]
+    // SAFETY: a prefetch is a hint that never faults; the pointer comes from a reference anyway.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((value as *const T).cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
+}
+
 /// Mappings of at least this size are advised for huge pages.
 const HUGE_PAGE: usize = 2 << 20;
 

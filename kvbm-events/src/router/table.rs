@@ -15,7 +15,7 @@
 //!   ends every search.
 //! - The load is at most 7/8, so a search always meets a vacant slot.
 
-use crate::router::mapped::MappedVec;
+use crate::router::mapped::{prefetch, MappedVec};
 
 /// Slots per bucket: one cache line of `u64` slots, each `tag << 32 | (node + 1)`; zero is vacant.
 const SLOTS: usize = 8;
@@ -84,16 +84,7 @@ impl BlockTable {
     #[inline]
     pub(crate) fn prefetch(&self, hash: u64) {
         let b = Self::home(self.tag(hash), self.buckets());
-        let line: *const u64 = &self.slots[b * SLOTS];
-        #[cfg(target_arch = "x86_64")]
-        #[allow(unused_unsafe)]
-        // SAFETY: a prefetch is a hint that never faults, and `line` points into `slots`.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(line.cast::<i8>());
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = line;
+        prefetch(&self.slots[b * SLOTS]);
     }
 
     /// The node holding `hash`, where `is(node)` confirms a candidate (it compares the full hash).
