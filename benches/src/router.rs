@@ -5,7 +5,9 @@
 //! earlier sequence of the same worker. One store event per sequence holds the blocks the worker
 //! lacks (or stores of `--store-blocks`), then 10% of each worker's blocks are evicted tail-first.
 //! Queries of 512 hashes: half repeat a stored sequence, a third start a new conversation on a
-//! known prompt, the rest are cold. One thread. Memory is the heap counted by the binary's allocator plus the index's own
+//! known prompt, the rest are cold. With `--offload`, evicted blocks are also stored in host
+//! memory (and every other one on disk), so that every tier is indexed; "pairs" then counts
+//! (worker, block, tier) holdings. One thread. Memory is the heap counted by the binary's allocator plus the index's own
 //! mappings.
 
 use std::collections::HashSet;
@@ -27,6 +29,10 @@ pub struct RouterArgs {
     /// Blocks per store event (0: one store per sequence, holding what the worker lacks).
     #[arg(long, default_value_t = 0)]
     store_blocks: usize,
+    /// Evicted GPU blocks move down: each is stored in host memory, and every other one on disk
+    /// too (events in all three tiers, as a kvbm worker publishes them).
+    #[arg(long)]
+    offload: bool,
     /// Queries timed per worker count.
     #[arg(long, default_value_t = 2000)]
     queries: usize,
@@ -99,13 +105,18 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(42);
     let prompts = prompts(&mut rng);
     println!(
-        "kvbm router index: {} sequences of {} blocks per worker, stores of {}; one thread",
+        "kvbm router index: {} sequences of {} blocks per worker, stores of {}{}; one thread",
         SEQUENCES_PER_WORKER,
         SEQUENCE_BLOCKS,
         if args.store_blocks == 0 {
             "missing blocks per sequence".to_owned()
         } else {
             format!("{} blocks", args.store_blocks)
+        },
+        if args.offload {
+            ", evicted blocks offloaded to host and disk"
+        } else {
+            ""
         }
     );
     println!(
@@ -117,6 +128,7 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
         let mut sequences: Vec<Vec<Vec<u64>>> = Vec::with_capacity(workers);
         let mut stores: Vec<((u64, u32), Vec<u64>)> = Vec::new();
         let mut evictions: Vec<((u64, u32), Vec<u64>)> = Vec::new();
+        let mut offloads: Vec<((u64, u32), Tier, Vec<u64>)> = Vec::new();
         for w in 0..workers {
             let key = (w as u64, 0u32);
             let mut held: HashSet<u64> = HashSet::new();
@@ -152,11 +164,16 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
                     }
                 }
             }
+            if args.offload {
+                offloads.push((key, Tier::Host, evict.clone()));
+                offloads.push((key, Tier::Disk, evict.iter().copied().step_by(2).collect()));
+            }
             evictions.push((key, evict));
             sequences.push(mine);
         }
         let block_events: usize = stores.iter().map(|(_, h)| h.len()).sum::<usize>()
-            + evictions.iter().map(|(_, h)| h.len()).sum::<usize>();
+            + evictions.iter().map(|(_, h)| h.len()).sum::<usize>()
+            + offloads.iter().map(|(_, _, h)| h.len()).sum::<usize>();
 
         // Apply the whole stream `--rounds` times into a fresh index; report the median rate.
         let mut rates = Vec::with_capacity(args.rounds);
@@ -172,11 +189,14 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
             for (key, hashes) in &evictions {
                 index.remove(*key, Tier::Gpu, hashes);
             }
+            for (key, tier, hashes) in &offloads {
+                index.store(*key, *tier, hashes);
+            }
             rates.push(block_events as f64 / start.elapsed().as_secs_f64());
             heap_delta = heap().saturating_sub(heap_before) + index.mapped_bytes();
         }
         let pairs: usize = (0..workers)
-            .map(|w| index.blocks_in((w as u64, 0), Tier::Gpu))
+            .flat_map(|w| Tier::ALL.map(|t| index.blocks_in((w as u64, 0), t)))
             .sum();
         let bytes_per_pair = heap_delta as f64 / pairs.max(1) as f64;
 
@@ -218,6 +238,7 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
                 serde_json::json!({
                     "workers": workers,
                     "store_blocks": args.store_blocks,
+                    "offload": args.offload,
                     "block_events": block_events,
                     "events_per_s": median(&rates),
                     "events_per_s_rounds": rates,

@@ -100,13 +100,6 @@ fn group(bits: &[u64], k: usize) -> u64 {
     }
 }
 
-/// The workers of group `k` whose tiers differ between `a` and `b`.
-#[inline]
-fn group_diff(a: &[u64], b: &[u64], k: usize) -> u64 {
-    let word = |bits: &[u64], i: usize| bits.get(i).copied().unwrap_or(0);
-    (0..3).fold(0, |x, t| x | (word(a, 3 * k + t) ^ word(b, 3 * k + t)))
-}
-
 /// Interned holder sets.
 #[derive(Debug)]
 struct Sets {
@@ -637,9 +630,9 @@ impl KvIndex {
     /// Per worker holding any of the prefix: its GPU prefix, then host and disk continuations.
     ///
     /// Walks the request's blocks (sequentially through stored runs, through the table where a
-    /// run ends). Where the holder set changes from one block to the next, only the workers whose
-    /// tiers differ between the two sets are re-examined (an XOR of the sets' bits); every other
-    /// active worker keeps advancing in its tier.
+    /// run ends). The workers still matching are kept as bitsets per tier they are matching in;
+    /// where the holder set changes, only workers that lost their current tier are moved on (to
+    /// a lower tier that holds the block, or out), with a few word operations per 64 workers.
     pub fn find_matches(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let Some((&first, rest)) = hashes.split_first() else {
             return Vec::new();
@@ -650,17 +643,23 @@ impl KvIndex {
         let mut set = self.node_sets[node as usize];
         let first_bits = self.sets.bits(set);
         let groups = first_bits.len() / 3;
-        // Workers still matching, by group of 64; only workers holding the first block can match.
-        let mut active: Vec<u64> = (0..groups).map(|k| group(first_bits, k)).collect();
-        let started = active.clone();
+        // Per group of 64 workers, the workers matching in each tier: each starts in the first
+        // tier that holds the first block.
+        let mut active: Vec<[u64; 3]> = (0..groups)
+            .map(|k| {
+                let (g, h, d) = (
+                    first_bits[3 * k],
+                    first_bits[3 * k + 1],
+                    first_bits[3 * k + 2],
+                );
+                [g, h & !g, d & !g & !h]
+            })
+            .collect();
+        let started: Vec<u64> = (0..groups).map(|k| group(first_bits, k)).collect();
         let n = groups * 64;
-        // Per worker: its current tier, where that tier's stretch began, blocks per tier.
-        let mut phase = vec![0u8; n];
+        // Per worker: where its current tier's stretch began, and blocks per tier so far.
         let mut since = vec![0u32; n];
         let mut counts = vec![[0u32; 3]; n];
-        for_each_bit(&started, |w| {
-            phase[w as usize] = mask_of(first_bits, w).trailing_zeros() as u8;
-        });
         let mut end = hashes.len() as u32;
         for (i, &hash) in rest.iter().enumerate() {
             let i = i as u32 + 1;
@@ -679,40 +678,46 @@ impl KvIndex {
             if s == set {
                 continue;
             }
-            let (old, new) = (self.sets.bits(set), self.sets.bits(s));
+            set = s;
+            let bits = self.sets.bits(s);
             let mut any = 0u64;
-            for (k, live) in active.iter_mut().enumerate() {
-                let mut changed = group_diff(old, new, k) & *live;
-                while changed != 0 {
-                    let b = changed.trailing_zeros();
-                    changed &= changed - 1;
-                    let w = (k as u32) * 64 + b;
-                    let wi = w as usize;
-                    let p = phase[wi];
-                    // The first tier, from the worker's current one on, that holds this block.
-                    let allowed = mask_of(new, w) & !((1u8 << p) - 1);
-                    if allowed == 0 || allowed.trailing_zeros() as u8 != p {
-                        counts[wi][p as usize] += i - since[wi];
-                        since[wi] = i;
-                    }
-                    if allowed == 0 {
-                        *live &= !(1u64 << b);
-                    } else {
-                        phase[wi] = allowed.trailing_zeros() as u8;
-                    }
+            for (k, [ag, ah, ad]) in active.iter_mut().enumerate() {
+                if *ag | *ah | *ad == 0 {
+                    continue;
                 }
-                any |= *live;
+                let word = |t: usize| bits.get(3 * k + t).copied().unwrap_or(0);
+                let (g, h, d) = (word(0), word(1), word(2));
+                // Workers whose current tier does not hold this block.
+                let (lost_g, lost_h, lost_d) = (*ag & !g, *ah & !h, *ad & !d);
+                let moved = lost_g | lost_h | lost_d;
+                if moved != 0 {
+                    for (t, lost) in [lost_g, lost_h, lost_d].into_iter().enumerate() {
+                        for_each_bit(&[lost], |b| {
+                            let w = k * 64 + b as usize;
+                            counts[w][t] += i - since[w];
+                            since[w] = i;
+                        });
+                    }
+                    // They go on in the next tier down that holds the block, or stop.
+                    *ag &= !lost_g;
+                    *ah = (*ah & !lost_h) | (lost_g & h);
+                    *ad = (*ad & !lost_d) | (lost_g & !h & d) | (lost_h & d);
+                }
+                any |= *ag | *ah | *ad;
             }
             if any == 0 {
                 end = i;
                 break;
             }
-            set = s;
         }
-        for_each_bit(&active, |w| {
-            let wi = w as usize;
-            counts[wi][phase[wi] as usize] += end - since[wi];
-        });
+        for (k, tiers) in active.iter().enumerate() {
+            for (t, &bits) in tiers.iter().enumerate() {
+                for_each_bit(&[bits], |b| {
+                    let w = k * 64 + b as usize;
+                    counts[w][t] += end - since[w];
+                });
+            }
+        }
         let mut out = Vec::new();
         for_each_bit(&started, |w| {
             let c = counts[w as usize];
