@@ -1,5 +1,6 @@
 //! The `kvbm-router` command: see `kvbm-router --help`.
 
+use std::io::IsTerminal;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -11,7 +12,12 @@ use tracing_subscriber::EnvFilter;
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let filter = EnvFilter::try_from_env("DYN_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+    // Logs go to stderr; stdout carries only the "listening" line.
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
     let config = args.router_config()?;
     let workers = parse_workers(&args.workers)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()

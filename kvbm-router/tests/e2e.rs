@@ -190,7 +190,7 @@ impl RouterProcess {
                 "--max-body-bytes",
                 "65536",
             ])
-            .env("DYN_LOG", "warn")
+            .env("DYN_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()

@@ -3,7 +3,7 @@
 //!
 //! Owns: the per-worker, per-tier block index ([`index`]), the selector (Dynamo's default cost,
 //! reproduced: [`selector`]) and the tracking of routed requests' load ([`load`]). The
-//! `kvbm-router` service comes next.
+//! service around them is the `kvbm-router` crate.
 
 pub mod index;
 pub mod load;
