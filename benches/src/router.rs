@@ -33,6 +33,9 @@ pub struct RouterArgs {
     /// too (events in all three tiers, as a kvbm worker publishes them).
     #[arg(long)]
     offload: bool,
+    /// Give the index the workload's block count as a capacity hint (no growth while applying).
+    #[arg(long)]
+    presize: bool,
     /// Queries timed per worker count.
     #[arg(long, default_value_t = 2000)]
     queries: usize,
@@ -182,6 +185,10 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
         for _ in 0..args.rounds {
             drop(std::mem::take(&mut index));
             let heap_before = heap();
+            if args.presize {
+                let stored: usize = stores.iter().map(|(_, h)| h.len()).sum();
+                index = KvIndex::default().with_capacity(stored);
+            }
             let start = Instant::now();
             for (key, hashes) in &stores {
                 index.store(*key, Tier::Gpu, hashes);
@@ -239,6 +246,7 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
                     "workers": workers,
                     "store_blocks": args.store_blocks,
                     "offload": args.offload,
+                    "presize": args.presize,
                     "block_events": block_events,
                     "events_per_s": median(&rates),
                     "events_per_s_rounds": rates,

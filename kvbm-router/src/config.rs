@@ -68,6 +68,11 @@ pub struct Args {
     #[arg(long, default_value_t = BLOCKS_PER_WORKER_MAX_DEFAULT)]
     pub max_blocks_per_worker: usize,
 
+    /// Distinct blocks to make room for in the index at start (0: grow as needed). Growing a large
+    /// index pauses event processing while it rehashes; sizing it for the fleet avoids that.
+    #[arg(long, default_value_t = 0)]
+    pub index_capacity_blocks: usize,
+
     /// Largest request body accepted, in bytes (larger ones get 413).
     #[arg(long, default_value_t = MAX_BODY_BYTES_DEFAULT)]
     pub max_body_bytes: usize,
@@ -107,6 +112,8 @@ pub struct RouterConfig {
     pub request_ttl: Duration,
     /// Per-worker index limit.
     pub max_blocks_per_worker: usize,
+    /// Distinct blocks the index makes room for at start.
+    pub index_capacity_blocks: usize,
     /// Largest request body.
     pub max_body_bytes: usize,
 }
@@ -118,6 +125,7 @@ impl Default for RouterConfig {
             selector: SelectorConfig::default(),
             request_ttl: Duration::from_secs(600),
             max_blocks_per_worker: BLOCKS_PER_WORKER_MAX_DEFAULT,
+            index_capacity_blocks: 0,
             max_body_bytes: MAX_BODY_BYTES_DEFAULT,
         }
     }
@@ -175,6 +183,7 @@ impl Args {
             },
             request_ttl: Duration::from_secs(self.router_request_ttl_secs),
             max_blocks_per_worker: self.max_blocks_per_worker,
+            index_capacity_blocks: self.index_capacity_blocks,
             max_body_bytes: self.max_body_bytes,
         })
     }

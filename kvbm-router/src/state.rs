@@ -194,7 +194,10 @@ impl Router {
         workers: Vec<WorkerEndpoint>,
     ) -> Result<Self, TransportError> {
         let shared = Arc::new(Shared {
-            index: RwLock::new(KvIndex::new(config.max_blocks_per_worker)),
+            index: RwLock::new(
+                KvIndex::new(config.max_blocks_per_worker)
+                    .with_capacity(config.index_capacity_blocks),
+            ),
             load: Mutex::new(LoadTrack {
                 tracker: LoadTracker::new(config.request_ttl),
                 last_expiry: Instant::now(),

@@ -308,6 +308,19 @@ impl KvIndex {
         }
     }
 
+    /// Reserves room for `blocks` distinct blocks, so that the index does not grow (and does not
+    /// pause to rehash) until it holds more. Memory is mapped now and touched as it fills. Meant
+    /// for a new index; on one already holding blocks it does nothing.
+    pub fn with_capacity(mut self, blocks: usize) -> Self {
+        if !self.hashes.is_empty() {
+            return self;
+        }
+        self.table = BlockTable::with_capacity(rand::random(), blocks);
+        self.hashes = MappedVec::with_capacity(blocks);
+        self.node_sets = MappedVec::with_capacity(blocks);
+        self
+    }
+
     /// Sets how many tombstones (nodes of blocks no worker holds any more) are tolerated before
     /// the arena is compacted; compaction also waits until half of the arena is tombstones.
     pub fn with_min_tombstones(mut self, min_tombstones: usize) -> Self {

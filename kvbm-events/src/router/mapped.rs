@@ -4,7 +4,8 @@
 //! every probe also misses the TLB. Heap allocations get huge pages only where the system turns
 //! them on for everything, so these arrays map their own memory and ask for them
 //! (`MADV_HUGEPAGE`, a hint: without it they still work, just slower). Fresh mappings are zeroed,
-//! which the table uses as "vacant".
+//! which the table uses as "vacant". On Linux an array grows with `mremap`, which moves page tables
+//! instead of copying.
 
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
@@ -53,6 +54,15 @@ impl<T: Pod> MappedVec<T> {
         }
     }
 
+    /// Empty, with room for `capacity` values mapped (their pages are touched only when used).
+    pub(crate) fn with_capacity(capacity: usize) -> Self {
+        Self {
+            map: Self::map(capacity),
+            len: 0,
+            _values: PhantomData,
+        }
+    }
+
     /// `len` zeroed values.
     pub(crate) fn zeroed(len: usize) -> Self {
         Self {
@@ -89,6 +99,21 @@ impl<T: Pod> MappedVec<T> {
     }
 
     fn resize_capacity(&mut self, capacity: usize) {
+        #[cfg(target_os = "linux")]
+        if let Some(map) = self.map.as_mut() {
+            let bytes = capacity * std::mem::size_of::<T>();
+            // SAFETY: `remap` may move the mapping; nothing points into it (slices of it borrow
+            // `self`, which is borrowed mutably here), and the `stable_deref_trait` feature that
+            // would promise a fixed address is not enabled.
+            let moved = unsafe { map.remap(bytes, memmap2::RemapOptions::new().may_move(true)) };
+            if moved.is_ok() {
+                if bytes >= HUGE_PAGE {
+                    let _ = map.advise(Advice::HugePage);
+                }
+                return;
+            }
+            // Otherwise (`bytes` is 0, or the kernel refused): copy into a new mapping.
+        }
         let mut map = Self::map(capacity);
         if let (Some(new), Some(old)) = (map.as_mut(), self.map.as_ref()) {
             let bytes = self.len * std::mem::size_of::<T>();

@@ -46,11 +46,21 @@ pub(crate) struct BlockTable {
 
 impl BlockTable {
     pub(crate) fn new(seed: u64) -> Self {
+        Self::with_capacity(seed, 0)
+    }
+
+    /// A table that holds `entries` without growing.
+    pub(crate) fn with_capacity(seed: u64, entries: usize) -> Self {
         Self {
-            slots: MappedVec::zeroed(SLOTS),
+            slots: MappedVec::zeroed(Self::buckets_for(entries) * SLOTS),
             len: 0,
             seed,
         }
+    }
+
+    /// Buckets (a power of two) that hold `entries` at most 7/8 full.
+    fn buckets_for(entries: usize) -> usize {
+        (entries * 8).div_ceil(SLOTS * 7).max(1).next_power_of_two()
     }
 
     #[inline]
@@ -160,8 +170,7 @@ impl BlockTable {
 
     /// Replaces every entry by `entries` (hash, node), sized for them.
     pub(crate) fn rebuild(&mut self, entries: impl ExactSizeIterator<Item = (u64, u32)>) {
-        let want = (entries.len() * 8).div_ceil(SLOTS * 7).max(1);
-        let mut slots = MappedVec::zeroed(want.next_power_of_two() * SLOTS);
+        let mut slots = MappedVec::zeroed(Self::buckets_for(entries.len()) * SLOTS);
         self.len = entries.len();
         for (hash, node) in entries {
             Self::insert_new(&mut slots, slot(self.tag(hash), node));
