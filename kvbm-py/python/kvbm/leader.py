@@ -1,0 +1,288 @@
+"""The scheduler side of kvbm's vLLM connector, independent of vLLM.
+
+:class:`KvbmLeader` follows vLLM's scheduler through the connector contract (see
+``DynamoConnector``) using only the attributes it reads from vLLM's objects, so tests can drive
+it with plain stand-ins.
+
+What it does each step:
+
+- ``get_num_new_matched_tokens``: counts the prompt's full blocks, after vLLM's own GPU prefix
+  hit, that the host tier holds, stopping at the first miss and never covering the whole prompt
+  (vLLM must compute at least one token). No side effects.
+- ``update_state_after_alloc``: holds the matched host blocks and pairs them with the GPU blocks
+  vLLM allocated; these loads run synchronously in the worker's step.
+- ``build_connector_meta``: for every scheduled request, the blocks that become complete in this
+  step are registered in the host tier (write-through offload) and paired with their GPU blocks
+  for the workers to save.
+- ``request_finished``: True when the request had saves, which the workers then report in
+  ``finished_sending`` once they completed; until then vLLM keeps its GPU blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from . import _kvbm
+from .events import KvEvent, from_tuples
+from .metadata import KvbmConnectorMetadata
+from .metrics import Metrics, global_metrics
+
+log = logging.getLogger("kvbm")
+
+
+class _Request:
+    """What the leader tracks of one request."""
+
+    __slots__ = (
+        "request",
+        "block_ids",
+        "computed",
+        "hashes",
+        "saved_blocks",
+        "had_saves",
+        "match",
+        "lora",
+        "salt",
+        "finished",
+    )
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.block_ids: List[int] = []
+        self.computed = 0
+        self.hashes: List[int] = []
+        # Blocks (from the first) already in the host tier or saved.
+        self.saved_blocks = 0
+        self.had_saves = False
+        self.match: Optional[Tuple[int, int]] = None
+        lora = getattr(request, "lora_request", None)
+        self.lora = getattr(lora, "lora_name", None) if lora is not None else None
+        self.salt = getattr(request, "cache_salt", None)
+        self.finished = False
+
+
+def _tokens(request: Any):
+    tokens = getattr(request, "all_token_ids", None)
+    if tokens is None:
+        tokens = request.prompt_token_ids
+    return tokens
+
+
+def _group0(block_ids: Any) -> List[int]:
+    """GPU block ids of the first KV cache group (kvbm manages one group)."""
+    if block_ids is None:
+        return []
+    if hasattr(block_ids, "get_block_ids"):
+        block_ids = block_ids.get_block_ids()
+    if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+class KvbmLeader:
+    """The scheduler side: the host tier's block ids, its registry, the step's instructions."""
+
+    def __init__(
+        self,
+        block_size: int,
+        host_blocks: int,
+        *,
+        metrics: Optional[Metrics] = None,
+    ) -> None:
+        self.block_size = int(block_size)
+        self._native = _kvbm.Leader(self.block_size, int(host_blocks))
+        self._metrics = metrics or global_metrics()
+        self._metrics.set("kvbm_host_blocks_capacity", host_blocks)
+        self._requests: Dict[str, _Request] = {}
+        self._loads: List[Tuple[str, List[Tuple[int, int]]]] = []
+        self._load_errors: List[int] = []
+        self._step = 0
+
+    # -- helpers --------------------------------------------------------------------------
+
+    @property
+    def native(self) -> "_kvbm.Leader":
+        """The native host tier (counts, registered hashes)."""
+        return self._native
+
+    def _state(self, request: Any) -> _Request:
+        rid = request.request_id
+        st = self._requests.get(rid)
+        if st is None:
+            st = _Request(request)
+            self._requests[rid] = st
+        else:
+            st.request = request
+        return st
+
+    def _hashes(self, st: _Request, blocks: int) -> List[int]:
+        """Sequence hashes of the request's first ``blocks`` full blocks (computed once)."""
+        have = len(st.hashes)
+        if blocks > have:
+            b = self.block_size
+            tokens = _tokens(st.request)[have * b : blocks * b]
+            st.hashes.extend(
+                _kvbm.sequence_hashes(
+                    list(tokens),
+                    b,
+                    st.lora,
+                    st.salt,
+                    st.hashes[-1] if st.hashes else None,
+                )
+            )
+        return st.hashes
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> Tuple[Optional[int], bool]:
+        st = self._state(request)
+        b = self.block_size
+        start = num_computed_tokens // b
+        # Never the whole prompt: vLLM computes at least the last token.
+        limit = max(0, (request.num_tokens - 1) // b)
+        if limit <= start:
+            st.match = None
+            return 0, False
+        hashes = self._hashes(st, limit)
+        found = self._native.count_prefix(hashes[start:limit])
+        self._metrics.inc("kvbm_lookup_tokens", (limit - start) * b)
+        self._metrics.inc("kvbm_matched_tokens", found * b)
+        st.match = (start, found) if found else None
+        return found * b, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._state(request)
+        ids = _group0(blocks)
+        if ids:
+            st.block_ids = ids
+        if num_external_tokens <= 0 or st.match is None:
+            st.match = None
+            return
+        start, found = st.match
+        st.match = None
+        wanted = min(found, num_external_tokens // self.block_size)
+        if len(ids) < start + wanted:
+            log.warning(
+                "request %s: %d GPU blocks for %d loaded blocks from %d; not loading",
+                request.request_id,
+                len(ids),
+                wanted,
+                start,
+            )
+            return
+        host = self._native.hold(st.hashes[start : start + wanted])
+        pairs = list(zip(host, ids[start : start + len(host)]))
+        if len(host) < wanted:
+            # Evicted since they were counted: vLLM must recompute these.
+            self._load_errors.extend(ids[start + len(host) : start + wanted])
+        if pairs:
+            self._loads.append((request.request_id, pairs))
+            self._metrics.inc("kvbm_onboard_blocks_h2d", len(pairs))
+        st.saved_blocks = max(st.saved_blocks, start + len(host))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
+        b = self.block_size
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            st = self._requests.get(new.req_id)
+            if st is None:
+                st = _Request(new)  # never asked about (e.g. no prompt blocks): tokens from here
+                self._requests[new.req_id] = st
+            st.block_ids = _group0(new.block_ids)
+            st.computed = new.num_computed_tokens
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+            for i, rid in enumerate(cached.req_ids):
+                st = self._requests.get(rid)
+                if st is None:
+                    continue
+                new_ids = cached.new_block_ids[i]
+                if rid in resumed:
+                    st.block_ids = _group0(new_ids)
+                elif new_ids is not None:
+                    st.block_ids.extend(_group0(new_ids))
+                st.computed = cached.num_computed_tokens[i]
+        saves = []
+        for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
+            st = self._requests.get(rid)
+            if st is None:
+                continue
+            tokens = _tokens(st.request)
+            full = min((st.computed + scheduled) // b, len(st.block_ids), len(tokens) // b)
+            if full <= st.saved_blocks:
+                continue
+            first = st.saved_blocks
+            hashes = self._hashes(st, full)
+            block_tokens = tokens[first * b : full * b]
+            blocks = [
+                (
+                    hashes[k],
+                    hashes[k - 1] if k else None,
+                    list(block_tokens[(k - first) * b : (k - first + 1) * b]),
+                )
+                for k in range(first, full)
+            ]
+            host = self._native.offload(blocks, st.lora)
+            pairs = [(st.block_ids[k], h) for k, h in zip(range(first, full), host) if h is not None]
+            st.saved_blocks = full
+            if pairs:
+                saves.append((rid, pairs))
+                st.had_saves = True
+                self._metrics.inc("kvbm_offload_blocks_d2h", len(pairs))
+        meta = KvbmConnectorMetadata(
+            step=self._step, loads=self._loads, saves=saves, load_errors=self._load_errors
+        )
+        self._loads, self._load_errors = [], []
+        self._step += 1
+        self._native.end_step()
+        self._metrics.set("kvbm_host_blocks_registered", self._native.counts()["registered"])
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any = None) -> Tuple[bool, Optional[dict]]:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return False, None
+        if st.had_saves:
+            # The workers report it in finished_sending once its saves completed.
+            st.finished = True
+            st.request = None
+            return True, None
+        del self._requests[request.request_id]
+        return False, None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            st = self._requests.get(rid)
+            if st is not None and st.finished:
+                del self._requests[rid]
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self._metrics.inc("kvbm_load_errors", len(invalid))
+
+    def take_events(self) -> List[KvEvent]:
+        return from_tuples(self._native.take_events())
+
+    def reset_cache(self) -> bool:
+        self._native.reset()
+        return True
+
+    # -- inspection -------------------------------------------------------------------------
+
+    def tracked_requests(self) -> List[str]:
+        """Request ids the leader still tracks (finished ones wait for their saves)."""
+        return list(self._requests)
+
+    def counts(self) -> Dict[str, int]:
+        return dict(self._native.counts())
+
+
+def host_blocks_for(config: "_kvbm.Config", bytes_per_block: int, world_size: int) -> int:
+    """Host blocks per rank for blocks of ``bytes_per_block`` bytes on each of ``world_size``
+    ranks (``DYN_KVBM_CPU_CACHE_GB`` is the total over the ranks)."""
+    return config.host_blocks(int(bytes_per_block), int(world_size))
+
+
+__all__: Iterable[str] = ["KvbmLeader", "host_blocks_for"]

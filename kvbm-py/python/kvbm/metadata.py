@@ -1,0 +1,35 @@
+"""What the leader tells the workers each step (pickled by vLLM between processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+try:  # vLLM types the metadata with its own base class; kvbm's works without vLLM too.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorMetadata as _Base,
+    )
+except Exception:  # vLLM absent (or a version without it): a plain base.
+
+    class _Base:  # type: ignore[no-redef]
+        pass
+
+
+Pairs = List[Tuple[int, int]]
+
+
+@dataclass
+class KvbmConnectorMetadata(_Base):
+    """One scheduler step's instructions for every worker.
+
+    - ``loads``: per request id, (host block, GPU block) pairs to copy into the GPU before the
+      forward pass.
+    - ``saves``: per request id, (GPU block, host block) pairs to copy out after it.
+    - ``load_errors``: GPU block ids the leader promised but could not back (their host copies
+      were evicted in between); workers report them so that vLLM recomputes them.
+    """
+
+    step: int = 0
+    loads: List[Tuple[str, Pairs]] = field(default_factory=list)
+    saves: List[Tuple[str, Pairs]] = field(default_factory=list)
+    load_errors: List[int] = field(default_factory=list)

@@ -1,0 +1,118 @@
+"""kvbm's Prometheus metrics, under the names Dynamo KVBM's users already graph.
+
+``DYN_KVBM_METRICS=1`` serves them on ``DYN_KVBM_METRICS_PORT`` (default 6880), on 127.0.0.1
+unless ``DYN_KVBM_METRICS_HOST`` says otherwise. Counters keep Dynamo's exact series names (no
+``_total`` suffix added).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Dict, Optional, Tuple
+
+# name -> (type, help)
+METRICS: Dict[str, Tuple[str, str]] = {
+    "kvbm_offload_blocks_d2h": ("counter", "Blocks offloaded from GPU to pinned host memory"),
+    "kvbm_offload_blocks_h2d": ("counter", "Blocks offloaded from host memory to disk"),
+    "kvbm_onboard_blocks_h2d": ("counter", "Blocks onboarded from host memory to the GPU"),
+    "kvbm_onboard_blocks_d2d": ("counter", "Blocks onboarded from disk to the GPU"),
+    "kvbm_matched_tokens": ("counter", "Prompt tokens found in kvbm's tiers"),
+    "kvbm_lookup_tokens": ("counter", "Prompt tokens looked up in kvbm's tiers"),
+    "kvbm_load_errors": ("counter", "GPU blocks whose load failed (recomputed by the engine)"),
+    "kvbm_offload_bytes_d2h": ("counter", "Bytes copied from GPU to host memory"),
+    "kvbm_onboard_bytes_h2d": ("counter", "Bytes copied from host memory to the GPU"),
+    "kvbm_host_cache_hit_rate": ("gauge", "Matched over looked-up prompt tokens, host tier"),
+    "kvbm_disk_cache_hit_rate": ("gauge", "Matched over looked-up prompt tokens, disk tier"),
+    "kvbm_host_blocks_registered": ("gauge", "Blocks resident in the host tier"),
+    "kvbm_host_blocks_capacity": ("gauge", "Blocks the host tier holds at most"),
+}
+
+
+class Metrics:
+    """Thread-safe values of :data:`METRICS`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: Dict[str, float] = {name: 0.0 for name in METRICS}
+
+    def inc(self, name: str, amount: float = 1.0) -> None:
+        if amount:
+            with self._lock:
+                self._values[name] += amount
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self._values[name] = float(value)
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> Dict[str, float]:
+        with self._lock:
+            values = dict(self._values)
+        looked = values["kvbm_lookup_tokens"]
+        if looked:
+            values["kvbm_host_cache_hit_rate"] = values["kvbm_matched_tokens"] / looked
+        return values
+
+
+_GLOBAL = Metrics()
+_SERVER_LOCK = threading.Lock()
+_SERVER: Optional[object] = None
+
+
+def global_metrics() -> Metrics:
+    """The process's metrics (shared by its leader or worker)."""
+    return _GLOBAL
+
+
+def _collector(metrics: Metrics):
+    from prometheus_client.metrics_core import Metric
+
+    class _Collector:
+        def collect(self):
+            for name, value in metrics.snapshot().items():
+                kind, help_text = METRICS[name]
+                m = Metric(name, help_text, kind)
+                m.add_sample(name, {}, value)
+                yield m
+
+    return _Collector()
+
+
+def serve_from_env(metrics: Optional[Metrics] = None) -> Optional[int]:
+    """Starts the metrics server if ``DYN_KVBM_METRICS`` is on (once per process); returns the
+    port, or None when off. A port in use is reported, not fatal."""
+    flag = os.environ.get("DYN_KVBM_METRICS", "").strip().lower()
+    if flag in ("", "0", "false", "no", "off"):
+        return None
+    raw = os.environ.get("DYN_KVBM_METRICS_PORT", "6880")
+    try:
+        port = int(raw)
+        if not 0 <= port <= 65535:
+            raise ValueError
+    except ValueError:
+        from . import ConfigError
+
+        raise ConfigError(f"DYN_KVBM_METRICS_PORT={raw!r}: expected a port number (0 to 65535)")
+    host = os.environ.get("DYN_KVBM_METRICS_HOST", "127.0.0.1")
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is not None:
+            return port
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_collector(metrics or _GLOBAL))
+        try:
+            _SERVER = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            import logging
+
+            logging.getLogger("kvbm").warning(
+                "kvbm metrics: cannot listen on %s:%s (%s); metrics are not served", host, port, e
+            )
+            return None
+    return port

@@ -1,0 +1,1 @@
+"""kvbm's integrations with vLLM: ``kvbm.vllm_integration.connector.DynamoConnector``."""

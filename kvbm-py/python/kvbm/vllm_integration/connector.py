@@ -1,0 +1,219 @@
+"""``DynamoConnector``: kvbm as a vLLM KV connector, a drop-in for Dynamo KVBM's.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "DynamoConnector",
+        "kv_role": "kv_both", "kv_connector_module_path": "kvbm.vllm_integration.connector"}'
+
+Tuned with Dynamo KVBM's environment variables (``DYN_KVBM_CPU_CACHE_GB``, ...). Every method
+delegates to :class:`kvbm.leader.KvbmLeader` (scheduler role) or :class:`kvbm.worker.KvbmWorker`
+(worker role), which hold the logic and need no vLLM.
+
+Without vLLM installed this module still imports (so that tools can inspect it); creating a
+connector then raises with the command that installs vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional, Set, Tuple
+
+from .. import _kvbm
+from ..leader import KvbmLeader
+from ..metadata import KvbmConnectorMetadata
+from ..metrics import serve_from_env
+from ..worker import KvbmWorker
+
+log = logging.getLogger("kvbm")
+
+VLLM_MISSING = (
+    "kvbm's DynamoConnector runs inside vLLM, which is not installed here: "
+    "pip install vllm (kvbm follows vLLM 0.33's connector interface)"
+)
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorBase_V1,
+        KVConnectorRole,
+    )
+
+    HAVE_VLLM = True
+except ImportError:  # vLLM absent: importable, not usable.
+    HAVE_VLLM = False
+    KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
+    KVConnectorRole = None  # type: ignore[assignment]
+
+
+def _role_name(role: Any) -> str:
+    name = getattr(role, "name", str(role))
+    return "scheduler" if "SCHEDULER" in name.upper() else "worker"
+
+
+def _bytes_per_block(kv_cache_config: Any, block_size: int) -> int:
+    """Bytes of one block on one rank, from vLLM's KV cache config (first group)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if not groups:
+        raise _kvbm.LayoutError("kv_cache_config has no KV cache group: cannot size kvbm's tiers")
+    group = groups[0]
+    spec = group.kv_cache_spec
+    layers = len(getattr(group, "layer_names", []) or []) or 1
+    page = getattr(spec, "page_size_bytes", None)
+    if page is None:
+        page = 2 * block_size * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
+    return int(page) * layers
+
+
+def _to_vllm_events(events):
+    """kvbm's events as vLLM's KV cache event classes (host and disk media)."""
+    try:
+        from vllm.distributed import kv_events as ve  # type: ignore
+    except ImportError:
+        return events
+    out = []
+    for e in events:
+        kind = type(e).__name__
+        try:
+            if kind == "BlockStored":
+                out.append(
+                    ve.BlockStored(
+                        block_hashes=e.block_hashes,
+                        parent_block_hash=e.parent_block_hash,
+                        token_ids=e.token_ids,
+                        block_size=e.block_size,
+                        lora_id=None,
+                        medium=e.medium,
+                    )
+                )
+            elif kind == "BlockRemoved":
+                out.append(ve.BlockRemoved(block_hashes=e.block_hashes, medium=e.medium))
+            else:
+                out.append(ve.AllBlocksCleared())
+        except TypeError:  # a vLLM whose event fields differ: pass kvbm's own
+            out.append(e)
+    return out
+
+
+class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
+    """kvbm's vLLM KV connector (scheduler and worker roles)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if not HAVE_VLLM:
+            raise RuntimeError(VLLM_MISSING)
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[call-arg]
+        except TypeError:
+            super().__init__(vllm_config, role)  # type: ignore[call-arg]
+        self._role = _role_name(role)
+        block_size = int(vllm_config.cache_config.block_size)
+        parallel = getattr(vllm_config, "parallel_config", None)
+        world = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+        config = _kvbm.Config.from_env()
+        serve_from_env()
+        self._leader: Optional[KvbmLeader] = None
+        self._worker: Optional[KvbmWorker] = None
+        if self._role == "scheduler":
+            host_blocks = config.host_blocks(_bytes_per_block(kv_cache_config, block_size), world)
+            if host_blocks == 0:
+                raise _kvbm.ConfigError(
+                    "the host tier has no block: set DYN_KVBM_CPU_CACHE_GB (or "
+                    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS) above 0"
+                )
+            self._leader = KvbmLeader(block_size, host_blocks)
+            log.info("kvbm leader: %d host blocks of %d tokens", host_blocks, block_size)
+        else:
+            self._worker = KvbmWorker(world_size=world, config=config)
+
+    # -- scheduler role -----------------------------------------------------------------------
+
+    def _lead(self) -> KvbmLeader:
+        if self._leader is None:
+            raise RuntimeError("a scheduler-side method was called on a worker-side connector")
+        return self._leader
+
+    def _work(self) -> KvbmWorker:
+        if self._worker is None:
+            raise RuntimeError("a worker-side method was called on a scheduler-side connector")
+        return self._worker
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        return self._lead().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._lead().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
+        return self._lead().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._lead().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[dict]]:
+        return self._lead().request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        if self._leader is None:
+            return ()
+        return _to_vllm_events(self._leader.take_events())
+
+    def reset_cache(self) -> Optional[bool]:
+        if self._leader is None:
+            return False
+        return self._leader.reset_cache()
+
+    # -- worker role --------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        try:
+            super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
+        except AttributeError:
+            pass
+        self._work().bind_connector_metadata(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        try:
+            super().clear_connector_metadata()  # type: ignore[misc]
+        except AttributeError:
+            pass
+        self._work().clear_connector_metadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_load_kv(forward_context, **kwargs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._work().wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        self._work().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save()
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        return self._work().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> Set[int]:
+        if self._worker is None:
+            return set()
+        return self._worker.get_block_ids_with_load_errors()
+
+    # -- both ---------------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> Any:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Any = None) -> Any:
+        return None
+
+    @classmethod
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> Any:
+        # kvbm serves its own metrics (DYN_KVBM_METRICS); nothing joins vLLM's registry.
+        return None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+
+__all__ = ["DynamoConnector", "HAVE_VLLM", "VLLM_MISSING"]

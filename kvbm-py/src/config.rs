@@ -1,0 +1,98 @@
+//! `Config`: kvbm's configuration as Python sees it.
+
+use std::collections::HashMap;
+
+use kvbm_core::{KvbmConfig, TierSize};
+use pyo3::prelude::*;
+
+use crate::{guard, ConfigError};
+
+/// kvbm's configuration: read from the environment (`DYN_KVBM_*`), with keyword overrides that
+/// take the place of the variables of the same name.
+#[pyclass(module = "kvbm._kvbm", frozen)]
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub(crate) inner: KvbmConfig,
+}
+
+fn tier_blocks(size: TierSize, bytes_per_block: usize, world_size: usize) -> usize {
+    size.blocks(bytes_per_block, world_size.max(1))
+}
+
+#[pymethods]
+impl Config {
+    /// Reads the environment; `overrides` maps variable names (e.g. `DYN_KVBM_CPU_CACHE_GB`) to
+    /// values that win over the environment. Raises `ConfigError` naming the variable and the
+    /// value when one is invalid, or when no tier has any capacity.
+    #[staticmethod]
+    #[pyo3(signature = (overrides=None))]
+    fn from_env(overrides: Option<HashMap<String, String>>) -> PyResult<Self> {
+        guard(|| {
+            let overrides = overrides.unwrap_or_default();
+            KvbmConfig::from_lookup(
+                |name| {
+                    overrides
+                        .get(name)
+                        .cloned()
+                        .or_else(|| std::env::var(name).ok())
+                },
+                kvbm_core::config::machine_memory_bytes(),
+            )
+            .map(|inner| Self { inner })
+            .map_err(|e| ConfigError::new_err(e.to_string()))
+        })
+    }
+
+    /// Host blocks for one of `world_size` ranks, with blocks of `bytes_per_block` per rank
+    /// (`DYN_KVBM_CPU_CACHE_GB` is the total over the ranks).
+    #[pyo3(signature = (bytes_per_block, world_size=1))]
+    fn host_blocks(&self, bytes_per_block: usize, world_size: usize) -> usize {
+        tier_blocks(self.inner.host, bytes_per_block, world_size)
+    }
+
+    /// Disk blocks for one of `world_size` ranks.
+    #[pyo3(signature = (bytes_per_block, world_size=1))]
+    fn disk_blocks(&self, bytes_per_block: usize, world_size: usize) -> usize {
+        tier_blocks(self.inner.disk, bytes_per_block, world_size)
+    }
+
+    /// Blocks per transfer batch (`DYN_KVBM_MAX_TRANSFER_BATCH_SIZE`).
+    #[getter]
+    fn max_transfer_batch_size(&self) -> usize {
+        self.inner.transfer_batch_blocks_max.get()
+    }
+
+    /// Transfer batches in flight (`DYN_KVBM_MAX_CONCURRENT_TRANSFERS`).
+    #[getter]
+    fn max_concurrent_transfers(&self) -> usize {
+        self.inner.transfers_inflight_max.get()
+    }
+
+    /// The Prometheus port when `DYN_KVBM_METRICS` is on, else None.
+    #[getter]
+    fn metrics_port(&self) -> Option<u16> {
+        self.inner.metrics_port
+    }
+
+    /// The log filter (`DYN_LOG`).
+    #[getter]
+    fn log_filter(&self) -> String {
+        self.inner.log_filter.clone()
+    }
+
+    /// The disk cache directory.
+    #[getter]
+    fn disk_dir(&self) -> String {
+        self.inner.disk_dir.display().to_string()
+    }
+
+    /// Where KV events are published over ZMQ, if anywhere.
+    #[getter]
+    fn kv_events_endpoint(&self) -> Option<String> {
+        self.inner.kv_events_endpoint.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}

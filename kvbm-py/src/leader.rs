@@ -1,0 +1,285 @@
+//! `Leader`: the scheduler side's logical state of the host tier.
+//!
+//! Invariants:
+//! - Block ids handed to workers (loads and saves) stay held for two more steps (`end_step`), so
+//!   that no block a worker may still be copying is evicted and handed out again meanwhile. The
+//!   worker orders its copies (a step's loads wait for the previous steps' saves), so a block may
+//!   be findable as soon as its save is scheduled.
+//! - Events come from the pool (one `BlockStored` per run of chained blocks, `BlockRemoved` on
+//!   eviction) through a bounded subscription; what overflows is counted in `events_lost`.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use kvbm_core::pool::{BlockIdentity, BlockPool, ImmutableBlock};
+use kvbm_events::{EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{guard, LayoutError};
+
+/// Events queued for `take_events` at most (beyond it they are dropped and counted).
+const EVENT_QUEUE_MAX: usize = 1 << 20;
+
+/// Steps a block handed to workers stays held.
+const HOLD_STEPS: u64 = 2;
+
+/// One event as Python sees it: (kind, medium, block hashes, parent, token ids, block size,
+/// lora name).
+type EventTuple = (
+    &'static str,
+    &'static str,
+    Vec<u64>,
+    Option<u64>,
+    Vec<u32>,
+    u32,
+    Option<String>,
+);
+
+/// One block to offload: (sequence hash, parent hash, its tokens).
+type OffloadBlock = (u64, Option<u64>, Vec<u32>);
+
+/// The scheduler side's host tier: a pool of block ids with a registry, LRU eviction and events.
+#[pyclass(module = "kvbm._kvbm")]
+pub struct Leader {
+    block_size: usize,
+    host: BlockPool,
+    _publisher: EventPublisher,
+    events: EventSubscriber,
+    events_lost: u64,
+    /// Blocks handed out, with the step they were handed out in.
+    held: VecDeque<(u64, Vec<ImmutableBlock>)>,
+    step: u64,
+}
+
+impl std::fmt::Debug for Leader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leader")
+            .field("block_size", &self.block_size)
+            .field("host", &self.host.counts())
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+fn hashes(v: &[u64]) -> Vec<SequenceHash> {
+    v.iter().copied().map(SequenceHash).collect()
+}
+
+#[pymethods]
+impl Leader {
+    /// A host tier of `host_blocks` blocks of `block_size` tokens.
+    #[new]
+    fn new(block_size: usize, host_blocks: usize) -> PyResult<Self> {
+        guard(|| {
+            if block_size == 0 {
+                return Err(LayoutError::new_err("block_size must be at least 1"));
+            }
+            if host_blocks >= u32::MAX as usize {
+                return Err(LayoutError::new_err(format!(
+                    "{host_blocks} host blocks: block ids are 32-bit"
+                )));
+            }
+            let publisher = EventPublisher::new();
+            let events = publisher.subscribe(EVENT_QUEUE_MAX);
+            let host = BlockPool::new(Tier::Host, host_blocks, block_size, Some(publisher.clone()));
+            Ok(Self {
+                block_size,
+                host,
+                _publisher: publisher,
+                events,
+                events_lost: 0,
+                held: VecDeque::new(),
+                step: 0,
+            })
+        })
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The current step (incremented by `end_step`).
+    #[getter]
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// How many of `hashes`, from the first, the host tier holds (no side effects).
+    fn count_prefix(&self, hashes_: Vec<u64>) -> PyResult<usize> {
+        guard(|| Ok(self.host.count_prefix(&hashes(&hashes_))))
+    }
+
+    /// Holds the host blocks of the longest held prefix of `hashes` for loading and returns their
+    /// ids, in order (fewer than asked when some were evicted since they were counted).
+    fn hold(&mut self, hashes_: Vec<u64>) -> PyResult<Vec<u32>> {
+        guard(|| {
+            let held = self.host.hold_prefix(&hashes(&hashes_));
+            let ids = held.blocks().iter().map(|(id, _)| id.0).collect();
+            self.keep(held.into_blocks());
+            Ok(ids)
+        })
+    }
+
+    /// Registers the blocks not in the host tier yet and returns, per block, the host block id to
+    /// save it into (None when it is there already or the tier has no block to spare).
+    #[pyo3(signature = (blocks, lora_name=None))]
+    fn offload(
+        &mut self,
+        blocks: Vec<OffloadBlock>,
+        lora_name: Option<String>,
+    ) -> PyResult<Vec<Option<u32>>> {
+        guard(|| {
+            if let Some((hash, _, tokens)) =
+                blocks.iter().find(|(_, _, t)| t.len() != self.block_size)
+            {
+                return Err(LayoutError::new_err(format!(
+                    "block {hash:#x} has {} tokens, blocks have {}",
+                    tokens.len(),
+                    self.block_size
+                )));
+            }
+            let lora: Option<Arc<str>> = lora_name.map(Arc::from);
+            let mut out = vec![None; blocks.len()];
+            let missing: Vec<usize> = blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, (h, _, _))| !self.host.contains(SequenceHash(*h)))
+                .map(|(i, _)| i)
+                .collect();
+            let mut completed = Vec::with_capacity(missing.len());
+            let mut positions = Vec::with_capacity(missing.len());
+            let fresh = self.host.allocate_up_to(missing.len());
+            for (block, &i) in fresh.into_iter().zip(&missing) {
+                let (hash, parent, tokens) = &blocks[i];
+                completed.push(block.complete(BlockIdentity {
+                    sequence_hash: SequenceHash(*hash),
+                    parent: parent.map(SequenceHash),
+                    tokens: Arc::from(tokens.as_slice()),
+                    lora_name: lora.clone(),
+                }));
+                positions.push(i);
+            }
+            let registered = self
+                .host
+                .register_all(completed)
+                .map_err(|r| LayoutError::new_err(r.reason))?;
+            let mut kept = Vec::with_capacity(registered.len());
+            for (block, i) in registered.into_iter().zip(positions) {
+                // A duplicate within this list resolves to the block registered first: save once.
+                if !out.iter().flatten().any(|&id| id == block.id().0) {
+                    out[i] = Some(block.id().0);
+                }
+                kept.push(block);
+            }
+            self.keep(kept);
+            Ok(out)
+        })
+    }
+
+    /// Ends a step: blocks handed out `HOLD_STEPS` steps ago become evictable again.
+    fn end_step(&mut self) -> PyResult<()> {
+        guard(|| {
+            self.step += 1;
+            while self
+                .held
+                .front()
+                .is_some_and(|(s, _)| s + HOLD_STEPS <= self.step)
+            {
+                self.held.pop_front();
+            }
+            Ok(())
+        })
+    }
+
+    /// Drops every held block and clears the host tier's registry (one `AllBlocksCleared`).
+    fn reset(&mut self) -> PyResult<()> {
+        guard(|| {
+            self.held.clear();
+            kvbm_core::pool::clear_across(&[&self.host])
+                .map_err(|e| LayoutError::new_err(e.to_string()))
+        })
+    }
+
+    /// The events since the last call, as (kind, medium, hashes, parent, tokens, block size,
+    /// lora name) with kind "stored", "removed" or "cleared".
+    fn take_events(&mut self) -> PyResult<Vec<EventTuple>> {
+        guard(|| {
+            let mut out = Vec::new();
+            while let Some(d) = self.events.try_recv() {
+                self.events_lost += d.missed_before;
+                out.push(match &d.record.event {
+                    KvEvent::BlockStored(s) => (
+                        "stored",
+                        s.tier.medium_name(),
+                        s.block_hashes.iter().map(|h| h.0).collect(),
+                        s.parent_hash.map(|h| h.0),
+                        s.token_ids.clone(),
+                        s.block_size,
+                        s.lora_name.clone(),
+                    ),
+                    KvEvent::BlockRemoved(r) => (
+                        "removed",
+                        r.tier.medium_name(),
+                        r.block_hashes.iter().map(|h| h.0).collect(),
+                        None,
+                        Vec::new(),
+                        0,
+                        None,
+                    ),
+                    KvEvent::AllBlocksCleared => {
+                        ("cleared", "", Vec::new(), None, Vec::new(), 0, None)
+                    }
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// The host tier's counts: capacity, free, registered, idle, held, evictions, events_lost.
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guard(|| {
+            let c = self.host.counts();
+            let d = PyDict::new(py);
+            d.set_item("capacity", c.capacity)?;
+            d.set_item("free", c.free)?;
+            d.set_item("registered", c.registered)?;
+            d.set_item("idle", c.idle)?;
+            d.set_item("held", c.registered - c.idle)?;
+            d.set_item("evictions", c.evictions)?;
+            d.set_item("deduplicated", c.deduplicated)?;
+            d.set_item("events_lost", self.events_lost)?;
+            Ok(d)
+        })
+    }
+
+    /// The hashes the host tier holds (for checks).
+    fn registered_hashes(&self) -> PyResult<Vec<u64>> {
+        guard(|| {
+            Ok(self
+                .host
+                .registered_hashes()
+                .into_iter()
+                .map(|h| h.0)
+                .collect())
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+impl Leader {
+    fn keep(&mut self, blocks: Vec<ImmutableBlock>) {
+        if blocks.is_empty() {
+            return;
+        }
+        match self.held.back_mut() {
+            Some((s, v)) if *s == self.step => v.extend(blocks),
+            _ => self.held.push_back((self.step, blocks)),
+        }
+    }
+}

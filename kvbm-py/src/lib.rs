@@ -1,0 +1,138 @@
+//! `kvbm._kvbm`: the native half of the `kvbm` Python package.
+//!
+//! - [`Config`]: kvbm's configuration from the environment (Dynamo KVBM's variable names) or
+//!   keyword overrides; errors name the variable and the value.
+//! - [`sequence_hashes`]: the block identity shared with the router and Dynamo.
+//! - [`Leader`]: the scheduler side's logical state: the host tier's pool of block ids, its
+//!   registry and eviction, and the event stream.
+//! - [`Worker`]: a GPU worker's bytes: the registered KV cache tensors, its shard of the pinned
+//!   host pool, and the copy streams.
+//!
+//! Every Rust error becomes one of a few exception classes carrying the Rust message; a panic
+//! is caught at the boundary and raised as `KvbmError`; copies and waits release the GIL.
+
+#![deny(unsafe_code)]
+
+mod config;
+mod leader;
+mod worker;
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use kvbm_events::BlockHasher;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    _kvbm,
+    KvbmError,
+    PyException,
+    "Base class of kvbm's errors."
+);
+pyo3::create_exception!(
+    _kvbm,
+    ConfigError,
+    KvbmError,
+    "A configuration value (environment variable or keyword) is invalid; the message names it."
+);
+pyo3::create_exception!(
+    _kvbm,
+    DeviceError,
+    KvbmError,
+    "The device layer failed: no driver, an allocation, a copy."
+);
+pyo3::create_exception!(
+    _kvbm,
+    LayoutError,
+    KvbmError,
+    "KV cache tensors or block ids that do not fit the layout."
+);
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".to_owned())
+}
+
+/// Runs `f`, turning a panic into `KvbmError` so that none crosses into Python.
+pub(crate) fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(payload) => Err(KvbmError::new_err(format!(
+            "internal error in kvbm (please report it): {}",
+            panic_message(payload.as_ref())
+        ))),
+    }
+}
+
+/// Sequence hashes of every full block of `tokens` (a partial tail is ignored), continuing from
+/// `parent` (the sequence hash of the block before `tokens[0]`). `lora_name` and `cache_salt`
+/// seed the hash as Dynamo's router does.
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size, lora_name=None, cache_salt=None, parent=None))]
+fn sequence_hashes(
+    py: Python<'_>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    lora_name: Option<&str>,
+    cache_salt: Option<&str>,
+    parent: Option<u64>,
+) -> PyResult<Vec<u64>> {
+    guard(|| {
+        if block_size == 0 {
+            return Err(LayoutError::new_err("block_size must be at least 1"));
+        }
+        let hasher = BlockHasher::new(block_size, lora_name, cache_salt);
+        Ok(py.allow_threads(|| {
+            hasher
+                .sequence_hashes(parent.map(kvbm_events::SequenceHash), &tokens)
+                .into_iter()
+                .map(|h| h.0)
+                .collect()
+        }))
+    })
+}
+
+/// Installs kvbm's log output (stderr) with a tracing filter such as "info" or
+/// "kvbm_core=debug" (the syntax of `DYN_LOG`). A second call changes nothing.
+#[pyfunction]
+fn init_logging(filter: &str) -> PyResult<()> {
+    guard(|| {
+        let filter = tracing_subscriber::EnvFilter::try_new(filter)
+            .map_err(|e| ConfigError::new_err(format!("DYN_LOG={filter:?}: {e}")))?;
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
+        Ok(())
+    })
+}
+
+/// The device back end `auto` picks on this machine: "cuda" or "emulated".
+#[pyfunction]
+fn device_kind() -> PyResult<String> {
+    guard(|| {
+        kvbm_cuda::Device::from_env(0)
+            .map(|d| d.kind().as_str().to_owned())
+            .map_err(|e| DeviceError::new_err(e.to_string()))
+    })
+}
+
+#[pymodule]
+fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("KvbmError", py.get_type::<KvbmError>())?;
+    m.add("ConfigError", py.get_type::<ConfigError>())?;
+    m.add("DeviceError", py.get_type::<DeviceError>())?;
+    m.add("LayoutError", py.get_type::<LayoutError>())?;
+    m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(device_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_class::<config::Config>()?;
+    m.add_class::<leader::Leader>()?;
+    m.add_class::<worker::Worker>()?;
+    Ok(())
+}

@@ -1,0 +1,449 @@
+//! `Worker`: one GPU worker's bytes: its registered KV cache tensors, its shard of the pinned host
+//! pool, and a copy stream per direction.
+//!
+//! Invariants:
+//! - The worker keeps a reference to every registered tensor, so their memory outlives every
+//!   copy (the one `unsafe` call, `register_gpu`, relies on it).
+//! - A step's loads start only after every earlier save completed, so a host block is never read
+//!   while a save into it is in flight, and the GPU blocks a save reads are not overwritten by the
+//!   next forward pass while the copy runs.
+//! - A load that fails, or that reads a host block whose save failed, reports its GPU blocks in
+//!   `take_failed` (vLLM then recomputes them); nothing is loaded from a bad host block.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use kvbm_core::layout::{BlockLayout, KvLayout, LayerShape};
+use kvbm_cuda::{
+    BackendChoice, Completion, CopyStream, Device, Direction, GpuRegion, HostRegion,
+    HostRegionOptions, Transfer,
+};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::{guard, DeviceError, LayoutError};
+
+/// Block pairs: (gpu, host) for saves, (host, gpu) for loads.
+type Pairs = Vec<(u32, u32)>;
+
+/// How long a copy may wait for its host memory to be pinned.
+const HOST_READY_TIMEOUT: Duration = Duration::from_secs(300);
+
+struct PendingSave {
+    completion: Completion,
+    requests: Vec<String>,
+    host_blocks: Vec<u32>,
+}
+
+struct PendingLoad {
+    completion: Completion,
+    gpu_blocks: Vec<u32>,
+}
+
+/// A GPU worker's side of kvbm.
+#[pyclass(module = "kvbm._kvbm")]
+pub struct Worker {
+    device: Device,
+    kv: KvLayout,
+    gpu: BlockLayout,
+    gpu_regions: Vec<GpuRegion>,
+    _tensors: Vec<PyObject>,
+    host: HostRegion,
+    host_layout: BlockLayout,
+    host_blocks: usize,
+    d2h: CopyStream,
+    h2d: CopyStream,
+    saves: Vec<PendingSave>,
+    /// Save transfers not yet complete, per request.
+    save_pending: HashMap<String, usize>,
+    /// Requests whose saves all completed since the last `poll_saves`.
+    save_done: Vec<String>,
+    /// Host blocks whose save failed.
+    bad_host: HashSet<u32>,
+    loads: Vec<Option<PendingLoad>>,
+    failed: Vec<u32>,
+    bytes_saved: u64,
+    bytes_loaded: u64,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("kv", &self.kv)
+            .field("gpu_blocks", &self.gpu.num_blocks())
+            .field("host_blocks", &self.host_blocks)
+            .field("device", &self.device.kind().as_str())
+            .finish()
+    }
+}
+
+fn layout_err(e: impl std::fmt::Display) -> PyErr {
+    LayoutError::new_err(e.to_string())
+}
+
+fn device_err(e: impl std::fmt::Display) -> PyErr {
+    DeviceError::new_err(e.to_string())
+}
+
+#[pymethods]
+impl Worker {
+    /// Registers vLLM's per-layer KV cache tensors (`layer_ptrs[i]` is the first byte of
+    /// `tensors[i]`) and maps a pinned host pool of `host_blocks` blocks.
+    ///
+    /// `shape`: "outer_first" (`[2, num_blocks, block_size, heads, head_size]`), "block_first"
+    /// (`[num_blocks, 2, ...]`) or "mla" (`[num_blocks, block_size, head_size]`). `inner_dim` is
+    /// the elements per token per layer and per K or V (heads x head size on this rank).
+    #[new]
+    #[pyo3(signature = (tensors, layer_ptrs, shape, num_blocks, block_size, inner_dim, dtype_bytes, host_blocks, device="auto", device_index=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        tensors: Vec<PyObject>,
+        layer_ptrs: Vec<u64>,
+        shape: &str,
+        num_blocks: usize,
+        block_size: usize,
+        inner_dim: usize,
+        dtype_bytes: usize,
+        host_blocks: usize,
+        device: &str,
+        device_index: usize,
+    ) -> PyResult<Self> {
+        guard(|| {
+            let (outer, layer_shape) = match shape {
+                "outer_first" => (2, LayerShape::OuterFirst),
+                "block_first" => (2, LayerShape::BlockFirst),
+                "mla" => (1, LayerShape::BlockFirst),
+                other => {
+                    return Err(LayoutError::new_err(format!(
+                        "layer shape {other:?}: expected outer_first, block_first or mla"
+                    )))
+                }
+            };
+            if tensors.len() != layer_ptrs.len() || layer_ptrs.is_empty() {
+                return Err(LayoutError::new_err(format!(
+                    "{} tensors and {} pointers: expected one pointer per layer tensor, at least one",
+                    tensors.len(),
+                    layer_ptrs.len()
+                )));
+            }
+            if num_blocks == 0 || host_blocks == 0 {
+                return Err(LayoutError::new_err(format!(
+                    "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
+                )));
+            }
+            let kv = KvLayout::new(layer_ptrs.len(), outer, block_size, inner_dim, dtype_bytes)
+                .map_err(layout_err)?;
+            let choice: BackendChoice = device.parse().map_err(device_err)?;
+            let device = Device::open(choice, device_index).map_err(device_err)?;
+            let layer_bytes = kv.layer_bytes(num_blocks);
+            let mut gpu_regions = Vec::with_capacity(layer_ptrs.len());
+            for &ptr in &layer_ptrs {
+                #[allow(unsafe_code)]
+                // SAFETY: each pointer is the first byte of one of `tensors`, whose size the
+                // Python side checked against this layout (`layer_bytes`); the worker keeps a
+                // reference to every tensor for as long as it (and so any copy) lives.
+                let region = unsafe { device.register_gpu(ptr, layer_bytes, device_index) }
+                    .map_err(device_err)?;
+                gpu_regions.push(region);
+            }
+            let gpu = BlockLayout::layer_separate(kv, num_blocks, layer_shape, layer_ptrs)
+                .map_err(layout_err)?;
+            let host_bytes = host_blocks
+                .checked_mul(kv.host_stride_bytes())
+                .ok_or_else(|| LayoutError::new_err("host pool size overflows"))?;
+            let host = py
+                .allow_threads(|| device.alloc_host(host_bytes, HostRegionOptions::default()))
+                .map_err(device_err)?;
+            let host_layout = BlockLayout::host(kv, host_blocks, host.addr());
+            let d2h = device
+                .copy_stream(Direction::DeviceToHost)
+                .map_err(device_err)?;
+            let h2d = device
+                .copy_stream(Direction::HostToDevice)
+                .map_err(device_err)?;
+            Ok(Self {
+                device,
+                kv,
+                gpu,
+                gpu_regions,
+                _tensors: tensors,
+                host,
+                host_layout,
+                host_blocks,
+                d2h,
+                h2d,
+                saves: Vec::new(),
+                save_pending: HashMap::new(),
+                save_done: Vec::new(),
+                bad_host: HashSet::new(),
+                loads: (0..kv.num_layers).map(|_| None).collect(),
+                failed: Vec::new(),
+                bytes_saved: 0,
+                bytes_loaded: 0,
+            })
+        })
+    }
+
+    /// Layers registered.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.kv.num_layers
+    }
+
+    /// GPU blocks per layer tensor.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.gpu.num_blocks()
+    }
+
+    /// Host blocks of this worker's shard.
+    #[getter]
+    fn host_blocks(&self) -> usize {
+        self.host_blocks
+    }
+
+    /// Bytes of one block on this worker (all layers, K and V).
+    #[getter]
+    fn bytes_per_block(&self) -> usize {
+        self.kv.bytes_per_block()
+    }
+
+    /// "cuda" or "emulated".
+    #[getter]
+    fn device_kind(&self) -> &'static str {
+        self.device.kind().as_str()
+    }
+
+    /// Starts copying GPU blocks into host blocks (`pairs` of (gpu, host)) on the D2H stream, on
+    /// behalf of `requests` (each counts it as one of its pending saves).
+    fn save(
+        &mut self,
+        py: Python<'_>,
+        pairs: Vec<(u32, u32)>,
+        requests: Vec<String>,
+    ) -> PyResult<()> {
+        guard(|| {
+            if pairs.is_empty() {
+                return Ok(());
+            }
+            self.check(&pairs.iter().map(|&(g, h)| (h, g)).collect::<Vec<_>>())?;
+            self.wait_host_ready(py, pairs.iter().map(|&(_, h)| h))?;
+            let mut pieces = Vec::with_capacity(pairs.len() * self.kv.chunks_per_block());
+            for &(g, h) in &pairs {
+                self.gpu
+                    .copy_pieces_into(g as usize, &self.host_layout, h as usize, &mut pieces)
+                    .map_err(layout_err)?;
+            }
+            let mut transfer = Transfer::with_capacity(pieces.len());
+            for p in &pieces {
+                transfer.push(p.src, p.dst, p.len);
+            }
+            for r in &self.gpu_regions {
+                transfer.keep(r.clone());
+            }
+            transfer.keep(self.host.clone());
+            self.bytes_saved += transfer.bytes();
+            let completion = self.d2h.submit(transfer).map_err(device_err)?;
+            for r in &requests {
+                *self.save_pending.entry(r.clone()).or_insert(0) += 1;
+            }
+            for &(_, h) in &pairs {
+                self.bad_host.remove(&h);
+            }
+            self.saves.push(PendingSave {
+                completion,
+                requests,
+                host_blocks: pairs.iter().map(|&(_, h)| h).collect(),
+            });
+            Ok(())
+        })
+    }
+
+    /// Waits for every save started so far (the GIL is released meanwhile).
+    fn wait_saves(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let saves = std::mem::take(&mut self.saves);
+            let results: Vec<bool> =
+                py.allow_threads(|| saves.iter().map(|s| s.completion.wait().is_ok()).collect());
+            for (save, ok) in saves.into_iter().zip(results) {
+                self.settle(save, ok);
+            }
+            Ok(())
+        })
+    }
+
+    /// Requests whose saves have all completed since the last call (without waiting).
+    fn poll_saves(&mut self) -> PyResult<Vec<String>> {
+        guard(|| {
+            let mut still = Vec::with_capacity(self.saves.len());
+            for save in std::mem::take(&mut self.saves) {
+                match save.completion.poll() {
+                    Ok(false) => still.push(save),
+                    Ok(true) => self.settle(save, true),
+                    Err(_) => self.settle(save, false),
+                }
+            }
+            self.saves = still;
+            Ok(std::mem::take(&mut self.save_done))
+        })
+    }
+
+    /// Starts loading host blocks into GPU blocks (`pairs` of (host, gpu)) on the H2D stream, one
+    /// transfer per layer. Earlier saves are waited for first.
+    fn load(&mut self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
+        guard(|| {
+            if pairs.is_empty() {
+                return Ok(());
+            }
+            self.check(&pairs)?;
+            self.wait_saves(py)?;
+            self.wait_loads(py)?;
+            // Blocks whose saved copy is bad are reported, not loaded.
+            let (bad, good): (Pairs, Pairs) = pairs
+                .into_iter()
+                .partition(|(h, _)| self.bad_host.contains(h));
+            self.failed.extend(bad.iter().map(|&(_, g)| g));
+            if good.is_empty() {
+                return Ok(());
+            }
+            self.wait_host_ready(py, good.iter().map(|&(h, _)| h))?;
+            let chunk = self.kv.chunk_bytes();
+            for layer in 0..self.kv.num_layers {
+                let mut transfer = Transfer::with_capacity(good.len() * self.kv.outer_dim);
+                for &(h, g) in &good {
+                    for outer in 0..self.kv.outer_dim {
+                        transfer.push(
+                            self.host_layout.chunk_addr(h as usize, layer, outer),
+                            self.gpu.chunk_addr(g as usize, layer, outer),
+                            chunk,
+                        );
+                    }
+                }
+                transfer.keep(self.gpu_regions[layer].clone());
+                transfer.keep(self.host.clone());
+                self.bytes_loaded += transfer.bytes();
+                match self.h2d.submit(transfer) {
+                    Ok(completion) => {
+                        self.loads[layer] = Some(PendingLoad {
+                            completion,
+                            gpu_blocks: good.iter().map(|&(_, g)| g).collect(),
+                        })
+                    }
+                    Err(_) => self.failed.extend(good.iter().map(|&(_, g)| g)),
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Waits until layer `layer`'s loads are in place; False if they failed (their blocks are
+    /// then reported by `take_failed`).
+    fn wait_layer(&mut self, py: Python<'_>, layer: usize) -> PyResult<bool> {
+        guard(|| {
+            let Some(slot) = self.loads.get_mut(layer) else {
+                return Err(LayoutError::new_err(format!(
+                    "layer {layer} of {}",
+                    self.kv.num_layers
+                )));
+            };
+            let Some(load) = slot.take() else {
+                return Ok(true);
+            };
+            let ok = py.allow_threads(|| load.completion.wait().is_ok());
+            if !ok {
+                self.failed.extend(load.gpu_blocks);
+            }
+            Ok(ok)
+        })
+    }
+
+    /// Waits for every layer's loads; False if any failed.
+    fn wait_loads(&mut self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| {
+            let mut ok = true;
+            for layer in 0..self.kv.num_layers {
+                ok &= self.wait_layer(py, layer)?;
+            }
+            Ok(ok)
+        })
+    }
+
+    /// GPU blocks whose loads failed since the last call, sorted, without repeats.
+    fn take_failed(&mut self) -> PyResult<Vec<u32>> {
+        guard(|| {
+            let mut f = std::mem::take(&mut self.failed);
+            f.sort_unstable();
+            f.dedup();
+            Ok(f)
+        })
+    }
+
+    /// Copy counters: bytes_saved, bytes_loaded, saves_in_flight, bad_host_blocks.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guard(|| {
+            let d = PyDict::new(py);
+            d.set_item("bytes_saved", self.bytes_saved)?;
+            d.set_item("bytes_loaded", self.bytes_loaded)?;
+            d.set_item("saves_in_flight", self.saves.len())?;
+            d.set_item("bad_host_blocks", self.bad_host.len())?;
+            d.set_item("host_ready_bytes", self.host.ready_bytes())?;
+            Ok(d)
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{self:?}")
+    }
+}
+
+impl Worker {
+    /// Checks (host, gpu) pairs against the pools' sizes.
+    fn check(&self, pairs: &[(u32, u32)]) -> PyResult<()> {
+        for &(h, g) in pairs {
+            if h as usize >= self.host_blocks || g as usize >= self.gpu.num_blocks() {
+                return Err(LayoutError::new_err(format!(
+                    "host block {h} / GPU block {g} outside {} host / {} GPU blocks",
+                    self.host_blocks,
+                    self.gpu.num_blocks()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits (without the GIL) until the host blocks' memory is pinned.
+    fn wait_host_ready(&self, py: Python<'_>, blocks: impl Iterator<Item = u32>) -> PyResult<()> {
+        let Some(last) = blocks.max() else {
+            return Ok(());
+        };
+        let end = (last as usize + 1) * self.kv.host_stride_bytes();
+        if self.host.ready_bytes() >= end {
+            return Ok(());
+        }
+        let host = self.host.clone();
+        if py.allow_threads(|| host.wait_ready(end, HOST_READY_TIMEOUT)) {
+            Ok(())
+        } else {
+            Err(DeviceError::new_err(format!(
+                "host memory not pinned after {HOST_READY_TIMEOUT:?} ({} of {end} bytes ready)",
+                self.host.ready_bytes()
+            )))
+        }
+    }
+
+    fn settle(&mut self, save: PendingSave, ok: bool) {
+        if !ok {
+            self.bad_host.extend(save.host_blocks);
+        }
+        for r in save.requests {
+            if let Some(n) = self.save_pending.get_mut(&r) {
+                *n -= 1;
+                if *n == 0 {
+                    self.save_pending.remove(&r);
+                    self.save_done.push(r);
+                }
+            }
+        }
+    }
+}

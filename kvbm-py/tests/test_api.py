@@ -1,0 +1,152 @@
+"""The native API: hashes, configuration errors, the leader's host tier, the worker's copies."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import kvbm
+from kvbm.worker import KvbmWorker, detect_layout
+
+from conftest import REPO, HostTensor, block_view, make_caches
+
+
+def test_sequence_hashes_equal_the_reference_vectors():
+    path = os.path.join(REPO, "kvbm-events", "tests", "data", "block-hashes.json")
+    cases = json.load(open(path))["cases"]
+    checked = 0
+    for case in cases:
+        got = kvbm.sequence_hashes(
+            case["tokens"], case["block_size"], case.get("lora_name"), case.get("cache_namespace")
+        )
+        if "sequence_hashes" in case:
+            assert got == [int(h) for h in case["sequence_hashes"]], case["name"]
+        # The first block's sequence hash is its block hash (LoRA and namespace seed it).
+        assert got[:1] == [int(h) for h in case["local_block_hashes"][:1]], case["name"]
+        checked += 1
+    assert checked == len(cases) >= 8
+    # Continuing from a parent gives the same chain as hashing at once.
+    tokens = list(range(64))
+    whole = kvbm.sequence_hashes(tokens, 16)
+    tail = kvbm.sequence_hashes(tokens[32:], 16, parent=whole[1])
+    assert whole[2:] == tail
+    assert kvbm.sequence_hashes(tokens, 16, cache_salt="x") != whole
+
+
+@pytest.mark.parametrize(
+    "variable,value",
+    [
+        ("DYN_KVBM_CPU_CACHE_GB", "abc"),
+        ("DYN_KVBM_CPU_CACHE_GB", "-1"),
+        ("DYN_KVBM_MAX_TRANSFER_BATCH_SIZE", "0"),
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "many"),
+    ],
+)
+def test_bad_configuration_names_the_variable_and_the_value(monkeypatch, variable, value):
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "1")
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(kvbm.ConfigError) as e:
+        kvbm.Config.from_env()
+    assert variable in str(e.value) and value in str(e.value)
+    assert isinstance(e.value, kvbm.KvbmError)
+
+
+def test_configuration_from_keywords_and_environment(monkeypatch):
+    monkeypatch.delenv("DYN_KVBM_CPU_CACHE_GB", raising=False)
+    with pytest.raises(kvbm.ConfigError, match="DYN_KVBM_CPU_CACHE_GB"):
+        kvbm.Config.from_env()
+    c = kvbm.Config.from_env({"DYN_KVBM_CPU_CACHE_GB": "0.001", "DYN_KVBM_MAX_TRANSFER_BATCH_SIZE": "8"})
+    # 10^6 bytes over two ranks of 1000-byte blocks: 500 each.
+    assert c.host_blocks(1000, 2) == 500
+    assert c.max_transfer_batch_size == 8
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "7")
+    assert kvbm.Config.from_env().host_blocks(1 << 20) == 7
+
+
+def _blocks(tokens, block_size):
+    hashes = kvbm.sequence_hashes(tokens, block_size)
+    return [
+        (h, hashes[i - 1] if i else None, tokens[i * block_size : (i + 1) * block_size])
+        for i, h in enumerate(hashes)
+    ]
+
+
+def test_leader_offloads_matches_holds_evicts_and_reports_events():
+    leader = kvbm.Leader(4, 3)
+    blocks = _blocks(list(range(16)), 4)  # 4 blocks, tier of 3
+    ids = leader.offload(blocks[:3])
+    assert sorted(ids) == [0, 1, 2]
+    assert leader.offload(blocks[:2]) == [None, None], "already resident: nothing to save"
+    hashes = [b[0] for b in blocks]
+    assert leader.count_prefix(hashes) == 3
+    assert leader.count_prefix(hashes[1:]) == 2
+    events = leader.take_events()
+    assert events == [("stored", "CPU_PINNED", hashes[:3], None, list(range(12)), 4, None)]
+    # Blocks handed out stay held two steps: no room for a fourth yet.
+    assert leader.offload(blocks[3:]) == [None]
+    assert leader.counts()["held"] == 3
+    leader.end_step()
+    leader.end_step()
+    assert leader.counts()["held"] == 0
+    assert leader.offload(blocks[3:]) != [None]
+    events = leader.take_events()
+    assert [e[0] for e in events] == ["removed", "stored"]
+    assert events[1][3] == hashes[2], "the stored block names its parent"
+    assert len(leader.registered_hashes()) == 3
+    held = leader.hold(hashes[:2])
+    assert held == [], "block 0 was evicted: no prefix"
+    assert len(leader.hold(hashes[1:3])) == 2
+    with pytest.raises(kvbm.LayoutError):
+        leader.offload([(1, None, [1, 2, 3])])  # 3 tokens in a 4-token block
+
+
+@pytest.mark.parametrize("kind", ["outer_first", "block_first", "mla"])
+def test_worker_round_trips_blocks_byte_exactly(kind):
+    caches = make_caches(kind, layers=3, num_blocks=8, block_size=4, heads=2, head_size=8)
+    rng = np.random.default_rng(7)
+    for t in caches.values():
+        t.array[...] = rng.integers(0, 1 << 16, size=t.array.shape, dtype=np.uint16)
+    before = {name: [block_view(t, kind, b) for b in range(8)] for name, t in caches.items()}
+    worker = KvbmWorker(host_blocks=5)
+    worker.register_kv_caches(caches)
+    w = worker.native
+    assert (w.num_layers, w.num_blocks, w.host_blocks, w.device_kind) == (3, 8, 5, "emulated")
+    w.save([(1, 0), (6, 4), (3, 2)], ["r"])
+    w.wait_saves()
+    assert w.poll_saves() == ["r"]
+    for t in caches.values():
+        t.array[...] = 0
+    w.load([(0, 7), (4, 0), (2, 5)])
+    assert w.wait_loads()
+    assert w.take_failed() == []
+    for name, t in caches.items():
+        assert np.array_equal(block_view(t, kind, 7), before[name][1])
+        assert np.array_equal(block_view(t, kind, 0), before[name][6])
+        assert np.array_equal(block_view(t, kind, 5), before[name][3])
+        assert not block_view(t, kind, 1).any(), "only the loaded blocks are written"
+    stats = w.stats()
+    assert stats["bytes_saved"] == stats["bytes_loaded"] == 3 * w.bytes_per_block
+    with pytest.raises(kvbm.LayoutError, match="outside"):
+        w.load([(5, 0)])
+    with pytest.raises(kvbm.LayoutError, match="outside"):
+        w.save([(8, 0)], [])
+
+
+def test_layouts_that_kvbm_cannot_copy_are_refused_clearly():
+    bad = HostTensor(np.zeros((3, 4, 5, 6), dtype=np.uint16))
+    with pytest.raises(kvbm.LayoutError, match="expected"):
+        detect_layout("l0", bad)
+    transposed = HostTensor(np.zeros((2, 8, 4, 2, 8), dtype=np.uint16).transpose(0, 1, 3, 2, 4))
+    with pytest.raises(kvbm.LayoutError, match="contiguous"):
+        detect_layout("l0", transposed)
+    caches = make_caches("outer_first", 2, 4, 4, 2, 8)
+    caches["extra"] = HostTensor(np.zeros((2, 5, 4, 2, 8), dtype=np.uint16))
+    with pytest.raises(kvbm.LayoutError, match="differs"):
+        KvbmWorker(host_blocks=2).register_kv_caches(caches)
+    with pytest.raises(kvbm.LayoutError):
+        kvbm.Worker([], [], "outer_first", 4, 4, 16, 2, 2)
+    with pytest.raises(kvbm.LayoutError, match="shape"):
+        t = make_caches("outer_first", 1, 4, 4, 2, 8)
+        tensors = list(t.values())
+        kvbm.Worker(tensors, [x.data_ptr() for x in tensors], "sideways", 4, 4, 16, 2, 2)
