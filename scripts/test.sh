@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every check the project has: formatting, lints (warnings are errors), and all tests.
-# Needs only the Rust toolchain (cargo, rustfmt, clippy); uses cargo-nextest when installed.
+# Every check the project has: formatting, lints (warnings are errors), the Python package's
+# tests, and all Rust tests. Needs the Rust toolchain (cargo, rustfmt, clippy) and Python 3.9+
+# with venv and pip (network access for pip's first run); uses cargo-nextest when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +11,17 @@ cargo fmt --all -- --check
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 
-echo "== tests"
+echo "== Python package: pip install ./kvbm-py into .venv, then pytest"
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  "maturin>=1.5,<2" "numpy>=1.22" "pytest>=7" "prometheus_client>=0.16"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check ./kvbm-py
+(cd kvbm-py && ../.venv/bin/python -m pytest -q tests)
+
+echo "== Rust tests"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast
 else

@@ -2,7 +2,7 @@
 
 ``DYN_KVBM_METRICS=1`` serves them on ``DYN_KVBM_METRICS_PORT`` (default 6880), on 127.0.0.1
 unless ``DYN_KVBM_METRICS_HOST`` says otherwise. Counters keep Dynamo's exact series names (no
-``_total`` suffix added).
+``_total`` suffix), so they are exposed untyped.
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def _collector(metrics: Metrics):
         def collect(self):
             for name, value in metrics.snapshot().items():
                 kind, help_text = METRICS[name]
-                m = Metric(name, help_text, kind)
+                # prometheus_client names counters' TYPE line "<name>_total" (OpenMetrics);
+                # Dynamo's series have no suffix, so counters are exposed untyped under their
+                # exact names.
+                m = Metric(name, help_text, "gauge" if kind == "gauge" else "unknown")
                 m.add_sample(name, {}, value)
                 yield m
 

@@ -1,0 +1,1 @@
+"""A stand-in for the parts of vLLM kvbm's connector imports (tests only)."""

@@ -1,0 +1,311 @@
+"""vLLM's call order, played for many steps, with kvbm's leader in this process and its worker in
+another (the metadata pickled between them, as vLLM sends it), on KV caches in host memory.
+
+A small scheduler stands in for vLLM's: requests arrive over time and share long prefixes,
+prefills are chunked, one request is preempted and resumed, requests finish in another order than
+they arrived, and GPU blocks are freed only when vLLM would free them. The "forward pass" writes,
+for every token it computes, a pattern derived from the token's whole prefix, so a loaded block
+holds the right bytes only if it was saved from, and loaded into, the right places.
+
+Checked: a prefix saved by one request is matched by the next; every loaded block equals what its
+tokens' forward pass wrote; no request hangs and no GPU or host block leaks; the tier events replay
+to exactly the host tier's contents.
+"""
+
+import multiprocessing as mp
+import pickle
+import zlib
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Set
+
+import numpy as np
+
+from kvbm.leader import KvbmLeader
+
+BLOCK = 4
+LAYERS = 3
+HEADS = 2
+HEAD_SIZE = 4
+GPU_BLOCKS = 96
+HOST_BLOCKS = 36
+CHUNK = 24  # prefill tokens per request per step
+KIND = "outer_first"
+
+
+def token_values(tokens: List[int]) -> List[int]:
+    """A 16-bit value per position, depending on every token up to it."""
+    out, crc = [], 0
+    for t in tokens:
+        crc = zlib.crc32(int(t).to_bytes(4, "little"), crc)
+        out.append(crc & 0xFFFF)
+    return out
+
+
+def pattern(value: int, layer: int, outer: int) -> np.ndarray:
+    base = (value + layer * 31 + outer * 17) & 0xFFFF
+    return ((base + np.arange(HEADS * HEAD_SIZE)) & 0xFFFF).astype(np.uint16).reshape(HEADS, HEAD_SIZE)
+
+
+def worker_main(conn) -> None:
+    import os
+
+    os.environ["KVBM_DEVICE"] = "emulated"
+    from conftest import make_caches
+
+    from kvbm.worker import KvbmWorker
+
+    caches = make_caches(KIND, LAYERS, GPU_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
+    worker = KvbmWorker(host_blocks=HOST_BLOCKS)
+    worker.register_kv_caches(caches)
+    names = list(caches)
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        meta_bytes, writes, expect, finished_ids = msg
+        worker.bind_connector_metadata(pickle.loads(meta_bytes))
+        worker.start_load_kv(None)
+        mismatches = []
+        for layer, name in enumerate(names):
+            worker.wait_for_layer_load(name)
+            a = caches[name].array
+            for gpu, values in expect:
+                for slot, v in enumerate(values):
+                    for outer in range(2):
+                        if not np.array_equal(a[outer, gpu, slot], pattern(v, layer, outer)):
+                            mismatches.append((name, gpu, slot))
+            for gpu, slot, v in writes:
+                for outer in range(2):
+                    a[outer, gpu, slot] = pattern(v, layer, outer)
+            worker.save_kv_layer(name, caches[name], None)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(set(finished_ids))
+        errors = worker.get_block_ids_with_load_errors()
+        worker.clear_connector_metadata()
+        conn.send((sorted(sending or ()), sorted(recving or ()), sorted(errors), mismatches))
+    worker.shutdown()
+    conn.send("bye")
+
+
+# -- stand-ins for vLLM's objects ----------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: List[int]
+    max_tokens: int
+    arrival: int
+    all_token_ids: List[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    cache_salt: Optional[str] = None
+    lora_request: None = None
+    block_ids: List[int] = field(default_factory=list)
+    outputs: int = 0
+    matched_tokens: List[int] = field(default_factory=list)
+    status: str = "waiting"  # waiting, running, finishing, done
+    was_preempted: bool = False
+    ext_blocks: List[int] = field(default_factory=list)  # block indices loaded this admission
+
+    def __post_init__(self):
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class Blocks:
+    def __init__(self, ids):
+        self.ids = list(ids)
+
+    def get_block_ids(self):
+        return (list(self.ids),)
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: List[int]
+    block_ids: tuple
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: List[str] = field(default_factory=list)
+    resumed_req_ids: Set[str] = field(default_factory=set)
+    new_block_ids: list = field(default_factory=list)
+    num_computed_tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: Dict[str, int]
+    finished_req_ids: Set[str]
+    preempted_req_ids: Set[str]
+
+
+@dataclass
+class ConnectorOutput:
+    finished_sending: Set[str]
+    finished_recving: Set[str]
+    invalid_block_ids: Set[int]
+
+
+def next_token(tokens: List[int]) -> int:
+    return (tokens[-1] * 31 + len(tokens) * 7 + 3) % 50_000
+
+
+def test_vllm_call_order_across_processes():
+    system = list(range(1000, 1040))  # 10 shared blocks
+    requests = [
+        Request("r0", system + list(range(1, 14)), max_tokens=9, arrival=0),
+        Request("r1", system + list(range(20, 31)), max_tokens=14, arrival=3),
+        Request("r2", system + list(range(1, 9)) + [77] * 5, max_tokens=4, arrival=5),
+        Request("r3", list(range(5000, 5070)), max_tokens=6, arrival=6),
+        Request("r4", list(range(5000, 5070)), max_tokens=3, arrival=14),
+        Request("r5", system + list(range(20, 31)), max_tokens=2, arrival=40),
+    ]
+    preempt = {("r1", 9)}  # (request, step): preempted then, resumed when blocks allow
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
+    proc.start()
+
+    leader = KvbmLeader(BLOCK, HOST_BLOCKS)
+    free = list(range(GPU_BLOCKS))
+    host_model: Set[int] = set()
+    finished_prev: Set[str] = set()
+    awaiting_send: Dict[str, List[int]] = {}
+    loaded_blocks = 0
+    by_id = {r.request_id: r for r in requests}
+    try:
+        for step in range(80):
+            new_reqs, cached = [], CachedRequestData()
+            scheduled: Dict[str, int] = {}
+            writes, expect = [], []
+            preempted: Set[str] = set()
+            # Preemption: vLLM frees the blocks at once and the request waits again.
+            for r in requests:
+                if (r.request_id, step) in preempt and r.status == "running":
+                    free.extend(r.block_ids)
+                    r.block_ids, r.num_computed_tokens = [], 0
+                    r.status, r.was_preempted = "waiting", True
+                    preempted.add(r.request_id)
+            for r in requests:
+                if r.status == "waiting" and r.arrival <= step and r.request_id not in preempted:
+                    n_ext, is_async = leader.get_num_new_matched_tokens(r, 0)
+                    assert is_async is False
+                    again, _ = leader.get_num_new_matched_tokens(r, 0)
+                    assert again == n_ext, "no side effects"
+                    assert n_ext % BLOCK == 0 and n_ext < r.num_tokens
+                    need = (r.num_tokens + BLOCK) // BLOCK
+                    if need > len(free):
+                        continue
+                    ids = [free.pop() for _ in range(need)]
+                    leader.update_state_after_alloc(r, Blocks(ids), n_ext)
+                    r.block_ids, r.num_computed_tokens, r.status = ids, n_ext, "running"
+                    r.matched_tokens.append(n_ext)
+                    r.ext_blocks = list(range(n_ext // BLOCK))
+                    if r.was_preempted:
+                        cached.req_ids.append(r.request_id)
+                        cached.resumed_req_ids.add(r.request_id)
+                        cached.new_block_ids.append((list(ids),))
+                        cached.num_computed_tokens.append(n_ext)
+                    else:
+                        new_reqs.append(NewRequestData(r.request_id, list(r.prompt_token_ids), (list(ids),), n_ext))
+                elif r.status == "running" and not r.ext_blocks:
+                    if r.num_tokens >= len(r.block_ids) * BLOCK:
+                        if not free:
+                            continue
+                        new_id = free.pop()
+                        r.block_ids.append(new_id)
+                        cached.new_block_ids.append(([new_id],))
+                    else:
+                        cached.new_block_ids.append(None)
+                    cached.req_ids.append(r.request_id)
+                    cached.num_computed_tokens.append(r.num_computed_tokens)
+                else:
+                    continue
+                todo = min(CHUNK, r.num_tokens - r.num_computed_tokens)
+                scheduled[r.request_id] = todo
+                values = token_values(r.all_token_ids)
+                for p in range(r.num_computed_tokens, r.num_computed_tokens + todo):
+                    writes.append((r.block_ids[p // BLOCK], p % BLOCK, values[p]))
+                for k in r.ext_blocks:
+                    expect.append((r.block_ids[k], values[k * BLOCK : (k + 1) * BLOCK]))
+                loaded_blocks += len(r.ext_blocks)
+                r.ext_blocks = []
+            out = SchedulerOutput(new_reqs, cached, scheduled, finished_prev, preempted)
+            meta = leader.build_connector_meta(out)
+            assert sum(len(p) for _, p in meta.loads) == len(expect)
+            parent.send((pickle.dumps(meta), writes, expect, sorted(finished_prev)))
+            sending, recving, errors, mismatches = parent.recv()
+            assert mismatches == [], f"step {step}: loaded bytes differ at {mismatches[:5]}"
+            assert errors == [] and recving == []
+            finished_prev = set()
+            # The step's results.
+            for rid, n in scheduled.items():
+                r = by_id[rid]
+                r.num_computed_tokens += n
+                if r.num_computed_tokens == r.num_tokens:
+                    r.all_token_ids.append(next_token(r.all_token_ids))
+                    r.outputs += 1
+                    if r.outputs >= r.max_tokens:
+                        r.status = "finishing"
+                        delay, params = leader.request_finished(r, (list(r.block_ids),))
+                        assert params is None
+                        finished_prev.add(rid)
+                        if delay:
+                            awaiting_send[rid] = r.block_ids
+                        else:
+                            free.extend(r.block_ids)
+                            r.status = "done"
+                        r.block_ids = []
+            for rid in sending:
+                assert rid in awaiting_send, f"{rid} reported sent without being held"
+                free.extend(awaiting_send.pop(rid))
+                by_id[rid].status = "done"
+            leader.update_connector_output(ConnectorOutput(set(sending), set(recving), set(errors)))
+            for e in leader.take_events():
+                name = type(e).__name__
+                assert name != "BlockStored" or e.medium == "CPU_PINNED"
+                if name == "BlockStored":
+                    assert not host_model & set(e.block_hashes), "stored twice without removal"
+                    host_model |= set(e.block_hashes)
+                elif name == "BlockRemoved":
+                    assert set(e.block_hashes) <= host_model, "removed what was not stored"
+                    host_model -= set(e.block_hashes)
+            if all(r.status == "done" for r in requests) and not finished_prev:
+                break
+        else:
+            raise AssertionError(f"requests hang: {[(r.request_id, r.status) for r in requests]}")
+        # Two more empty steps release every hold.
+        for _ in range(2):
+            meta = leader.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, set(), set()))
+            parent.send((pickle.dumps(meta), [], [], []))
+            assert parent.recv()[3] == []
+    finally:
+        parent.send(None)
+        assert parent.recv() == "bye"
+        proc.join(timeout=30)
+    assert proc.exitcode == 0
+
+    # A prefix saved by one request is matched by the next ones.
+    assert by_id["r1"].matched_tokens[0] == len(system), by_id["r1"].matched_tokens
+    assert by_id["r2"].matched_tokens[0] >= len(system) + 8 - BLOCK
+    assert by_id["r4"].matched_tokens[0] == (70 - 1) // BLOCK * BLOCK, "all but the last token"
+    assert by_id["r1"].matched_tokens[1] > 0, "the preempted request reloads its own blocks"
+    assert by_id["r5"].matched_tokens[0] > 0
+    assert loaded_blocks > 40
+    # Nothing leaks or hangs.
+    assert sorted(free) == list(range(GPU_BLOCKS)), "GPU blocks leaked"
+    assert leader.tracked_requests() == []
+    counts = leader.counts()
+    assert counts["held"] == 0 and counts["evictions"] > 0, counts
+    # The events replay to the host tier's contents.
+    assert host_model == set(leader.native.registered_hashes())

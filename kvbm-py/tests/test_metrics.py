@@ -1,0 +1,85 @@
+"""DYN_KVBM_METRICS serves Prometheus text with Dynamo KVBM's metric names."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(script: str, **env_vars: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update(env_vars)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_metrics_are_served_with_dynamos_names():
+    port = free_port()
+    done = run(
+        f"""
+        import urllib.request
+        from kvbm.leader import KvbmLeader
+        from kvbm.metrics import serve_from_env
+        from types import SimpleNamespace as NS
+        assert serve_from_env() == {port}
+        leader = KvbmLeader(4, 8)
+        out = NS(scheduled_new_reqs=[NS(req_id="x", prompt_token_ids=list(range(9)),
+                                        block_ids=([0, 1, 2],), num_computed_tokens=0)],
+                 scheduled_cached_reqs=None, num_scheduled_tokens={{"x": 9}})
+        req = NS(request_id="x", prompt_token_ids=list(range(9)), all_token_ids=list(range(9)),
+                 num_tokens=9, cache_salt=None, lora_request=None)
+        leader.get_num_new_matched_tokens(req, 0)
+        leader.build_connector_meta(out)
+        body = urllib.request.urlopen("http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        print(body)
+        """,
+        DYN_KVBM_METRICS="1",
+        DYN_KVBM_METRICS_PORT=str(port),
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "kvbm_offload_blocks_d2h 2.0" in lines
+    assert "kvbm_lookup_tokens 8.0" in lines
+    assert "kvbm_matched_tokens 0.0" in lines
+    assert "# TYPE kvbm_offload_blocks_d2h unknown" in lines or "# TYPE kvbm_offload_blocks_d2h untyped" in lines
+    assert "kvbm_host_blocks_capacity 8.0" in lines
+
+
+def test_metrics_off_by_default_and_a_bad_port_is_named():
+    done = run(
+        """
+        from kvbm.metrics import serve_from_env
+        print(serve_from_env())
+        """
+    )
+    assert done.stdout.strip() == "None", done.stderr
+    done = run(
+        """
+        import kvbm
+        from kvbm.metrics import serve_from_env
+        try:
+            serve_from_env()
+        except kvbm.ConfigError as e:
+            print(e)
+        """,
+        DYN_KVBM_METRICS="1",
+        DYN_KVBM_METRICS_PORT="http",
+    )
+    assert "DYN_KVBM_METRICS_PORT" in done.stdout and "http" in done.stdout, done.stderr
+
+
+def test_dyn_log_sets_the_filter_and_a_bad_one_is_named():
+    done = run("import kvbm, logging; print(logging.getLogger('kvbm').level)", DYN_LOG="debug")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "10"
+    done = run("import kvbm", DYN_LOG="kvbm_core=notalevel")
+    assert done.returncode != 0
+    assert "DYN_LOG" in done.stderr
