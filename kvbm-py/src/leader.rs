@@ -8,7 +8,7 @@
 //! - Events come from the pool (one `BlockStored` per run of chained blocks, `BlockRemoved` on
 //!   eviction) through a bounded subscription; what overflows is counted in `events_lost`.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 use kvbm_core::pool::{BlockIdentity, BlockPool, ImmutableBlock};
@@ -167,9 +167,10 @@ impl Leader {
                 .register_all(completed)
                 .map_err(|r| LayoutError::new_err(r.reason))?;
             let mut kept = Vec::with_capacity(registered.len());
+            let mut seen = HashSet::with_capacity(registered.len());
             for (block, i) in registered.into_iter().zip(positions) {
                 // A duplicate within this list resolves to the block registered first: save once.
-                if !out.iter().flatten().any(|&id| id == block.id().0) {
+                if seen.insert(block.id().0) {
                     out[i] = Some(block.id().0);
                 }
                 kept.push(block);

@@ -228,7 +228,7 @@ impl Worker {
                 return Ok(());
             }
             self.check(&pairs.iter().map(|&(g, h)| (h, g)).collect::<Vec<_>>())?;
-            self.wait_host_ready(py, pairs.iter().map(|&(_, h)| h))?;
+            self.wait_blocks_ready(py, pairs.iter().map(|&(_, h)| h))?;
             let mut pieces = Vec::with_capacity(pairs.len() * self.kv.chunks_per_block());
             for &(g, h) in &pairs {
                 self.gpu
@@ -307,7 +307,7 @@ impl Worker {
             if good.is_empty() {
                 return Ok(());
             }
-            self.wait_host_ready(py, good.iter().map(|&(h, _)| h))?;
+            self.wait_blocks_ready(py, good.iter().map(|&(h, _)| h))?;
             let chunk = self.kv.chunk_bytes();
             for layer in 0..self.kv.num_layers {
                 let mut transfer = Transfer::with_capacity(good.len() * self.kv.outer_dim);
@@ -379,6 +379,16 @@ impl Worker {
         })
     }
 
+    /// Waits until the whole host pool is pinned (or `timeout_s` passed); returns whether it is.
+    #[pyo3(signature = (timeout_s=300.0))]
+    fn wait_host_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        guard(|| {
+            let host = self.host.clone();
+            let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+            Ok(py.allow_threads(|| host.wait_ready(host.len(), timeout)))
+        })
+    }
+
     /// Copy counters: bytes_saved, bytes_loaded, saves_in_flight, bad_host_blocks.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
@@ -413,7 +423,7 @@ impl Worker {
     }
 
     /// Waits (without the GIL) until the host blocks' memory is pinned.
-    fn wait_host_ready(&self, py: Python<'_>, blocks: impl Iterator<Item = u32>) -> PyResult<()> {
+    fn wait_blocks_ready(&self, py: Python<'_>, blocks: impl Iterator<Item = u32>) -> PyResult<()> {
         let Some(last) = blocks.max() else {
             return Ok(());
         };

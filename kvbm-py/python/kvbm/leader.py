@@ -205,33 +205,58 @@ class KvbmLeader:
                 elif new_ids is not None:
                     st.block_ids.extend(_group0(new_ids))
                 st.computed = cached.num_computed_tokens[i]
-        saves = []
+        # Blocks that complete in this step, per request; hashed and offloaded in batches (one
+        # native call each, whatever the number of requests).
+        work = []
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             st = self._requests.get(rid)
             if st is None:
                 continue
             tokens = _tokens(st.request)
             full = min((st.computed + scheduled) // b, len(st.block_ids), len(tokens) // b)
-            if full <= st.saved_blocks:
-                continue
-            first = st.saved_blocks
-            hashes = self._hashes(st, full)
-            block_tokens = tokens[first * b : full * b]
-            blocks = [
+            if full > st.saved_blocks:
+                work.append((rid, st, tokens, full))
+        to_hash = [(st, full) for _, st, _, full in work if len(st.hashes) < full]
+        if to_hash:
+            items = [
                 (
-                    hashes[k],
-                    hashes[k - 1] if k else None,
-                    list(block_tokens[(k - first) * b : (k - first + 1) * b]),
+                    list(_tokens(st.request)[len(st.hashes) * b : full * b]),
+                    st.hashes[-1] if st.hashes else None,
+                    st.lora,
+                    st.salt,
                 )
-                for k in range(first, full)
+                for st, full in to_hash
             ]
-            host = self._native.offload(blocks, st.lora)
-            pairs = [(st.block_ids[k], h) for k, h in zip(range(first, full), host) if h is not None]
+            for (st, _), hashes in zip(to_hash, _kvbm.sequence_hashes_batch(items, b)):
+                st.hashes.extend(hashes)
+        by_lora: Dict[Optional[str], list] = {}
+        for rid, st, tokens, full in work:
+            first = st.saved_blocks
+            block_tokens = tokens[first * b : full * b]
+            group = by_lora.setdefault(st.lora, [])
+            for k in range(first, full):
+                group.append(
+                    (
+                        rid,
+                        st.block_ids[k],
+                        (
+                            st.hashes[k],
+                            st.hashes[k - 1] if k else None,
+                            list(block_tokens[(k - first) * b : (k - first + 1) * b]),
+                        ),
+                    )
+                )
             st.saved_blocks = full
-            if pairs:
-                saves.append((rid, pairs))
-                st.had_saves = True
-                self._metrics.inc("kvbm_offload_blocks_d2h", len(pairs))
+        per_request: Dict[str, List[Tuple[int, int]]] = {}
+        for lora, group in by_lora.items():
+            host = self._native.offload([blk for _, _, blk in group], lora)
+            for (rid, gpu, _), h in zip(group, host):
+                if h is not None:
+                    per_request.setdefault(rid, []).append((gpu, h))
+        saves = list(per_request.items())
+        for rid, pairs in saves:
+            self._requests[rid].had_saves = True
+            self._metrics.inc("kvbm_offload_blocks_d2h", len(pairs))
         meta = KvbmConnectorMetadata(
             step=self._step, loads=self._loads, saves=saves, load_errors=self._load_errors
         )
