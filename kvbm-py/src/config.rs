@@ -86,6 +86,28 @@ impl Config {
         self.inner.disk_dir.display().to_string()
     }
 
+    /// Whether every host block goes to disk (`DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER`).
+    #[getter]
+    fn disk_offload_filter_disabled(&self) -> bool {
+        self.inner.disk_offload_filter_disabled
+    }
+
+    /// Buffered disk I/O instead of O_DIRECT (`DYN_KVBM_DISK_DISABLE_O_DIRECT`).
+    #[getter]
+    fn disk_disable_o_direct(&self) -> bool {
+        self.inner.disk_disable_o_direct
+    }
+
+    /// The disk I/O engine (`KVBM_DISK_ENGINE`): "auto", "io_uring" or "psync".
+    #[getter]
+    fn disk_engine(&self) -> &'static str {
+        match self.inner.disk_engine {
+            kvbm_disk::EngineChoice::Auto => "auto",
+            kvbm_disk::EngineChoice::IoUring => "io_uring",
+            kvbm_disk::EngineChoice::Psync => "psync",
+        }
+    }
+
     /// Where KV events are published over ZMQ, if anywhere.
     #[getter]
     fn kv_events_endpoint(&self) -> Option<String> {

@@ -11,7 +11,10 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
-use kvbm_core::pool::{BlockIdentity, BlockPool, ImmutableBlock};
+use std::time::Instant;
+
+use kvbm_core::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
+use kvbm_core::pool::{BlockIdentity, BlockPool, ImmutableBlock, MutableBlock};
 use kvbm_events::{EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -39,11 +42,26 @@ type EventTuple = (
 /// One block to offload: (sequence hash, parent hash, its tokens).
 type OffloadBlock = (u64, Option<u64>, Vec<u32>);
 
+/// A disk read for a load: (disk block, staging host block, key).
+type DiskRead = (u32, u32, u64);
+
+/// A disk write: (host block, disk block, key, identity bytes for the block's header).
+type DiskWrite = (u32, u32, u64, Vec<u8>);
+
+/// What a load needs: the host blocks of the host part, then the disk reads of the rest.
+type LoadPlan = (Vec<u32>, Vec<DiskRead>);
+
 /// The scheduler side's host tier: a pool of block ids with a registry, LRU eviction and events.
 #[pyclass(module = "kvbm._kvbm")]
 pub struct Leader {
     block_size: usize,
     host: BlockPool,
+    disk: Option<BlockPool>,
+    admission: Admission,
+    /// Host blocks admitted to disk, waiting for `take_disk_writes`.
+    admitted: Vec<ImmutableBlock>,
+    /// Staging host blocks of disk loads (never registered), with their step.
+    staging: VecDeque<(u64, Vec<MutableBlock>)>,
     _publisher: EventPublisher,
     events: EventSubscriber,
     events_lost: u64,
@@ -68,24 +86,39 @@ fn hashes(v: &[u64]) -> Vec<SequenceHash> {
 
 #[pymethods]
 impl Leader {
-    /// A host tier of `host_blocks` blocks of `block_size` tokens.
+    /// A host tier of `host_blocks` blocks of `block_size` tokens, and a disk tier of
+    /// `disk_blocks` (0: none). Host blocks go to disk when seen twice (registered, then matched
+    /// again) within about ten minutes, or at once with `disk_filter_disabled`.
     #[new]
-    fn new(block_size: usize, host_blocks: usize) -> PyResult<Self> {
+    #[pyo3(signature = (block_size, host_blocks, disk_blocks=0, disk_filter_disabled=false))]
+    fn new(
+        block_size: usize,
+        host_blocks: usize,
+        disk_blocks: usize,
+        disk_filter_disabled: bool,
+    ) -> PyResult<Self> {
         guard(|| {
             if block_size == 0 {
                 return Err(LayoutError::new_err("block_size must be at least 1"));
             }
-            if host_blocks >= u32::MAX as usize {
+            if host_blocks.max(disk_blocks) >= u32::MAX as usize {
                 return Err(LayoutError::new_err(format!(
-                    "{host_blocks} host blocks: block ids are 32-bit"
+                    "{host_blocks} host / {disk_blocks} disk blocks: block ids are 32-bit"
                 )));
             }
             let publisher = EventPublisher::new();
             let events = publisher.subscribe(EVENT_QUEUE_MAX);
             let host = BlockPool::new(Tier::Host, host_blocks, block_size, Some(publisher.clone()));
+            let disk = (disk_blocks > 0).then(|| {
+                BlockPool::new(Tier::Disk, disk_blocks, block_size, Some(publisher.clone()))
+            });
             Ok(Self {
                 block_size,
                 host,
+                disk,
+                admission: Admission::new(disk_filter_disabled, ADMISSION_HALF_LIFE),
+                admitted: Vec::new(),
+                staging: VecDeque::new(),
                 _publisher: publisher,
                 events,
                 events_lost: 0,
@@ -110,6 +143,95 @@ impl Leader {
     /// How many of `hashes`, from the first, the host tier holds (no side effects).
     fn count_prefix(&self, hashes_: Vec<u64>) -> PyResult<usize> {
         guard(|| Ok(self.host.count_prefix(&hashes(&hashes_))))
+    }
+
+    /// How many of `hashes`, from the first, the host tier holds, then how many more continue
+    /// on disk and can be loaded now (each needs a free or evictable host block to stage it).
+    /// No side effects.
+    fn count_prefix_tiers(&self, hashes_: Vec<u64>) -> PyResult<(usize, usize)> {
+        guard(|| {
+            let h = hashes(&hashes_);
+            let host = self.host.count_prefix(&h);
+            let disk = self.disk.as_ref().map_or(0, |d| d.count_prefix(&h[host..]));
+            let counts = self.host.counts();
+            let staging = counts.free + counts.idle;
+            // The host blocks of the host part are idle now but get held for the load.
+            let staging = staging.saturating_sub(host.min(counts.idle));
+            Ok((host, disk.min(staging)))
+        })
+    }
+
+    /// Holds what a load of `hashes` needs: the host blocks of the held prefix, then for the
+    /// blocks continuing it on disk, the disk block, a staging host block to read it into, and
+    /// its key. Shorter than asked when blocks were evicted since they were counted or no
+    /// staging block is free. Host hits count as sightings for disk admission.
+    fn plan_load(&mut self, hashes_: Vec<u64>) -> PyResult<LoadPlan> {
+        guard(|| {
+            let h = hashes(&hashes_);
+            let held = self.host.hold_prefix(&h);
+            let host_ids: Vec<u32> = held.blocks().iter().map(|(id, _)| id.0).collect();
+            let host_blocks = held.into_blocks();
+            let now = Instant::now();
+            for b in &host_blocks {
+                self.sight(b, now);
+            }
+            self.keep(host_blocks);
+            let mut reads = Vec::new();
+            if let Some(disk) = &self.disk {
+                let rest = &h[host_ids.len()..];
+                if host_ids.len() == h.len() || rest.is_empty() {
+                    return Ok((host_ids, reads));
+                }
+                let on_disk = disk.hold_prefix(rest);
+                let staging = self.host.allocate_up_to(on_disk.len());
+                for ((id, hash), stage) in on_disk.blocks().iter().zip(&staging) {
+                    reads.push((id.0, stage.id().0, hash.0));
+                }
+                let disk_blocks = on_disk.into_blocks();
+                self.keep(disk_blocks);
+                if !staging.is_empty() {
+                    self.staging.push_back((self.step, staging));
+                }
+            }
+            Ok((host_ids, reads))
+        })
+    }
+
+    /// The disk writes of the blocks admitted since the last call: each gets a disk block,
+    /// registered (and announced) now; the workers write it from its host block.
+    fn take_disk_writes(&mut self) -> PyResult<Vec<DiskWrite>> {
+        guard(|| {
+            let admitted = std::mem::take(&mut self.admitted);
+            let Some(disk) = &self.disk else {
+                return Ok(Vec::new());
+            };
+            let fresh = disk.allocate_up_to(admitted.len());
+            let mut completed = Vec::with_capacity(fresh.len());
+            let mut sources = Vec::with_capacity(fresh.len());
+            for (slot, host_block) in fresh.into_iter().zip(admitted) {
+                completed.push(slot.complete(host_block.identity()));
+                sources.push(host_block);
+            }
+            let registered = disk
+                .register_all(completed)
+                .map_err(|r| LayoutError::new_err(r.reason))?;
+            let mut writes = Vec::with_capacity(registered.len());
+            let mut seen = HashSet::with_capacity(registered.len());
+            for (d, h) in registered.iter().zip(&sources) {
+                if seen.insert(d.id().0) {
+                    writes.push((
+                        h.id().0,
+                        d.id().0,
+                        h.sequence_hash().0,
+                        encode_identity(&h.identity()),
+                    ));
+                }
+            }
+            // Both ends stay held while the workers copy.
+            self.keep(registered);
+            self.keep(sources);
+            Ok(writes)
+        })
     }
 
     /// Holds the host blocks of the longest held prefix of `hashes` for loading and returns their
@@ -168,10 +290,12 @@ impl Leader {
                 .map_err(|r| LayoutError::new_err(r.reason))?;
             let mut kept = Vec::with_capacity(registered.len());
             let mut seen = HashSet::with_capacity(registered.len());
+            let now = Instant::now();
             for (block, i) in registered.into_iter().zip(positions) {
                 // A duplicate within this list resolves to the block registered first: save once.
                 if seen.insert(block.id().0) {
                     out[i] = Some(block.id().0);
+                    self.sight(&block, now);
                 }
                 kept.push(block);
             }
@@ -191,6 +315,13 @@ impl Leader {
             {
                 self.held.pop_front();
             }
+            while self
+                .staging
+                .front()
+                .is_some_and(|(s, _)| s + HOLD_STEPS <= self.step)
+            {
+                self.staging.pop_front();
+            }
             Ok(())
         })
     }
@@ -199,8 +330,11 @@ impl Leader {
     fn reset(&mut self) -> PyResult<()> {
         guard(|| {
             self.held.clear();
-            kvbm_core::pool::clear_across(&[&self.host])
-                .map_err(|e| LayoutError::new_err(e.to_string()))
+            self.staging.clear();
+            self.admitted.clear();
+            let mut pools = vec![&self.host];
+            pools.extend(self.disk.as_ref());
+            kvbm_core::pool::clear_across(&pools).map_err(|e| LayoutError::new_err(e.to_string()))
         })
     }
 
@@ -239,11 +373,19 @@ impl Leader {
         })
     }
 
-    /// The host tier's counts: capacity, free, registered, idle, held, evictions, events_lost.
+    /// The host tier's counts (capacity, free, registered, idle, held, evictions), the disk
+    /// tier's (`disk_`-prefixed) and `events_lost`.
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
             let c = self.host.counts();
             let d = PyDict::new(py);
+            if let Some(disk) = &self.disk {
+                let k = disk.counts();
+                d.set_item("disk_capacity", k.capacity)?;
+                d.set_item("disk_registered", k.registered)?;
+                d.set_item("disk_held", k.registered - k.idle)?;
+                d.set_item("disk_evictions", k.evictions)?;
+            }
             d.set_item("capacity", c.capacity)?;
             d.set_item("free", c.free)?;
             d.set_item("registered", c.registered)?;
@@ -256,15 +398,22 @@ impl Leader {
         })
     }
 
-    /// The hashes the host tier holds (for checks).
-    fn registered_hashes(&self) -> PyResult<Vec<u64>> {
+    /// The hashes a tier ("host" or "disk") holds (for checks).
+    #[pyo3(signature = (tier="host"))]
+    fn registered_hashes(&self, tier: &str) -> PyResult<Vec<u64>> {
         guard(|| {
-            Ok(self
-                .host
-                .registered_hashes()
-                .into_iter()
-                .map(|h| h.0)
-                .collect())
+            let pool = match tier {
+                "host" => Some(&self.host),
+                "disk" => self.disk.as_ref(),
+                other => {
+                    return Err(LayoutError::new_err(format!(
+                        "tier {other:?}: expected host or disk"
+                    )))
+                }
+            };
+            Ok(pool.map_or(Vec::new(), |p| {
+                p.registered_hashes().into_iter().map(|h| h.0).collect()
+            }))
         })
     }
 
@@ -274,6 +423,21 @@ impl Leader {
 }
 
 impl Leader {
+    /// A sighting of a host block for disk admission; admitted blocks not on disk yet queue for
+    /// `take_disk_writes` (held meanwhile).
+    fn sight(&mut self, block: &ImmutableBlock, now: Instant) {
+        let Some(disk) = &self.disk else {
+            return;
+        };
+        let hash = block.sequence_hash();
+        if self.admission.observe(hash, now)
+            && !disk.contains(hash)
+            && !self.admitted.iter().any(|b| b.sequence_hash() == hash)
+        {
+            self.admitted.push(block.clone());
+        }
+    }
+
     fn keep(&mut self, blocks: Vec<ImmutableBlock>) {
         if blocks.is_empty() {
             return;

@@ -44,6 +44,12 @@ pyo3::create_exception!(
 );
 pyo3::create_exception!(
     _kvbm,
+    DiskError,
+    KvbmError,
+    "The disk tier failed: its directory, its cache file, an I/O."
+);
+pyo3::create_exception!(
+    _kvbm,
     LayoutError,
     KvbmError,
     "KV cache tensors or block ids that do not fit the layout."
@@ -157,6 +163,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("DeviceError", py.get_type::<DeviceError>())?;
     m.add("LayoutError", py.get_type::<LayoutError>())?;
+    m.add("DiskError", py.get_type::<DiskError>())?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(sequence_hashes_batch, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;

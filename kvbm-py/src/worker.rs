@@ -11,7 +11,16 @@
 //!   `take_failed` (vLLM then recomputes them); nothing is loaded from a bad host block.
 
 use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::Duration;
+
+use crossbeam_channel::Sender;
+use kvbm_disk::{
+    AlignedBuf, CacheFileOptions, DiskStore, EngineChoice, Lookup, StoreOptions, WriteOutcome,
+};
+use parking_lot::{Condvar, Mutex};
 
 use kvbm_core::layout::{BlockLayout, KvLayout, LayerShape};
 use kvbm_cuda::{
@@ -21,7 +30,7 @@ use kvbm_cuda::{
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{guard, DeviceError, LayoutError};
+use crate::{guard, DeviceError, DiskError, LayoutError};
 
 /// Block pairs: (gpu, host) for saves, (host, gpu) for loads.
 type Pairs = Vec<(u32, u32)>;
@@ -33,6 +42,79 @@ struct PendingSave {
     completion: Completion,
     requests: Vec<String>,
     host_blocks: Vec<u32>,
+}
+
+/// One disk write: host block, disk slot, key, identity bytes.
+type DiskWrite = (u32, u32, u64, Vec<u8>);
+
+/// Disk writes queued or running, by the host block they read and the slot they write.
+#[derive(Default)]
+struct DiskPending {
+    by_host: HashMap<u32, usize>,
+    by_slot: HashMap<u32, usize>,
+    written: u64,
+    write_failures: u64,
+}
+
+impl DiskPending {
+    fn busy(&self, host: Option<u32>, slot: Option<u32>) -> bool {
+        host.is_some_and(|h| self.by_host.contains_key(&h))
+            || slot.is_some_and(|d| self.by_slot.contains_key(&d))
+    }
+
+    fn done(&mut self, host: u32, slot: u32, ok: bool) {
+        for (map, k) in [(&mut self.by_host, host), (&mut self.by_slot, slot)] {
+            if let Some(n) = map.get_mut(&k) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&k);
+                }
+            }
+        }
+        if ok {
+            self.written += 1;
+        } else {
+            self.write_failures += 1;
+        }
+    }
+}
+
+/// This worker's disk tier: its cache file, and a thread writing host blocks into it.
+struct DiskSide {
+    store: Arc<DiskStore>,
+    jobs: Option<Sender<DiskWrite>>,
+    pending: Arc<(Mutex<DiskPending>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+    reads: u64,
+    misses: u64,
+}
+
+impl Drop for DiskSide {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl DiskSide {
+    /// Waits (the caller releases the GIL) until no queued write reads `host` or writes `slot`.
+    fn wait_for(&self, host: Option<u32>, slot: Option<u32>) {
+        let (lock, cv) = &*self.pending;
+        let mut p = lock.lock();
+        while p.busy(host, slot) {
+            cv.wait(&mut p);
+        }
+    }
+
+    fn wait_all(&self) {
+        let (lock, cv) = &*self.pending;
+        let mut p = lock.lock();
+        while !p.by_slot.is_empty() {
+            cv.wait(&mut p);
+        }
+    }
 }
 
 struct PendingLoad {
@@ -62,6 +144,7 @@ pub struct Worker {
     bad_host: HashSet<u32>,
     loads: Vec<Option<PendingLoad>>,
     failed: Vec<u32>,
+    disk: Option<DiskSide>,
     bytes_saved: u64,
     bytes_loaded: u64,
 }
@@ -94,7 +177,11 @@ impl Worker {
     /// (`[num_blocks, 2, ...]`) or "mla" (`[num_blocks, block_size, head_size]`). `inner_dim` is
     /// the elements per token per layer and per K or V (heads x head size on this rank).
     #[new]
-    #[pyo3(signature = (tensors, layer_ptrs, shape, num_blocks, block_size, inner_dim, dtype_bytes, host_blocks, device="auto", device_index=0))]
+    ///
+    /// With `disk_blocks` above 0 the worker opens its disk cache file `disk_file` in `disk_dir`
+    /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk
+    /// tier starts empty: what an earlier run left there is overwritten as slots are reused.
+    #[pyo3(signature = (tensors, layer_ptrs, shape, num_blocks, block_size, inner_dim, dtype_bytes, host_blocks, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -108,6 +195,11 @@ impl Worker {
         host_blocks: usize,
         device: &str,
         device_index: usize,
+        disk_blocks: usize,
+        disk_dir: Option<String>,
+        disk_file: Option<String>,
+        disk_disable_o_direct: bool,
+        disk_engine: &str,
     ) -> PyResult<Self> {
         guard(|| {
             let (outer, layer_shape) = match shape {
@@ -156,6 +248,35 @@ impl Worker {
                 .allow_threads(|| device.alloc_host(host_bytes, HostRegionOptions::default()))
                 .map_err(device_err)?;
             let host_layout = BlockLayout::host(kv, host_blocks, host.addr());
+            let disk = if disk_blocks > 0 {
+                let dir = disk_dir.unwrap_or_else(|| std::env::temp_dir().display().to_string());
+                let file = disk_file.unwrap_or_else(|| format!("kvbm-rank{device_index}.cache"));
+                let engine: EngineChoice = disk_engine
+                    .parse()
+                    .map_err(|e: kvbm_disk::DiskError| DiskError::new_err(e.to_string()))?;
+                let options = StoreOptions {
+                    layout_fingerprint: kvbm_core::disk::layout_fingerprint(&kv),
+                    payload_bytes: kv.bytes_per_block(),
+                    slots: disk_blocks,
+                    queue_depth: 8,
+                    engine,
+                    file: CacheFileOptions {
+                        disable_o_direct: disk_disable_o_direct,
+                    },
+                    write_failures_max: 8,
+                };
+                let (store, _recovered) = py
+                    .allow_threads(|| DiskStore::open(Path::new(&dir), &file, options))
+                    .map_err(|e| DiskError::new_err(format!("disk cache {dir}/{file}: {e}")))?;
+                Some(start_disk(
+                    Arc::new(store),
+                    host.clone(),
+                    host_layout.clone(),
+                    kv,
+                )?)
+            } else {
+                None
+            };
             let d2h = device
                 .copy_stream(Direction::DeviceToHost)
                 .map_err(device_err)?;
@@ -179,6 +300,7 @@ impl Worker {
                 bad_host: HashSet::new(),
                 loads: (0..kv.num_layers).map(|_| None).collect(),
                 failed: Vec::new(),
+                disk,
                 bytes_saved: 0,
                 bytes_loaded: 0,
             })
@@ -229,6 +351,14 @@ impl Worker {
             }
             self.check(&pairs.iter().map(|&(g, h)| (h, g)).collect::<Vec<_>>())?;
             self.wait_blocks_ready(py, pairs.iter().map(|&(_, h)| h))?;
+            if let Some(disk) = &self.disk {
+                // A disk write still reading one of these host blocks finishes first.
+                py.allow_threads(|| {
+                    for &(_, h) in &pairs {
+                        disk.wait_for(Some(h), None);
+                    }
+                });
+            }
             let mut pieces = Vec::with_capacity(pairs.len() * self.kv.chunks_per_block());
             for &(g, h) in &pairs {
                 self.gpu
@@ -379,6 +509,121 @@ impl Worker {
         })
     }
 
+    /// Queues writes of host blocks to disk (`writes` of (host, disk, key, identity bytes)),
+    /// after this step's saves into those host blocks completed.
+    fn disk_write(&mut self, py: Python<'_>, writes: Vec<DiskWrite>) -> PyResult<()> {
+        guard(|| {
+            if writes.is_empty() {
+                return Ok(());
+            }
+            let Some(disk) = &self.disk else {
+                return Err(LayoutError::new_err(
+                    "disk writes for a worker without a disk tier",
+                ));
+            };
+            for (h, d, _, _) in &writes {
+                if *h as usize >= self.host_blocks || *d as usize >= disk.store.slots() {
+                    return Err(LayoutError::new_err(format!(
+                        "host block {h} / disk block {d} outside {} host / {} disk blocks",
+                        self.host_blocks,
+                        disk.store.slots()
+                    )));
+                }
+            }
+            self.wait_saves(py)?;
+            let disk = self.disk.as_ref().expect("checked");
+            {
+                let mut p = disk.pending.0.lock();
+                for (h, d, _, _) in &writes {
+                    *p.by_host.entry(*h).or_insert(0) += 1;
+                    *p.by_slot.entry(*d).or_insert(0) += 1;
+                }
+            }
+            let jobs = disk.jobs.as_ref().expect("open while the worker lives");
+            for w in writes {
+                let (h, d) = (w.0, w.1);
+                if jobs.send(w).is_err() {
+                    disk.pending.0.lock().done(h, d, false);
+                    disk.pending.1.notify_all();
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Reads disk blocks into host blocks (`reads` of (disk, host, key)) now, after any queued
+    /// write of those slots; returns the host blocks that missed (corrupt, never written,
+    /// another key), which later loads report as failed instead of copying.
+    fn disk_read(&mut self, py: Python<'_>, reads: Vec<(u32, u32, u64)>) -> PyResult<Vec<u32>> {
+        guard(|| {
+            if reads.is_empty() {
+                return Ok(Vec::new());
+            }
+            let Some(disk) = &self.disk else {
+                return Err(LayoutError::new_err(
+                    "disk reads for a worker without a disk tier",
+                ));
+            };
+            for (d, h, _) in &reads {
+                if *h as usize >= self.host_blocks || *d as usize >= disk.store.slots() {
+                    return Err(LayoutError::new_err(format!(
+                        "disk block {d} / host block {h} outside {} disk / {} host blocks",
+                        disk.store.slots(),
+                        self.host_blocks
+                    )));
+                }
+            }
+            self.wait_saves(py)?;
+            self.wait_blocks_ready(py, reads.iter().map(|&(_, h, _)| h))?;
+            let disk = self.disk.as_ref().expect("checked");
+            let (host, layout, bytes) = (&self.host, &self.host_layout, self.kv.bytes_per_block());
+            let missed: Vec<u32> = py.allow_threads(|| {
+                let mut buf = match AlignedBuf::new(disk.store.payload_area_bytes()) {
+                    Ok(b) => b,
+                    Err(_) => return reads.iter().map(|&(_, h, _)| h).collect(),
+                };
+                let mut missed = Vec::new();
+                for &(d, h, key) in &reads {
+                    disk.wait_for(Some(h), Some(d));
+                    let hit = matches!(disk.store.read(d, key, &mut buf), Ok(Lookup::Hit))
+                        && host
+                            .write(host_offset(host, layout, h), &buf.as_slice()[..bytes])
+                            .is_ok();
+                    if !hit {
+                        missed.push(h);
+                    }
+                }
+                missed
+            });
+            let disk = self.disk.as_mut().expect("checked");
+            disk.reads += reads.len() as u64;
+            disk.misses += missed.len() as u64;
+            self.bad_host.extend(missed.iter().copied());
+            for &(_, h, _) in &reads {
+                if !missed.contains(&h) {
+                    self.bad_host.remove(&h);
+                }
+            }
+            Ok(missed)
+        })
+    }
+
+    /// Waits until every queued disk write finished.
+    fn wait_disk(&self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            if let Some(disk) = &self.disk {
+                py.allow_threads(|| disk.wait_all());
+            }
+            Ok(())
+        })
+    }
+
+    /// Disk blocks of this worker's file (0 without a disk tier).
+    #[getter]
+    fn disk_blocks(&self) -> usize {
+        self.disk.as_ref().map_or(0, |d| d.store.slots())
+    }
+
     /// Waits until the whole host pool is pinned (or `timeout_s` passed); returns whether it is.
     #[pyo3(signature = (timeout_s=300.0))]
     fn wait_host_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
@@ -398,6 +643,14 @@ impl Worker {
             d.set_item("saves_in_flight", self.saves.len())?;
             d.set_item("bad_host_blocks", self.bad_host.len())?;
             d.set_item("host_ready_bytes", self.host.ready_bytes())?;
+            if let Some(disk) = &self.disk {
+                let p = disk.pending.0.lock();
+                d.set_item("disk_written", p.written)?;
+                d.set_item("disk_write_failures", p.write_failures)?;
+                d.set_item("disk_writes_pending", p.by_slot.values().sum::<usize>())?;
+                d.set_item("disk_reads", disk.reads)?;
+                d.set_item("disk_misses", disk.misses)?;
+            }
             Ok(d)
         })
     }
@@ -456,4 +709,52 @@ impl Worker {
             }
         }
     }
+}
+
+/// Byte offset of host block `h`'s payload in the host region.
+fn host_offset(host: &HostRegion, layout: &BlockLayout, h: u32) -> usize {
+    (layout.chunk_addr(h as usize, 0, 0) - host.addr()) as usize
+}
+
+/// Starts the thread that writes host blocks to disk.
+fn start_disk(
+    store: Arc<DiskStore>,
+    host: HostRegion,
+    layout: BlockLayout,
+    kv: KvLayout,
+) -> PyResult<DiskSide> {
+    let (jobs, receiver) = crossbeam_channel::unbounded::<DiskWrite>();
+    let pending: Arc<(Mutex<DiskPending>, Condvar)> = Arc::default();
+    let (thread_store, thread_pending) = (store.clone(), pending.clone());
+    let thread = std::thread::Builder::new()
+        .name("kvbm-py-disk".into())
+        .spawn(move || {
+            let bytes = kv.bytes_per_block();
+            let mut buf = AlignedBuf::new(thread_store.payload_area_bytes()).ok();
+            for (h, d, key, metadata) in receiver {
+                let ok = buf.as_mut().is_some_and(|buf| {
+                    host.read(
+                        host_offset(&host, &layout, h),
+                        &mut buf.as_mut_slice()[..bytes],
+                    )
+                    .is_ok()
+                        && matches!(
+                            thread_store.write_with_metadata(d, key, buf, &metadata),
+                            Ok(WriteOutcome::Stored)
+                        )
+                });
+                let (lock, cv) = &*thread_pending;
+                lock.lock().done(h, d, ok);
+                cv.notify_all();
+            }
+        })
+        .map_err(|e| DeviceError::new_err(format!("cannot start the disk writer: {e}")))?;
+    Ok(DiskSide {
+        store,
+        jobs: Some(jobs),
+        pending,
+        thread: Some(thread),
+        reads: 0,
+        misses: 0,
+    })
 }

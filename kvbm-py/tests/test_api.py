@@ -150,3 +150,79 @@ def test_layouts_that_kvbm_cannot_copy_are_refused_clearly():
         t = make_caches("outer_first", 1, 4, 4, 2, 8)
         tensors = list(t.values())
         kvbm.Worker(tensors, [x.data_ptr() for x in tensors], "sideways", 4, 4, 16, 2, 2)
+
+
+def test_worker_disk_tier_round_trips_and_a_bad_block_is_a_miss(tmp_path):
+    caches = make_caches("block_first", layers=2, num_blocks=6, block_size=4, heads=2, head_size=8)
+    rng = np.random.default_rng(3)
+    for t in caches.values():
+        t.array[...] = rng.integers(0, 1 << 16, size=t.array.shape, dtype=np.uint16)
+    before = {name: block_view(t, "block_first", 2) for name, t in caches.items()}
+    config = kvbm.Config.from_env(
+        {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+    )
+    worker = KvbmWorker(host_blocks=4, disk_blocks=8, config=config)
+    worker.register_kv_caches(caches)
+    w = worker.native
+    assert w.disk_blocks == 8
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o600
+    # GPU 2 -> host 1 -> disk 5, then disk 5 -> host 3 (staging) -> GPU 4.
+    w.save([(2, 1)], ["r"])
+    w.disk_write([(1, 5, 0xABC, [1, 2, 3])])
+    w.wait_disk()
+    assert w.stats()["disk_written"] == 1
+    assert w.disk_read([(5, 3, 0xABC)]) == []
+    w.load([(3, 4)])
+    assert w.wait_loads()
+    for name, t in caches.items():
+        assert np.array_equal(block_view(t, "block_first", 4), before[name])
+    # The wrong key (or a slot never written) is a miss: nothing is loaded, the GPU block is
+    # reported failed, and its contents stay as they were.
+    marker = {name: block_view(t, "block_first", 0) for name, t in caches.items()}
+    assert w.disk_read([(5, 2, 0xDEF), (6, 0, 0xABC)]) == [2, 0]
+    w.load([(2, 0), (0, 1)])
+    w.wait_loads()
+    assert w.take_failed() == [0, 1]
+    for name, t in caches.items():
+        assert np.array_equal(block_view(t, "block_first", 0), marker[name])
+    stats = w.stats()
+    assert (stats["disk_reads"], stats["disk_misses"]) == (3, 2)
+    with pytest.raises(kvbm.LayoutError, match="outside"):
+        w.disk_write([(0, 8, 1, [])])
+    no_disk = KvbmWorker(host_blocks=2)
+    no_disk.register_kv_caches(make_caches("mla", 1, 2, 4, 1, 8))
+    with pytest.raises(kvbm.LayoutError, match="without a disk tier"):
+        no_disk.native.disk_read([(0, 0, 1)])
+
+
+def test_leader_admits_to_disk_and_matches_host_then_disk():
+    leader = kvbm.Leader(4, 3, disk_blocks=8, disk_filter_disabled=True)
+    blocks = _blocks(list(range(24)), 4)  # 6 blocks
+    hashes = [b[0] for b in blocks]
+    leader.offload(blocks[:3])
+    writes = leader.take_disk_writes()
+    assert [w[2] for w in writes] == hashes[:3], "every block admitted (filter off)"
+    assert all(len(w[3]) > 0 for w in writes), "identity bytes for the block header"
+    assert leader.counts()["disk_registered"] == 3
+    events = leader.take_events()
+    assert [(e[0], e[1]) for e in events] == [("stored", "CPU_PINNED"), ("stored", "DISK")]
+    for _ in range(2):
+        leader.end_step()
+    leader.offload(blocks[3:])  # evicts blocks 0..3 from the 3-block host tier
+    assert leader.take_disk_writes() != []
+    # Every host block is held by the step's copies: no room to stage a disk block yet.
+    assert leader.count_prefix_tiers(hashes) == (0, 0)
+    for _ in range(2):
+        leader.end_step()
+    # Six blocks on disk, three host blocks to stage them in.
+    assert leader.count_prefix_tiers(hashes) == (0, 3)
+    host, reads = leader.plan_load(hashes[:4])
+    assert host == [] and [r[0] for r in reads] == [w[1] for w in writes[:3]]
+    assert [r[2] for r in reads] == hashes[:3], "only as many staging host blocks as are free"
+    assert len({r[1] for r in reads}) == 3
+    with_filter = kvbm.Leader(4, 8, disk_blocks=8)
+    with_filter.offload(blocks[:2])
+    assert with_filter.take_disk_writes() == [], "seen once: not admitted"
+    with_filter.plan_load(hashes[:2])
+    assert [w[2] for w in with_filter.take_disk_writes()] == hashes[:2], "seen twice: admitted"

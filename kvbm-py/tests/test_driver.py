@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
 import numpy as np
+import pytest
 
 from kvbm.leader import KvbmLeader
 
@@ -46,16 +47,37 @@ def pattern(value: int, layer: int, outer: int) -> np.ndarray:
     return ((base + np.arange(HEADS * HEAD_SIZE)) & 0xFFFF).astype(np.uint16).reshape(HEADS, HEAD_SIZE)
 
 
+def receive(conn):
+    """The worker's answer; a worker that died or hangs fails the test instead of hanging it."""
+    assert conn.poll(60), "the worker process did not answer within 60 s"
+    answer = conn.recv()
+    if isinstance(answer, BaseException):
+        raise AssertionError(f"the worker failed: {answer!r}")
+    return answer
+
+
 def worker_main(conn) -> None:
+    try:
+        run_worker(conn)
+    except BaseException as e:  # report it to the test instead of dying silently
+        conn.send(e)
+
+
+def run_worker(conn) -> None:
     import os
 
     os.environ["KVBM_DEVICE"] = "emulated"
     from conftest import make_caches
 
+    import kvbm
     from kvbm.worker import KvbmWorker
 
+    host_blocks, disk_blocks, disk_dir = conn.recv()
     caches = make_caches(KIND, LAYERS, GPU_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
-    worker = KvbmWorker(host_blocks=HOST_BLOCKS)
+    config = kvbm.Config.from_env(
+        {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks), "DYN_KVBM_DISK_CACHE_DIR": disk_dir}
+    )
+    worker = KvbmWorker(host_blocks=host_blocks, disk_blocks=disk_blocks, config=config)
     worker.register_kv_caches(caches)
     names = list(caches)
     while True:
@@ -159,7 +181,12 @@ def next_token(tokens: List[int]) -> int:
     return (tokens[-1] * 31 + len(tokens) * 7 + 3) % 50_000
 
 
-def test_vllm_call_order_across_processes():
+@pytest.mark.parametrize(
+    "host_blocks,disk_blocks",
+    [(HOST_BLOCKS, 0), (24, 160)],
+    ids=["host-tier", "host-and-disk-tiers"],
+)
+def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks):
     system = list(range(1000, 1040))  # 10 shared blocks
     requests = [
         Request("r0", system + list(range(1, 14)), max_tokens=9, arrival=0),
@@ -175,10 +202,12 @@ def test_vllm_call_order_across_processes():
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
     proc.start()
+    parent.send((host_blocks, disk_blocks, str(tmp_path)))
 
-    leader = KvbmLeader(BLOCK, HOST_BLOCKS)
+    leader = KvbmLeader(BLOCK, host_blocks, disk_blocks=disk_blocks, disk_filter_disabled=True)
     free = list(range(GPU_BLOCKS))
-    host_model: Set[int] = set()
+    models: Dict[str, Set[int]] = {"CPU_PINNED": set(), "DISK": set()}
+    disk_reads = 0
     finished_prev: Set[str] = set()
     awaiting_send: Dict[str, List[int]] = {}
     loaded_blocks = 0
@@ -243,8 +272,9 @@ def test_vllm_call_order_across_processes():
             out = SchedulerOutput(new_reqs, cached, scheduled, finished_prev, preempted)
             meta = leader.build_connector_meta(out)
             assert sum(len(p) for _, p in meta.loads) == len(expect)
+            disk_reads += len(meta.disk_reads)
             parent.send((pickle.dumps(meta), writes, expect, sorted(finished_prev)))
-            sending, recving, errors, mismatches = parent.recv()
+            sending, recving, errors, mismatches = receive(parent)
             assert mismatches == [], f"step {step}: loaded bytes differ at {mismatches[:5]}"
             assert errors == [] and recving == []
             finished_prev = set()
@@ -273,13 +303,14 @@ def test_vllm_call_order_across_processes():
             leader.update_connector_output(ConnectorOutput(set(sending), set(recving), set(errors)))
             for e in leader.take_events():
                 name = type(e).__name__
-                assert name != "BlockStored" or e.medium == "CPU_PINNED"
                 if name == "BlockStored":
-                    assert not host_model & set(e.block_hashes), "stored twice without removal"
-                    host_model |= set(e.block_hashes)
+                    model = models[e.medium]
+                    assert not model & set(e.block_hashes), "stored twice without removal"
+                    model |= set(e.block_hashes)
                 elif name == "BlockRemoved":
-                    assert set(e.block_hashes) <= host_model, "removed what was not stored"
-                    host_model -= set(e.block_hashes)
+                    model = models[e.medium]
+                    assert set(e.block_hashes) <= model, "removed what was not stored"
+                    model -= set(e.block_hashes)
             if all(r.status == "done" for r in requests) and not finished_prev:
                 break
         else:
@@ -288,10 +319,10 @@ def test_vllm_call_order_across_processes():
         for _ in range(2):
             meta = leader.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, set(), set()))
             parent.send((pickle.dumps(meta), [], [], []))
-            assert parent.recv()[3] == []
+            assert receive(parent)[3] == []
     finally:
         parent.send(None)
-        assert parent.recv() == "bye"
+        assert receive(parent) == "bye"
         proc.join(timeout=30)
     assert proc.exitcode == 0
 
@@ -307,5 +338,10 @@ def test_vllm_call_order_across_processes():
     assert leader.tracked_requests() == []
     counts = leader.counts()
     assert counts["held"] == 0 and counts["evictions"] > 0, counts
-    # The events replay to the host tier's contents.
-    assert host_model == set(leader.native.registered_hashes())
+    # The events replay to the tiers' contents.
+    assert models["CPU_PINNED"] == set(leader.native.registered_hashes("host"))
+    assert models["DISK"] == set(leader.native.registered_hashes("disk"))
+    if disk_blocks:
+        assert counts["disk_held"] == 0 and disk_reads > 10, (counts, disk_reads)
+    else:
+        assert disk_reads == 0 and models["DISK"] == set()

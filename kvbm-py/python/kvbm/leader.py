@@ -7,13 +7,15 @@ it with plain stand-ins.
 What it does each step:
 
 - ``get_num_new_matched_tokens``: counts the prompt's full blocks, after vLLM's own GPU prefix
-  hit, that the host tier holds, stopping at the first miss and never covering the whole prompt
-  (vLLM must compute at least one token). No side effects.
-- ``update_state_after_alloc``: holds the matched host blocks and pairs them with the GPU blocks
-  vLLM allocated; these loads run synchronously in the worker's step.
+  hit, that the host tier holds and then those continuing on disk, stopping at the first miss
+  and never covering the whole prompt (vLLM must compute at least one token). No side effects.
+- ``update_state_after_alloc``: holds the matched host and disk blocks and pairs them with the
+  GPU blocks vLLM allocated (disk blocks through staging host blocks); these loads run
+  synchronously in the worker's step, so the answer's asynchronous flag is always False.
 - ``build_connector_meta``: for every scheduled request, the blocks that become complete in this
   step are registered in the host tier (write-through offload) and paired with their GPU blocks
-  for the workers to save.
+  for the workers to save; host blocks admitted to disk (seen twice) get a disk block to be
+  written to.
 - ``request_finished``: True when the request had saves, which the workers then report in
   ``finished_sending`` once they completed; until then vLLM keeps its GPU blocks.
 """
@@ -88,15 +90,20 @@ class KvbmLeader:
         block_size: int,
         host_blocks: int,
         *,
+        disk_blocks: int = 0,
+        disk_filter_disabled: bool = False,
         metrics: Optional[Metrics] = None,
     ) -> None:
         self.block_size = int(block_size)
-        self._native = _kvbm.Leader(self.block_size, int(host_blocks))
+        self._native = _kvbm.Leader(
+            self.block_size, int(host_blocks), int(disk_blocks), bool(disk_filter_disabled)
+        )
         self._metrics = metrics or global_metrics()
         self._metrics.set("kvbm_host_blocks_capacity", host_blocks)
         self._requests: Dict[str, _Request] = {}
         self._loads: List[Tuple[str, List[Tuple[int, int]]]] = []
         self._load_errors: List[int] = []
+        self._disk_reads: List[Tuple[int, int, int]] = []
         self._step = 0
 
     # -- helpers --------------------------------------------------------------------------
@@ -147,7 +154,8 @@ class KvbmLeader:
             st.match = None
             return 0, False
         hashes = self._hashes(st, limit)
-        found = self._native.count_prefix(hashes[start:limit])
+        on_host, on_disk = self._native.count_prefix_tiers(hashes[start:limit])
+        found = on_host + on_disk
         self._metrics.inc("kvbm_lookup_tokens", (limit - start) * b)
         self._metrics.inc("kvbm_matched_tokens", found * b)
         st.match = (start, found) if found else None
@@ -173,14 +181,20 @@ class KvbmLeader:
                 start,
             )
             return
-        host = self._native.hold(st.hashes[start : start + wanted])
-        pairs = list(zip(host, ids[start : start + len(host)]))
-        if len(host) < wanted:
+        host, disk = self._native.plan_load(st.hashes[start : start + wanted])
+        got = len(host) + len(disk)
+        gpu = ids[start : start + got]
+        # Disk blocks come through staging host blocks: disk -> host, then host -> GPU.
+        pairs = list(zip(host, gpu)) + [(stage, g) for (_, stage, _), g in zip(disk, gpu[len(host) :])]
+        self._disk_reads.extend(disk)
+        if got < wanted:
             # Evicted since they were counted: vLLM must recompute these.
-            self._load_errors.extend(ids[start + len(host) : start + wanted])
+            self._load_errors.extend(ids[start + got : start + wanted])
         if pairs:
             self._loads.append((request.request_id, pairs))
-            self._metrics.inc("kvbm_onboard_blocks_h2d", len(pairs))
+            self._metrics.inc("kvbm_onboard_blocks_h2d", len(host))
+            self._metrics.inc("kvbm_onboard_blocks_d2d", len(disk))
+        # Blocks loaded from the host tier are there already; those from disk are saved again.
         st.saved_blocks = max(st.saved_blocks, start + len(host))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
@@ -257,10 +271,17 @@ class KvbmLeader:
         for rid, pairs in saves:
             self._requests[rid].had_saves = True
             self._metrics.inc("kvbm_offload_blocks_d2h", len(pairs))
+        disk_writes = self._native.take_disk_writes()
+        self._metrics.inc("kvbm_offload_blocks_h2d", len(disk_writes))
         meta = KvbmConnectorMetadata(
-            step=self._step, loads=self._loads, saves=saves, load_errors=self._load_errors
+            step=self._step,
+            loads=self._loads,
+            saves=saves,
+            load_errors=self._load_errors,
+            disk_reads=self._disk_reads,
+            disk_writes=disk_writes,
         )
-        self._loads, self._load_errors = [], []
+        self._loads, self._load_errors, self._disk_reads = [], [], []
         self._step += 1
         self._native.end_step()
         self._metrics.set("kvbm_host_blocks_registered", self._native.counts()["registered"])

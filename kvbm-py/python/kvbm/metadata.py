@@ -27,9 +27,14 @@ class KvbmConnectorMetadata(_Base):
     - ``saves``: per request id, (GPU block, host block) pairs to copy out after it.
     - ``load_errors``: GPU block ids the leader promised but could not back (their host copies
       were evicted in between); workers report them so that vLLM recomputes them.
+    - ``disk_reads``: (disk block, host block, key) to read before the loads (the host blocks
+      are staging blocks that the loads then copy to the GPU).
+    - ``disk_writes``: (host block, disk block, key, identity bytes) to write after the saves.
     """
 
     step: int = 0
     loads: List[Tuple[str, Pairs]] = field(default_factory=list)
     saves: List[Tuple[str, Pairs]] = field(default_factory=list)
     load_errors: List[int] = field(default_factory=list)
+    disk_reads: List[Tuple[int, int, int]] = field(default_factory=list)
+    disk_writes: List[Tuple[int, int, int, List[int]]] = field(default_factory=list)

@@ -5,10 +5,12 @@
 the pinned host pool and its copy streams, and executes the leader's instructions:
 
 - ``start_load_kv``: waits for every earlier save (a host block is never read while a save into
-  it runs, and the GPU blocks a save reads are not overwritten by this step's forward), then
-  starts the step's loads, one transfer per layer;
+  it runs, and the GPU blocks a save reads are not overwritten by this step's forward), reads
+  the step's disk blocks into their staging host blocks, then starts the step's loads, one
+  transfer per layer;
 - ``wait_for_layer_load``: waits for that layer's transfer only;
-- ``wait_for_save``: starts the step's saves (after the forward pass wrote the blocks);
+- ``wait_for_save``: starts the step's saves (after the forward pass wrote the blocks), then
+  queues the step's disk writes (after those saves completed);
 - ``get_finished``: reports finished requests whose saves all completed.
 """
 
@@ -76,13 +78,17 @@ class KvbmWorker:
         self,
         *,
         host_blocks: Optional[int] = None,
+        disk_blocks: Optional[int] = None,
         world_size: int = 1,
+        rank: int = 0,
         config: Optional["_kvbm.Config"] = None,
         metrics: Optional[Metrics] = None,
         device: Optional[str] = None,
     ) -> None:
         self._host_blocks = host_blocks
+        self._disk_blocks = disk_blocks
         self._world_size = int(world_size)
+        self._rank = int(rank)
         self._config = config
         self._metrics = metrics or global_metrics()
         self._device = device
@@ -120,10 +126,15 @@ class KvbmWorker:
         elem = int(first.element_size())
         outer = 1 if kind == "mla" else 2
         bytes_per_block = len(tensors) * outer * block_size * inner * elem
-        host_blocks = self._host_blocks
+        # Sizes given here win; otherwise they come from the configuration (the environment).
+        host_blocks, disk_blocks = self._host_blocks, self._disk_blocks
+        config = self._config
+        if config is None and host_blocks is None:
+            config = _kvbm.Config.from_env()
         if host_blocks is None:
-            config = self._config or _kvbm.Config.from_env()
             host_blocks = config.host_blocks(bytes_per_block, self._world_size)
+        if disk_blocks is None:
+            disk_blocks = config.disk_blocks(bytes_per_block, self._world_size) if config else 0
         device, index = _device_of(first)
         if self._device is not None:
             device = self._device
@@ -143,6 +154,11 @@ class KvbmWorker:
             int(host_blocks),
             device,
             index,
+            int(disk_blocks),
+            config.disk_dir if config is not None else None,
+            f"kvbm-rank{self._rank}.cache",
+            config.disk_disable_o_direct if config is not None else False,
+            config.disk_engine if config is not None else "auto",
         )
         self._layers = {n: i for i, n in enumerate(names)}
         log.info(
@@ -169,6 +185,9 @@ class KvbmWorker:
         if meta is None:
             return
         self._load_errors.update(meta.load_errors)
+        reads = getattr(meta, "disk_reads", None)
+        if reads:
+            w.disk_read(reads)  # misses become load errors of their GPU blocks
         pairs = [p for _, ps in meta.loads for p in ps]
         if pairs:
             w.load(pairs)
@@ -185,17 +204,21 @@ class KvbmWorker:
 
     def wait_for_save(self) -> None:
         meta = self._meta
-        if meta is None or not meta.saves:
+        if meta is None:
             return
         w = self.native
-        w.wait_loads()
-        if self._sync is not None:
-            self._sync()  # the forward's writes are on the compute stream
-        pairs = [p for _, ps in meta.saves for p in ps]
-        requests = [rid for rid, _ in meta.saves]
-        w.save(pairs, requests)
-        self._in_flight.update(requests)
-        self._saved.update(requests)
+        if meta.saves:
+            w.wait_loads()
+            if self._sync is not None:
+                self._sync()  # the forward's writes are on the compute stream
+            pairs = [p for _, ps in meta.saves for p in ps]
+            requests = [rid for rid, _ in meta.saves]
+            w.save(pairs, requests)
+            self._in_flight.update(requests)
+            self._saved.update(requests)
+        writes = getattr(meta, "disk_writes", None)
+        if writes:
+            w.disk_write(writes)
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         w = self.native
@@ -221,6 +244,7 @@ class KvbmWorker:
         if self._native is not None:
             self._native.wait_saves()
             self._native.wait_loads()
+            self._native.wait_disk()
 
     def _report_bytes(self) -> None:
         stats = self.native.stats()

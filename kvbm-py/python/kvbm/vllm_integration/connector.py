@@ -110,16 +110,30 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._leader: Optional[KvbmLeader] = None
         self._worker: Optional[KvbmWorker] = None
         if self._role == "scheduler":
-            host_blocks = config.host_blocks(_bytes_per_block(kv_cache_config, block_size), world)
+            per_block = _bytes_per_block(kv_cache_config, block_size)
+            host_blocks = config.host_blocks(per_block, world)
+            disk_blocks = config.disk_blocks(per_block, world)
             if host_blocks == 0:
+                # Disk blocks come back through the host tier: it must exist.
                 raise _kvbm.ConfigError(
                     "the host tier has no block: set DYN_KVBM_CPU_CACHE_GB (or "
-                    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS) above 0"
+                    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS) above 0; the disk tier needs it too"
                 )
-            self._leader = KvbmLeader(block_size, host_blocks)
-            log.info("kvbm leader: %d host blocks of %d tokens", host_blocks, block_size)
+            self._leader = KvbmLeader(
+                block_size,
+                host_blocks,
+                disk_blocks=disk_blocks,
+                disk_filter_disabled=config.disk_offload_filter_disabled,
+            )
+            log.info(
+                "kvbm leader: %d host and %d disk blocks of %d tokens",
+                host_blocks,
+                disk_blocks,
+                block_size,
+            )
         else:
-            self._worker = KvbmWorker(world_size=world, config=config)
+            rank = int(getattr(parallel, "rank", 0) or 0)
+            self._worker = KvbmWorker(world_size=world, rank=rank, config=config)
 
     # -- scheduler role -----------------------------------------------------------------------
 
