@@ -7,9 +7,11 @@ they arrived, and GPU blocks are freed only when vLLM would free them. The "forw
 for every token it computes, a pattern derived from the token's whole prefix, so a loaded block
 holds the right bytes only if it was saved from, and loaded into, the right places.
 
-Checked: a prefix saved by one request is matched by the next; every loaded block equals what its
-tokens' forward pass wrote; no request hangs and no GPU or host block leaks; the tier events replay
-to exactly the host tier's contents.
+Run with the host tier alone, and with host and disk tiers on two tensor-parallel ranks (two
+worker processes, each with its own shard of bytes and its own disk file, executing the same
+metadata). Checked: a prefix saved by one request is matched by the next; every loaded block
+equals what its tokens' forward pass wrote on that rank; no request hangs and no GPU, host or disk
+block leaks; the tier events replay to exactly the tiers' contents.
 """
 
 import multiprocessing as mp
@@ -72,12 +74,14 @@ def run_worker(conn) -> None:
     import kvbm
     from kvbm.worker import KvbmWorker
 
-    host_blocks, disk_blocks, disk_dir = conn.recv()
+    host_blocks, disk_blocks, disk_dir, rank = conn.recv()
     caches = make_caches(KIND, LAYERS, GPU_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
     config = kvbm.Config.from_env(
         {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks), "DYN_KVBM_DISK_CACHE_DIR": disk_dir}
     )
-    worker = KvbmWorker(host_blocks=host_blocks, disk_blocks=disk_blocks, config=config)
+    worker = KvbmWorker(host_blocks=host_blocks, disk_blocks=disk_blocks, config=config, rank=rank, world_size=2)
+    # Each tensor-parallel rank holds its own shard: here, its own bytes for the same tokens.
+    shard = rank * 4099
     worker.register_kv_caches(caches)
     names = list(caches)
     while True:
@@ -94,11 +98,11 @@ def run_worker(conn) -> None:
             for gpu, values in expect:
                 for slot, v in enumerate(values):
                     for outer in range(2):
-                        if not np.array_equal(a[outer, gpu, slot], pattern(v, layer, outer)):
+                        if not np.array_equal(a[outer, gpu, slot], pattern(v + shard, layer, outer)):
                             mismatches.append((name, gpu, slot))
             for gpu, slot, v in writes:
                 for outer in range(2):
-                    a[outer, gpu, slot] = pattern(v, layer, outer)
+                    a[outer, gpu, slot] = pattern(v + shard, layer, outer)
             worker.save_kv_layer(name, caches[name], None)
         worker.wait_for_save()
         sending, recving = worker.get_finished(set(finished_ids))
@@ -182,11 +186,11 @@ def next_token(tokens: List[int]) -> int:
 
 
 @pytest.mark.parametrize(
-    "host_blocks,disk_blocks",
-    [(HOST_BLOCKS, 0), (24, 160)],
-    ids=["host-tier", "host-and-disk-tiers"],
+    "host_blocks,disk_blocks,ranks",
+    [(HOST_BLOCKS, 0, 1), (24, 160, 2)],
+    ids=["host-tier", "host-and-disk-tiers-two-ranks"],
 )
-def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks):
+def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ranks):
     system = list(range(1000, 1040))  # 10 shared blocks
     requests = [
         Request("r0", system + list(range(1, 14)), max_tokens=9, arrival=0),
@@ -199,10 +203,34 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks):
     preempt = {("r1", 9)}  # (request, step): preempted then, resumed when blocks allow
 
     ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
-    proc.start()
-    parent.send((host_blocks, disk_blocks, str(tmp_path)))
+    workers = []
+    for rank in range(ranks):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
+        proc.start()
+        parent.send((host_blocks, disk_blocks, str(tmp_path), rank))
+        workers.append((parent, proc))
+
+    def step_all(message):
+        """Sends one step to every rank; merges their answers as vLLM's aggregator does: a
+        request is finished sending once every rank reported it."""
+        for conn, _ in workers:
+            conn.send(message)
+        answers = [receive(conn) for conn, _ in workers]
+        sent = []
+        for answer in answers:
+            for rid in answer[0]:
+                reports[rid] = reports.get(rid, 0) + 1
+                if reports[rid] == ranks:
+                    sent.append(rid)
+        return (
+            sorted(sent),
+            sorted(set().union(*(a[1] for a in answers))),
+            sorted(set().union(*(a[2] for a in answers))),
+            [m for a in answers for m in a[3]],
+        )
+
+    reports: Dict[str, int] = {}
 
     leader = KvbmLeader(BLOCK, host_blocks, disk_blocks=disk_blocks, disk_filter_disabled=True)
     free = list(range(GPU_BLOCKS))
@@ -273,8 +301,9 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks):
             meta = leader.build_connector_meta(out)
             assert sum(len(p) for _, p in meta.loads) == len(expect)
             disk_reads += len(meta.disk_reads)
-            parent.send((pickle.dumps(meta), writes, expect, sorted(finished_prev)))
-            sending, recving, errors, mismatches = receive(parent)
+            sending, recving, errors, mismatches = step_all(
+                (pickle.dumps(meta), writes, expect, sorted(finished_prev))
+            )
             assert mismatches == [], f"step {step}: loaded bytes differ at {mismatches[:5]}"
             assert errors == [] and recving == []
             finished_prev = set()
@@ -318,13 +347,13 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks):
         # Two more empty steps release every hold.
         for _ in range(2):
             meta = leader.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, set(), set()))
-            parent.send((pickle.dumps(meta), [], [], []))
-            assert receive(parent)[3] == []
+            assert step_all((pickle.dumps(meta), [], [], []))[3] == []
     finally:
-        parent.send(None)
-        assert receive(parent) == "bye"
-        proc.join(timeout=30)
-    assert proc.exitcode == 0
+        for conn, proc in workers:
+            conn.send(None)
+            assert receive(conn) == "bye"
+            proc.join(timeout=30)
+            assert proc.exitcode == 0
 
     # A prefix saved by one request is matched by the next ones.
     assert by_id["r1"].matched_tokens[0] == len(system), by_id["r1"].matched_tokens
@@ -343,5 +372,7 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks):
     assert models["DISK"] == set(leader.native.registered_hashes("disk"))
     if disk_blocks:
         assert counts["disk_held"] == 0 and disk_reads > 10, (counts, disk_reads)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == [f"kvbm-rank{r}.cache" for r in range(ranks)], names
     else:
         assert disk_reads == 0 and models["DISK"] == set()
