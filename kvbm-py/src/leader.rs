@@ -304,6 +304,41 @@ impl Leader {
         })
     }
 
+    /// [`Self::offload`] for runs of consecutive blocks, one run per request: each run is (its
+    /// blocks' hashes, the hash before the first, the run's tokens). One list of host ids (or
+    /// None) per run.
+    #[pyo3(signature = (runs, lora_name=None))]
+    fn offload_runs(
+        &mut self,
+        runs: Vec<(Vec<u64>, Option<u64>, Vec<u32>)>,
+        lora_name: Option<String>,
+    ) -> PyResult<Vec<Vec<Option<u32>>>> {
+        guard(|| {
+            let b = self.block_size;
+            let mut blocks = Vec::with_capacity(runs.iter().map(|r| r.0.len()).sum());
+            for (hashes, parent, tokens) in &runs {
+                if tokens.len() != hashes.len() * b {
+                    return Err(LayoutError::new_err(format!(
+                        "a run of {} blocks has {} tokens, expected {}",
+                        hashes.len(),
+                        tokens.len(),
+                        hashes.len() * b
+                    )));
+                }
+                let mut prev = *parent;
+                for (h, t) in hashes.iter().zip(tokens.chunks_exact(b)) {
+                    blocks.push((*h, prev, t.to_vec()));
+                    prev = Some(*h);
+                }
+            }
+            let mut ids = self.offload(blocks, lora_name)?.into_iter();
+            Ok(runs
+                .iter()
+                .map(|(hashes, _, _)| ids.by_ref().take(hashes.len()).collect())
+                .collect())
+        })
+    }
+
     /// Ends a step: blocks handed out `HOLD_STEPS` steps ago become evictable again.
     fn end_step(&mut self) -> PyResult<()> {
         guard(|| {

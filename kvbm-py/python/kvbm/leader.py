@@ -243,30 +243,24 @@ class KvbmLeader:
             ]
             for (st, _), hashes in zip(to_hash, _kvbm.sequence_hashes_batch(items, b)):
                 st.hashes.extend(hashes)
+        # One run of consecutive blocks per request, offloaded in one native call per LoRA.
         by_lora: Dict[Optional[str], list] = {}
         for rid, st, tokens, full in work:
             first = st.saved_blocks
-            block_tokens = tokens[first * b : full * b]
-            group = by_lora.setdefault(st.lora, [])
-            for k in range(first, full):
-                group.append(
-                    (
-                        rid,
-                        st.block_ids[k],
-                        (
-                            st.hashes[k],
-                            st.hashes[k - 1] if k else None,
-                            list(block_tokens[(k - first) * b : (k - first + 1) * b]),
-                        ),
-                    )
-                )
+            run = (
+                st.hashes[first:full],
+                st.hashes[first - 1] if first else None,
+                list(tokens[first * b : full * b]),
+            )
+            by_lora.setdefault(st.lora, []).append((rid, st.block_ids[first:full], run))
             st.saved_blocks = full
         per_request: Dict[str, List[Tuple[int, int]]] = {}
         for lora, group in by_lora.items():
-            host = self._native.offload([blk for _, _, blk in group], lora)
-            for (rid, gpu, _), h in zip(group, host):
-                if h is not None:
-                    per_request.setdefault(rid, []).append((gpu, h))
+            results = self._native.offload_runs([run for _, _, run in group], lora)
+            for (rid, gpu_ids, _), host_ids in zip(group, results):
+                pairs = [(g, h) for g, h in zip(gpu_ids, host_ids) if h is not None]
+                if pairs:
+                    per_request[rid] = pairs
         saves = list(per_request.items())
         for rid, pairs in saves:
             self._requests[rid].had_saves = True
