@@ -21,6 +21,11 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check ./kvbm-py
 (cd kvbm-py && ../.venv/bin/python -m pytest -q tests)
 
+echo "== scripts/gpu-check.sh without a GPU says so and exits 0"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  ./scripts/gpu-check.sh | grep -q "no NVIDIA GPU"
+fi
+
 echo "== Rust tests"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --workspace --no-fail-fast

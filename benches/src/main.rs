@@ -4,7 +4,11 @@
 //!   memcpy of the same bytes in the same run.
 //! - `disk`: blocks written to and read from kvbm-disk's store, verified, next to fio with the same
 //!   block size, queue depth and bytes on the same file system.
+//! - `router`: the router index on issue 4's generated workload.
+//! - `copy` and `pin`: the device layer alone (copy streams both ways and at once; pinning), for
+//!   the GPU checks of `scripts/gpu-check.sh`.
 
+mod copy;
 mod disk;
 mod offload;
 mod router;
@@ -60,6 +64,11 @@ enum Command {
     Disk(disk::DiskArgs),
     /// The router index on the generated workload: apply rate, find_matches latency, bytes/pair.
     Router(router::RouterArgs),
+    /// The device layer alone: D2H, H2D and both at once between GPU and pinned host memory,
+    /// per-layer or contiguous layouts, every byte verified.
+    Copy(copy::CopyArgs),
+    /// Map a pinned host pool and report when its first chunk and all of it are usable.
+    Pin(copy::PinArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -78,6 +87,8 @@ fn main() -> std::process::ExitCode {
         Command::Offload(args) => offload::run(args),
         Command::Disk(args) => disk::run(args),
         Command::Router(args) => router::run(args),
+        Command::Copy(args) => copy::run_copy(args),
+        Command::Pin(args) => copy::run_pin(args),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# kvbm's GPU checks, all in one go, with a timeout each, ending with a compact table.
+# Meant for a GPU machine with the NVIDIA driver, CUDA and Python 3 with PyTorch, but no Rust
+# toolchain and no network: run it from the bundle scripts/build-gpu-bundle.sh makes
+# (kvbm-bench, the kvbm wheel, this script), or from a repository with a release build.
+#
+#   ./gpu-check.sh                    # results (logs, results.jsonl) go to $OUT or a temp dir
+#   KVBM_GPU_CHECK_EMULATED=1 ./scripts/gpu-check.sh   # a dry run on the emulated device
+#
+# Without an NVIDIA GPU it says so and exits 0.
+set -uo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+DEVICE=cuda
+GIB="${KVBM_GPU_CHECK_GIB:-1}"      # GiB per direction per pass of each copy run
+PIN_GIB="${KVBM_GPU_CHECK_PIN_GIB:-16}"
+BLOCKS="${KVBM_GPU_CHECK_BLOCKS:-1024}"
+if [ "${KVBM_GPU_CHECK_EMULATED:-0}" = 1 ]; then
+  DEVICE=emulated
+  GIB="${KVBM_GPU_CHECK_GIB:-0.125}"
+  PIN_GIB="${KVBM_GPU_CHECK_PIN_GIB:-0.5}"
+  BLOCKS="${KVBM_GPU_CHECK_BLOCKS:-64}"
+  echo "gpu-check: dry run on the emulated device"
+else
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "gpu-check: no NVIDIA GPU on this machine (nvidia-smi finds none): nothing to check."
+    exit 0
+  fi
+fi
+BENCH="${KVBM_BENCH:-}"
+for candidate in "$HERE/kvbm-bench" "$HERE/../target/release/kvbm-bench"; do
+  if [ -z "$BENCH" ] && [ -x "$candidate" ]; then BENCH="$candidate"; fi
+done
+if [ -z "$BENCH" ]; then
+  echo "gpu-check: kvbm-bench not found (run scripts/build-gpu-bundle.sh, or cargo build --release -p kvbm-bench)" >&2
+  exit 2
+fi
+OUT="${OUT:-$(mktemp -d -t kvbm-gpu-check.XXXXXX)}"
+mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+: > "$RESULTS"
+START=$(date +%s)
+
+# run NAME SECONDS COMMAND...: runs it under a timeout, keeps its log, and records its last
+# JSON line (or null) with its exit status.
+run() {
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 3 "$OUT/$name.log" | grep -v '^{' | sed 's/^/   /'
+  local json
+  json=$(grep '^{' "$OUT/$name.log" | tail -n 1)
+  printf '{"check":"%s","rc":%d,"result":%s}\n' "$name" "$rc" "${json:-null}" >>"$RESULTS"
+}
+
+# 1. The device and the driver; which back end `auto` picks.
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
+fi
+run discovery 60 "$BENCH" copy --device auto --gib 0.0625 --iterations 1 --json
+
+# 2. The pinned host pool: time to the first usable chunk and to all of it.
+run "pin-${PIN_GIB}gib" 240 "$BENCH" pin --device "$DEVICE" --gib "$PIN_GIB" --json
+
+# 3. Copies through the streams: vLLM's two per-layer layouts and a contiguous one, blocks of
+#    0.5, 2 and 8 MiB; D2H, H2D, then both at once; every byte verified.
+for layout in outer-first block-first contiguous; do
+  for mib in 0.5 2 8; do
+    run "copy-$layout-${mib}mib" 120 "$BENCH" copy --device "$DEVICE" --layout "$layout" \
+      --block-mib "$mib" --gib "$GIB" --iterations 2 --json
+  done
+done
+
+# 4. The same copy with cuMemcpyBatchAsync off, coalescing off, and both off (2 MiB per-layer).
+for flags in "0 1" "1 0" "0 0"; do
+  set -- $flags
+  run "copy-outer-first-2mib-batch$1-coalesce$2" 120 env KVBM_COPY_BATCH=$1 KVBM_COPY_COALESCE=$2 \
+    "$BENCH" copy --device "$DEVICE" --layout outer-first --block-mib 2 --gib "$GIB" --iterations 2 --json
+done
+
+# 5. Through the block manager (allocation, piece lists, completion, registration): Qwen3-0.6B
+#    blocks (1.75 MiB), both per-layer shapes.
+for layout in outer-first block-first; do
+  run "offload-$layout" 180 "$BENCH" offload --device "$DEVICE" --layout "$layout" \
+    --blocks "$BLOCKS" --host-gb $(( (BLOCKS * 2 + 999) / 1000 + 1 )) --json
+done
+
+# 6. The connector's worker side with real tensors (torch CUDA), through the pinned pool and the
+#    disk tier, if Python, torch and the kvbm wheel are here.
+WHEEL=$(ls "$HERE"/kvbm-*.whl 2>/dev/null | head -n 1)
+PY="${PYTHON:-python3}"
+if command -v "$PY" >/dev/null 2>&1; then
+  if [ -n "$WHEEL" ] && ! "$PY" -c "import kvbm" >/dev/null 2>&1; then
+    "$PY" -m venv --system-site-packages "$OUT/venv" >/dev/null 2>&1 \
+      && "$OUT/venv/bin/python" -m pip install --quiet --no-deps --no-index "$WHEEL" >"$OUT/pip.log" 2>&1 \
+      && PY="$OUT/venv/bin/python"
+  fi
+  if "$PY" -c "import kvbm" >/dev/null 2>&1; then
+    run connector 180 env KVBM_GPU_CHECK_DEVICE="$DEVICE" "$PY" "$HERE/gpu_connector_check.py"
+  else
+    echo "== connector: skipped (the kvbm package is not installed and no wheel is here)"
+  fi
+else
+  echo "== connector: skipped (no python3)"
+fi
+
+echo
+echo "gpu-check: $(( $(date +%s) - START )) s; logs and results.jsonl in $OUT"
+# The table.
+if command -v python3 >/dev/null 2>&1; then
+  python3 - "$RESULTS" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+def f(x, spec=".1f"):
+    return format(x, spec) if isinstance(x, (int, float)) else "-"
+print(f"{'check':44} {'rc':>3} {'D2H':>7} {'H2D':>7} {'both D2H':>9} {'both H2D':>9} {'us/blk':>7}  notes")
+for row in rows:
+    r = row.get("result") or {}
+    notes = []
+    keys = ("device", "description", "driver_version") if row["check"] == "discovery" else ("device",)
+    for key in keys + ("batch_copy", "coalesce", "first_chunk_ready_s",
+                "full_ready_s", "pin_status", "verified", "d2h_vs_memcpy", "h2d_vs_memcpy", "error"):
+        if key in r and r[key] is not None:
+            notes.append(f"{key}={r[key] if not isinstance(r[key], float) else round(r[key], 3)}")
+    print(f"{row['check']:44} {row['rc']:>3} {f(r.get('d2h_gbps')):>7} {f(r.get('h2d_gbps')):>7} "
+          f"{f(r.get('both_d2h_gbps')):>9} {f(r.get('both_h2d_gbps')):>9} {f(r.get('submit_us_per_block'), '.2f'):>7}  "
+          + " ".join(notes))
+failed = [row["check"] for row in rows if row["rc"] != 0]
+print("all checks passed" if not failed else f"FAILED: {', '.join(failed)}")
+PY
+else
+  cat "$RESULTS"
+fi

@@ -1,0 +1,174 @@
+"""The connector's worker side on real tensors: vLLM-shaped per-layer KV caches (torch CUDA
+tensors on a GPU; numpy arrays in a dry run), registered with KvbmWorker, many blocks saved to the
+pinned host pool and loaded back into other GPU blocks, some through the disk tier, every byte
+compared with the tensors. Prints a summary line and one JSON line. Run by gpu-check.sh."""
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import kvbm
+from kvbm.worker import KvbmWorker
+
+DEVICE = os.environ.get("KVBM_GPU_CHECK_DEVICE", "cuda")
+LAYERS, HEADS, HEAD, BLOCK = 28, 8, 128, 16
+BLOCKS = int(os.environ.get("KVBM_GPU_CHECK_CONNECTOR_BLOCKS", "1024" if DEVICE == "cuda" else "64"))
+DISK = min(128, BLOCKS // 4)
+
+
+class HostTensor:
+    """numpy behind the tensor interface kvbm reads (dry runs without a GPU)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def data_ptr(self):
+        return int(self.a.ctypes.data)
+
+    @property
+    def shape(self):
+        return self.a.shape
+
+    def stride(self):
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+    @property
+    def dtype(self):
+        return self.a.dtype
+
+    def element_size(self):
+        return self.a.itemsize
+
+    device = "cpu"
+
+
+def make(shape):
+    if DEVICE == "cuda":
+        import torch
+
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        t.view(torch.int16).random_(-(1 << 15), (1 << 15) - 1)
+        return t
+    import numpy as np
+
+    return HostTensor(np.random.default_rng(len(shape)).integers(0, 1 << 16, size=shape, dtype=np.uint16))
+
+
+def block(t, kind, b):
+    x = t if DEVICE == "cuda" else t.a
+    return (x[:, b] if kind == "outer_first" else x[b]).clone() if DEVICE == "cuda" else (
+        x[:, b] if kind == "outer_first" else x[b]).copy()
+
+
+def equal(a, b):
+    if DEVICE == "cuda":
+        import torch
+
+        return torch.equal(a, b)
+    return (a == b).all()
+
+
+def zero(t, kind, b):
+    x = t if DEVICE == "cuda" else t.a
+    if kind == "outer_first":
+        x[:, b] = 0
+    else:
+        x[b] = 0
+
+
+def sync():
+    if DEVICE == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def check(kind):
+    shape = (2, BLOCKS, BLOCK, HEADS, HEAD) if kind == "outer_first" else (BLOCKS, 2, BLOCK, HEADS, HEAD)
+    caches = {f"model.layers.{i}.self_attn.attn": make(shape) for i in range(LAYERS)}
+    sync()
+    half = BLOCKS // 2
+    with tempfile.TemporaryDirectory() as tmp:
+        config = kvbm.Config.from_env(
+            {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(BLOCKS), "DYN_KVBM_DISK_CACHE_DIR": tmp}
+        )
+        worker = KvbmWorker(host_blocks=BLOCKS, disk_blocks=DISK, config=config)
+        worker.register_kv_caches(caches)
+        w = worker.native
+        assert w.wait_host_ready(600)
+        ref = {n: [block(t, kind, b) for b in range(half)] for n, t in list(caches.items())[:4]}
+        nbytes = half * w.bytes_per_block
+        t0 = time.perf_counter()
+        w.save([(b, b) for b in range(half)], ["check"])
+        w.wait_saves()
+        d2h = nbytes / (time.perf_counter() - t0) / 1e9
+        # Into other GPU blocks (the upper half), after scribbling over them.
+        for t in caches.values():
+            for b in range(half, BLOCKS):
+                zero(t, kind, b)
+        sync()
+        t0 = time.perf_counter()
+        w.load([(b, half + b) for b in range(half)])
+        ok = w.wait_loads()
+        h2d = nbytes / (time.perf_counter() - t0) / 1e9
+        mismatches = sum(
+            0 if equal(block(caches[n], kind, half + b), ref[n][b]) else 1 for n in ref for b in range(half)
+        )
+        # Through the disk tier: host -> disk, disk -> a staging host block -> GPU.
+        writes = [(b, b, 1000 + b, []) for b in range(DISK)]
+        t0 = time.perf_counter()
+        w.disk_write(writes)
+        w.wait_disk()
+        disk_write = DISK * w.bytes_per_block / (time.perf_counter() - t0) / 1e9
+        staging = [BLOCKS - 1 - b for b in range(DISK)]
+        t0 = time.perf_counter()
+        missed = w.disk_read([(b, staging[b], 1000 + b) for b in range(DISK)])
+        disk_read = DISK * w.bytes_per_block / (time.perf_counter() - t0) / 1e9
+        for t in caches.values():
+            for b in range(half, half + DISK):
+                zero(t, kind, b)
+        sync()
+        w.load([(staging[b], half + b) for b in range(DISK)])
+        ok &= w.wait_loads()
+        disk_mismatches = sum(
+            0 if equal(block(caches[n], kind, half + b), ref[n][b]) else 1 for n in ref for b in range(DISK)
+        )
+        failed = w.take_failed()
+        worker.shutdown()
+    return {
+        "layout": kind,
+        "device": w.device_kind,
+        "blocks": half,
+        "bytes_per_block": w.bytes_per_block,
+        "d2h_gbps": d2h,
+        "h2d_gbps": h2d,
+        "disk_write_gbps": disk_write,
+        "disk_read_gbps": disk_read,
+        "verified": bool(ok and mismatches == 0 and disk_mismatches == 0 and not missed and not failed),
+        "mismatches": mismatches + disk_mismatches,
+    }
+
+
+def main():
+    results = [check(kind) for kind in ("outer_first", "block_first")]
+    for r in results:
+        print(
+            f"connector worker {r['device']} {r['layout']}: {r['blocks']} blocks of {r['bytes_per_block']} bytes, "
+            f"D2H {r['d2h_gbps']:.2f} GB/s, H2D {r['h2d_gbps']:.2f} GB/s, disk write {r['disk_write_gbps']:.2f} GB/s, "
+            f"disk read {r['disk_read_gbps']:.2f} GB/s, verified {r['verified']}"
+        )
+    summary = {
+        "d2h_gbps": min(r["d2h_gbps"] for r in results),
+        "h2d_gbps": min(r["h2d_gbps"] for r in results),
+        "verified": all(r["verified"] for r in results),
+        "device": results[0]["device"],
+        "layouts": results,
+    }
+    print(json.dumps(summary))
+    return 0 if summary["verified"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
