@@ -122,6 +122,8 @@ pub(crate) struct CudaCopyStream {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     batch_copy: bool,
+    /// Set when the driver refused a batched copy: the stream then copies piece by piece.
+    batch_refused: std::sync::atomic::AtomicBool,
     inflight: Mutex<VecDeque<(CudaCompletion, Vec<Region>)>>,
 }
 
@@ -135,12 +137,16 @@ impl CudaCopyStream {
             ctx: backend.ctx.clone(),
             stream,
             batch_copy: batch_copy && backend.batch_copy_available,
+            batch_refused: std::sync::atomic::AtomicBool::new(false),
             inflight: Mutex::new(VecDeque::new()),
         })
     }
 
     pub(crate) fn uses_batch_copy(&self) -> bool {
         self.batch_copy
+            && !self
+                .batch_refused
+                .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub(crate) fn submit(
@@ -166,9 +172,23 @@ impl CudaCopyStream {
             }
             inflight.pop_front();
         }
-        if self.batch_copy && pieces.len() > 1 {
-            self.copy_batched(pieces)?;
-        } else {
+        let batched = self.uses_batch_copy()
+            && pieces.len() > 1
+            && {
+                match self.copy_batched(pieces) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        // Fall back to single copies, for this transfer and the stream's later
+                        // ones. Copying every piece again is safe even if the driver queued some:
+                        // the same bytes land in the same places, in stream order.
+                        tracing::warn!(error = %e, "cuMemcpyBatchAsync refused; copying piece by piece");
+                        self.batch_refused
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                        false
+                    }
+                }
+            };
+        if !batched {
             for p in pieces {
                 // SAFETY: `validate` checked both ranges against regions that the in-flight
                 // table keeps alive until this transfer's event completes; with unified
