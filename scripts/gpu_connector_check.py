@@ -10,38 +10,13 @@ import tempfile
 import time
 
 import kvbm
+from kvbm.testing import HostTensor, host_array
 from kvbm.worker import KvbmWorker
 
 DEVICE = os.environ.get("KVBM_GPU_CHECK_DEVICE", "cuda")
 LAYERS, HEADS, HEAD, BLOCK = 28, 8, 128, 16
 BLOCKS = int(os.environ.get("KVBM_GPU_CHECK_CONNECTOR_BLOCKS", "1024" if DEVICE == "cuda" else "64"))
 DISK = min(128, BLOCKS // 4)
-
-
-class HostTensor:
-    """numpy behind the tensor interface kvbm reads (dry runs without a GPU)."""
-
-    def __init__(self, a):
-        self.a = a
-
-    def data_ptr(self):
-        return int(self.a.ctypes.data)
-
-    @property
-    def shape(self):
-        return self.a.shape
-
-    def stride(self):
-        return tuple(s // self.a.itemsize for s in self.a.strides)
-
-    @property
-    def dtype(self):
-        return self.a.dtype
-
-    def element_size(self):
-        return self.a.itemsize
-
-    device = "cpu"
 
 
 def make(shape):
@@ -53,11 +28,13 @@ def make(shape):
         return t
     import numpy as np
 
-    return HostTensor(np.random.default_rng(len(shape)).integers(0, 1 << 16, size=shape, dtype=np.uint16))
+    a = host_array(shape, huge_pages=True)
+    a[...] = np.random.default_rng(len(shape)).integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    return HostTensor(a)
 
 
 def block(t, kind, b):
-    x = t if DEVICE == "cuda" else t.a
+    x = t if DEVICE == "cuda" else t.array
     return (x[:, b] if kind == "outer_first" else x[b]).clone() if DEVICE == "cuda" else (
         x[:, b] if kind == "outer_first" else x[b]).copy()
 
@@ -71,7 +48,7 @@ def equal(a, b):
 
 
 def zero(t, kind, b):
-    x = t if DEVICE == "cuda" else t.a
+    x = t if DEVICE == "cuda" else t.array
     if kind == "outer_first":
         x[:, b] = 0
     else:

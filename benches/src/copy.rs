@@ -125,106 +125,90 @@ struct Pass {
     submit_us_per_block: f64,
 }
 
-/// Copies `blocks` in `dir` through `stream`, `batch` blocks per transfer, `inflight` at most.
-#[allow(clippy::too_many_arguments)]
-fn run_pass(
-    stream: &CopyStream,
-    dir: Direction,
-    p: &Placement,
-    gpu: &GpuRegion,
-    host: &HostRegion,
-    blocks: std::ops::Range<usize>,
+/// The memory of one run and how it is moved.
+struct Bench<'a> {
+    p: &'a Placement,
+    gpu: &'a GpuRegion,
+    host: &'a HostRegion,
     batch: usize,
     inflight: usize,
-) -> anyhow::Result<Pass> {
-    let mut pending: std::collections::VecDeque<Completion> = Default::default();
-    let mut submit = Duration::ZERO;
-    let n = blocks.len();
-    let start = Instant::now();
-    let list: Vec<usize> = blocks.collect();
-    for group in list.chunks(batch) {
-        if pending.len() >= inflight {
-            pending.pop_front().expect("non-empty").wait()?;
+}
+
+impl Bench<'_> {
+    /// Copies `blocks` in `dir` through `stream`, `batch` blocks per transfer, `inflight` at most.
+    fn pass(
+        &self,
+        stream: &CopyStream,
+        dir: Direction,
+        blocks: std::ops::Range<usize>,
+    ) -> anyhow::Result<Pass> {
+        let p = self.p;
+        let mut pending: std::collections::VecDeque<Completion> = Default::default();
+        let mut submit = Duration::ZERO;
+        let n = blocks.len();
+        let start = Instant::now();
+        let list: Vec<usize> = blocks.collect();
+        for group in list.chunks(self.batch) {
+            if pending.len() >= self.inflight {
+                pending.pop_front().expect("non-empty").wait()?;
+            }
+            let mut t = Transfer::with_capacity(group.len() * p.chunks);
+            for &b in group {
+                for c in 0..p.chunks {
+                    let g = self.gpu.addr() + p.gpu_offset(b, c) as u64;
+                    let h = self.host.addr() + p.host_offset(b, c) as u64;
+                    match dir {
+                        Direction::DeviceToHost => t.push(g, h, p.chunk),
+                        _ => t.push(h, g, p.chunk),
+                    }
+                }
+            }
+            t.keep(self.gpu.clone());
+            t.keep(self.host.clone());
+            let s = Instant::now();
+            pending.push_back(stream.submit(t)?);
+            submit += s.elapsed();
         }
-        let mut t = Transfer::with_capacity(group.len() * p.chunks);
-        for &b in group {
+        for c in pending {
+            c.wait()?;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        Ok(Pass {
+            gbps: (n * p.block_bytes()) as f64 / secs / 1e9,
+            submit_us_per_block: submit.as_secs_f64() * 1e6 / n.max(1) as f64,
+        })
+    }
+
+    /// Writes (`check` false) or checks (`check` true) the seed pattern of `blocks` on one side.
+    fn pattern(
+        &self,
+        check: bool,
+        on_host: bool,
+        blocks: std::ops::Range<usize>,
+        seed_of: impl Fn(usize) -> u64,
+    ) -> anyhow::Result<()> {
+        let p = self.p;
+        let mut data = vec![0u8; p.block_bytes()];
+        let mut got = vec![0u8; p.chunk];
+        for b in blocks {
+            fill_block(seed_of(b), &mut data);
             for c in 0..p.chunks {
-                let g = gpu.addr() + p.gpu_offset(b, c) as u64;
-                let h = host.addr() + p.host_offset(b, c) as u64;
-                match dir {
-                    Direction::DeviceToHost => t.push(g, h, p.chunk),
-                    _ => t.push(h, g, p.chunk),
+                let piece = &data[c * p.chunk..(c + 1) * p.chunk];
+                let (host_at, gpu_at) = (p.host_offset(b, c), p.gpu_offset(b, c));
+                match (check, on_host) {
+                    (false, true) => self.host.write(host_at, piece)?,
+                    (false, false) => self.gpu.write(gpu_at, piece)?,
+                    (true, true) => self.host.read(host_at, &mut got)?,
+                    (true, false) => self.gpu.read(gpu_at, &mut got)?,
+                }
+                if check && got[..] != *piece {
+                    let side = if on_host { "host" } else { "GPU" };
+                    bail!("block {b} piece {c} differs on the {side} side");
                 }
             }
         }
-        t.keep(gpu.clone());
-        t.keep(host.clone());
-        let s = Instant::now();
-        pending.push_back(stream.submit(t)?);
-        submit += s.elapsed();
+        Ok(())
     }
-    for c in pending {
-        c.wait()?;
-    }
-    let secs = start.elapsed().as_secs_f64();
-    Ok(Pass {
-        gbps: (n * p.block_bytes()) as f64 / secs / 1e9,
-        submit_us_per_block: submit.as_secs_f64() * 1e6 / n.max(1) as f64,
-    })
-}
-
-/// Checks every byte of `blocks` on one side against the seed pattern.
-fn verify(
-    p: &Placement,
-    gpu: &GpuRegion,
-    host: &HostRegion,
-    on_host: bool,
-    blocks: std::ops::Range<usize>,
-    seed_of: impl Fn(usize) -> u64,
-) -> anyhow::Result<()> {
-    let mut want = vec![0u8; p.block_bytes()];
-    let mut got = vec![0u8; p.chunk];
-    for b in blocks {
-        fill_block(seed_of(b), &mut want);
-        for c in 0..p.chunks {
-            if on_host {
-                host.read(p.host_offset(b, c), &mut got)?;
-            } else {
-                gpu.read(p.gpu_offset(b, c), &mut got)?;
-            }
-            if got[..] != want[c * p.chunk..(c + 1) * p.chunk] {
-                bail!(
-                    "block {b} piece {c} differs on the {} side",
-                    if on_host { "host" } else { "GPU" }
-                );
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Writes the seed pattern of `blocks` to one side.
-fn fill(
-    p: &Placement,
-    gpu: &GpuRegion,
-    host: &HostRegion,
-    on_host: bool,
-    blocks: std::ops::Range<usize>,
-    seed_of: impl Fn(usize) -> u64,
-) -> anyhow::Result<()> {
-    let mut data = vec![0u8; p.block_bytes()];
-    for b in blocks {
-        fill_block(seed_of(b), &mut data);
-        for c in 0..p.chunks {
-            let piece = &data[c * p.chunk..(c + 1) * p.chunk];
-            if on_host {
-                host.write(p.host_offset(b, c), piece)?;
-            } else {
-                gpu.write(p.gpu_offset(b, c), piece)?;
-            }
-        }
-    }
-    Ok(())
 }
 
 pub fn run_copy(args: CopyArgs) -> anyhow::Result<bool> {
@@ -264,79 +248,44 @@ pub fn run_copy(args: CopyArgs) -> anyhow::Result<bool> {
     let d2h = device.copy_stream_with(Direction::DeviceToHost, options)?;
     let h2d = device.copy_stream_with(Direction::HostToDevice, options)?;
     let (lo, hi) = (0..half, half..blocks);
+    let bench = Bench {
+        p: &p,
+        gpu: &gpu,
+        host: &host,
+        batch: args.batch,
+        inflight: args.inflight,
+    };
     let (mut d2h_runs, mut h2d_runs, mut both_d2h, mut both_h2d, mut submit) =
         (vec![], vec![], vec![], vec![], vec![]);
     for it in 0..args.iterations {
         let seed = |b: usize| ((it as u64) << 32) ^ b as u64 ^ 0x5eed;
         // D2H alone: GPU -> host.
-        fill(&p, &gpu, &host, false, lo.clone(), seed)?;
-        let pass = run_pass(
-            &d2h,
-            Direction::DeviceToHost,
-            &p,
-            &gpu,
-            &host,
-            lo.clone(),
-            args.batch,
-            args.inflight,
-        )?;
-        verify(&p, &gpu, &host, true, lo.clone(), seed)?;
+        bench.pattern(false, false, lo.clone(), seed)?;
+        let pass = bench.pass(&d2h, Direction::DeviceToHost, lo.clone())?;
+        bench.pattern(true, true, lo.clone(), seed)?;
         d2h_runs.push(pass.gbps);
         submit.push(pass.submit_us_per_block);
         // H2D alone: host -> GPU (the blocks just offloaded, after the GPU side is scribbled).
-        fill(&p, &gpu, &host, false, lo.clone(), |b| seed(b) ^ 0xdead)?;
-        let pass = run_pass(
-            &h2d,
-            Direction::HostToDevice,
-            &p,
-            &gpu,
-            &host,
-            lo.clone(),
-            args.batch,
-            args.inflight,
-        )?;
-        verify(&p, &gpu, &host, false, lo.clone(), seed)?;
+        bench.pattern(false, false, lo.clone(), |b| seed(b) ^ 0xdead)?;
+        let pass = bench.pass(&h2d, Direction::HostToDevice, lo.clone())?;
+        bench.pattern(true, false, lo.clone(), seed)?;
         h2d_runs.push(pass.gbps);
         submit.push(pass.submit_us_per_block);
         // Both at once: the low half goes D2H while the high half comes H2D.
         let seed2 = |b: usize| seed(b) ^ 0xb07;
-        fill(&p, &gpu, &host, false, lo.clone(), seed2)?;
-        fill(&p, &gpu, &host, true, hi.clone(), seed2)?;
-        let (a, b) = std::thread::scope(|s| {
-            let down = s.spawn(|| {
-                run_pass(
-                    &d2h,
-                    Direction::DeviceToHost,
-                    &p,
-                    &gpu,
-                    &host,
-                    lo.clone(),
-                    args.batch,
-                    args.inflight,
-                )
-            });
-            let up = s.spawn(|| {
-                run_pass(
-                    &h2d,
-                    Direction::HostToDevice,
-                    &p,
-                    &gpu,
-                    &host,
-                    hi.clone(),
-                    args.batch,
-                    args.inflight,
-                )
-            });
+        bench.pattern(false, false, lo.clone(), seed2)?;
+        bench.pattern(false, true, hi.clone(), seed2)?;
+        let (down, up) = std::thread::scope(|s| {
+            let down = s.spawn(|| bench.pass(&d2h, Direction::DeviceToHost, lo.clone()));
+            let up = s.spawn(|| bench.pass(&h2d, Direction::HostToDevice, hi.clone()));
             (down.join(), up.join())
         });
-        let (a, b) = (
-            a.map_err(|_| anyhow::anyhow!("the D2H thread panicked"))??,
-            b.map_err(|_| anyhow::anyhow!("the H2D thread panicked"))??,
-        );
-        verify(&p, &gpu, &host, true, lo.clone(), seed2)?;
-        verify(&p, &gpu, &host, false, hi.clone(), seed2)?;
-        both_d2h.push(a.gbps);
-        both_h2d.push(b.gbps);
+        let down = down.map_err(|_| anyhow::anyhow!("the D2H thread panicked"))??;
+        let up = up.map_err(|_| anyhow::anyhow!("the H2D thread panicked"))??;
+        bench.pattern(true, true, lo.clone(), seed2)?;
+        bench.pattern(true, false, hi.clone(), seed2)?;
+        both_d2h.push(down.gbps);
+        both_h2d.push(up.gbps);
     }
     let result = serde_json::json!({
         "device": device.kind().as_str(),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import subprocess
@@ -30,31 +29,8 @@ import numpy as np
 os.environ.setdefault("KVBM_DEVICE", "emulated")
 
 from kvbm.leader import KvbmLeader  # noqa: E402
+from kvbm.testing import HostTensor, host_array  # noqa: E402
 from kvbm.worker import KvbmWorker  # noqa: E402
-
-
-class Tensor:
-    def __init__(self, a):
-        self.a = a
-
-    def data_ptr(self):
-        return int(self.a.ctypes.data)
-
-    @property
-    def shape(self):
-        return self.a.shape
-
-    def stride(self):
-        return tuple(s // self.a.itemsize for s in self.a.strides)
-
-    @property
-    def dtype(self):
-        return self.a.dtype
-
-    def element_size(self):
-        return self.a.itemsize
-
-    device = "cpu"
 
 
 def percentile(values, q):
@@ -112,24 +88,15 @@ def bench_leader(requests=256, prompt_tokens=2048, steps=320, block=16, aligned=
     }
 
 
-def device_like_array(shape):
-    """Host memory standing in for GPU memory, mapped with huge pages as the emulated device maps
-    its own (the Rust bench's): with 4 KiB pages this VM makes scattered writes into it several
-    times slower, which would measure the stand-in rather than kvbm."""
-    size = int(np.prod(shape)) * 2
-    m = mmap.mmap(-1, size)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        m.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(m, dtype=np.uint16).reshape(shape)
-
-
 def bench_worker(blocks, layers=28, heads=8, head_size=128, block=16, batch=64, rounds=3):
     shape = (2, blocks, block, heads, head_size)
-    caches = {f"layer.{i}": Tensor(device_like_array(shape)) for i in range(layers)}
+    # Stand-in GPU memory mapped with huge pages, as the emulated device maps its own (with 4 KiB
+    # pages this VM makes scattered writes several times slower: that would measure the stand-in).
+    caches = {f"layer.{i}": HostTensor(host_array(shape, huge_pages=True)) for i in range(layers)}
     rng = np.random.default_rng(1)
     for t in caches.values():
-        t.a[...] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
-    reference = caches["layer.5"].a[:, blocks // 2].copy()
+        t.array[...] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    reference = caches["layer.5"].array[:, blocks // 2].copy()
     worker = KvbmWorker(host_blocks=blocks)
     worker.register_kv_caches(caches)
     w = worker.native
@@ -143,14 +110,14 @@ def bench_worker(blocks, layers=28, heads=8, head_size=128, block=16, batch=64, 
         w.wait_saves()
         saves.append(blocks * bytes_per_block / (time.perf_counter() - t) / 1e9)
         for t_ in caches.values():
-            t_.a[:, blocks // 2] = 0
+            t_.array[:, blocks // 2] = 0
         t = time.perf_counter()
         for start in range(0, blocks, batch):
             # One load per step, as the connector issues them (blocks moved by one).
             w.load([(b, (b + 1) % blocks) for b in range(start, min(blocks, start + batch))])
         w.wait_loads()
         loads.append(blocks * bytes_per_block / (time.perf_counter() - t) / 1e9)
-        assert np.array_equal(caches["layer.5"].a[:, (blocks // 2 + 1) % blocks], reference), "loaded bytes differ"
+        assert np.array_equal(caches["layer.5"].array[:, (blocks // 2 + 1) % blocks], reference), "loaded bytes differ"
         # Put blocks back where they were for the next round.
         for start in range(0, blocks, batch):
             w.load([(b, b) for b in range(start, min(blocks, start + batch))])

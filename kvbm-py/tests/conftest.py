@@ -1,40 +1,14 @@
 """Stand-ins for what vLLM hands kvbm: KV cache tensors in host memory (numpy arrays behind a
-tensor-like object) on kvbm's emulated device."""
+tensor-like object, `kvbm.testing.HostTensor`) on kvbm's emulated device."""
 
 import os
 
 import numpy as np
 import pytest
 
+from kvbm.testing import HostTensor
+
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-
-
-class HostTensor:
-    """The part of torch.Tensor kvbm reads: data_ptr(), shape, stride(), dtype, element_size()."""
-
-    def __init__(self, array: np.ndarray):
-        self.array = array
-
-    def data_ptr(self) -> int:
-        return int(self.array.ctypes.data)
-
-    @property
-    def shape(self):
-        return self.array.shape
-
-    def stride(self):
-        return tuple(s // self.array.itemsize for s in self.array.strides)
-
-    @property
-    def dtype(self):
-        return self.array.dtype
-
-    def element_size(self) -> int:
-        return self.array.itemsize
-
-    @property
-    def device(self):
-        return "cpu"
 
 
 def make_caches(kind: str, layers: int, num_blocks: int, block_size: int, heads: int, head_size: int, dtype=np.uint16):
