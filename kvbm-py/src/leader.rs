@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use kvbm_core::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
 use kvbm_core::pool::{BlockIdentity, BlockPool, ImmutableBlock, MutableBlock};
-use kvbm_events::{EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
+use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -41,6 +41,20 @@ type EventTuple = (
 
 /// One block to offload: (sequence hash, parent hash, its tokens).
 type OffloadBlock = (u64, Option<u64>, Vec<u32>);
+
+/// One request's newly complete blocks: (their tokens, the hash before them, lora, salt).
+type TokenRun = (Vec<u32>, Option<u64>, Option<String>, Option<String>);
+
+/// What `offload_tokens` returns per request: (sequence hashes, host block per block or None).
+type Offloaded = (Vec<u64>, Vec<Option<u32>>);
+
+/// A block about to be registered in the host tier.
+struct Planned {
+    hash: u64,
+    parent: Option<u64>,
+    tokens: Arc<[u32]>,
+    lora: Option<Arc<str>>,
+}
 
 /// A disk read for a load: (disk block, staging host block, key).
 type DiskRead = (u32, u32, u64);
@@ -254,87 +268,70 @@ impl Leader {
         lora_name: Option<String>,
     ) -> PyResult<Vec<Option<u32>>> {
         guard(|| {
-            if let Some((hash, _, tokens)) =
-                blocks.iter().find(|(_, _, t)| t.len() != self.block_size)
-            {
-                return Err(LayoutError::new_err(format!(
-                    "block {hash:#x} has {} tokens, blocks have {}",
-                    tokens.len(),
-                    self.block_size
-                )));
-            }
             let lora: Option<Arc<str>> = lora_name.map(Arc::from);
-            let mut out = vec![None; blocks.len()];
-            let missing: Vec<usize> = blocks
-                .iter()
-                .enumerate()
-                .filter(|(_, (h, _, _))| !self.host.contains(SequenceHash(*h)))
-                .map(|(i, _)| i)
+            let planned = blocks
+                .into_iter()
+                .map(|(hash, parent, tokens)| Planned {
+                    hash,
+                    parent,
+                    tokens: Arc::from(tokens),
+                    lora: lora.clone(),
+                })
                 .collect();
-            let mut completed = Vec::with_capacity(missing.len());
-            let mut positions = Vec::with_capacity(missing.len());
-            let fresh = self.host.allocate_up_to(missing.len());
-            for (block, &i) in fresh.into_iter().zip(&missing) {
-                let (hash, parent, tokens) = &blocks[i];
-                completed.push(block.complete(BlockIdentity {
-                    sequence_hash: SequenceHash(*hash),
-                    parent: parent.map(SequenceHash),
-                    tokens: Arc::from(tokens.as_slice()),
-                    lora_name: lora.clone(),
-                }));
-                positions.push(i);
-            }
-            let registered = self
-                .host
-                .register_all(completed)
-                .map_err(|r| LayoutError::new_err(r.reason))?;
-            let mut kept = Vec::with_capacity(registered.len());
-            let mut seen = HashSet::with_capacity(registered.len());
-            let now = Instant::now();
-            for (block, i) in registered.into_iter().zip(positions) {
-                // A duplicate within this list resolves to the block registered first: save once.
-                if seen.insert(block.id().0) {
-                    out[i] = Some(block.id().0);
-                    self.sight(&block, now);
-                }
-                kept.push(block);
-            }
-            self.keep(kept);
-            Ok(out)
+            self.register_blocks(planned)
         })
     }
 
-    /// [`Self::offload`] for runs of consecutive blocks, one run per request: each run is (its
-    /// blocks' hashes, the hash before the first, the run's tokens). One list of host ids (or
-    /// None) per run.
-    #[pyo3(signature = (runs, lora_name=None))]
-    fn offload_runs(
+    /// The whole offload of a step in one call: per request, the tokens of its blocks that
+    /// became complete (whole blocks), the sequence hash before them, its LoRA name and cache
+    /// salt. Hashes the blocks, registers those not in the host tier yet, and returns per request
+    /// (the blocks' sequence hashes, the host block id to save each into or None).
+    fn offload_tokens(
         &mut self,
-        runs: Vec<(Vec<u64>, Option<u64>, Vec<u32>)>,
-        lora_name: Option<String>,
-    ) -> PyResult<Vec<Vec<Option<u32>>>> {
+        py: Python<'_>,
+        requests: Vec<TokenRun>,
+    ) -> PyResult<Vec<Offloaded>> {
         guard(|| {
             let b = self.block_size;
-            let mut blocks = Vec::with_capacity(runs.iter().map(|r| r.0.len()).sum());
-            for (hashes, parent, tokens) in &runs {
-                if tokens.len() != hashes.len() * b {
-                    return Err(LayoutError::new_err(format!(
-                        "a run of {} blocks has {} tokens, expected {}",
-                        hashes.len(),
-                        tokens.len(),
-                        hashes.len() * b
-                    )));
-                }
+            if let Some((tokens, ..)) = requests.iter().find(|r| r.0.len() % b != 0) {
+                return Err(LayoutError::new_err(format!(
+                    "{} tokens are not whole blocks of {b}",
+                    tokens.len()
+                )));
+            }
+            let hashed: Vec<Vec<u64>> = py.allow_threads(|| {
+                requests
+                    .iter()
+                    .map(|(tokens, parent, lora, salt)| {
+                        BlockHasher::new(b, lora.as_deref(), salt.as_deref())
+                            .sequence_hashes(parent.map(SequenceHash), tokens)
+                            .into_iter()
+                            .map(|h| h.0)
+                            .collect()
+                    })
+                    .collect()
+            });
+            let mut planned = Vec::with_capacity(hashed.iter().map(Vec::len).sum());
+            for ((tokens, parent, lora, _), hashes) in requests.iter().zip(&hashed) {
+                let lora: Option<Arc<str>> = lora.as_deref().map(Arc::from);
                 let mut prev = *parent;
-                for (h, t) in hashes.iter().zip(tokens.chunks_exact(b)) {
-                    blocks.push((*h, prev, t.to_vec()));
-                    prev = Some(*h);
+                for (hash, block) in hashes.iter().zip(tokens.chunks_exact(b)) {
+                    planned.push(Planned {
+                        hash: *hash,
+                        parent: prev,
+                        tokens: Arc::from(block),
+                        lora: lora.clone(),
+                    });
+                    prev = Some(*hash);
                 }
             }
-            let mut ids = self.offload(blocks, lora_name)?.into_iter();
-            Ok(runs
-                .iter()
-                .map(|(hashes, _, _)| ids.by_ref().take(hashes.len()).collect())
+            let mut ids = self.register_blocks(planned)?.into_iter();
+            Ok(hashed
+                .into_iter()
+                .map(|hashes| {
+                    let host = ids.by_ref().take(hashes.len()).collect();
+                    (hashes, host)
+                })
                 .collect())
         })
     }
@@ -458,6 +455,53 @@ impl Leader {
 }
 
 impl Leader {
+    /// Registers the planned blocks not in the host tier yet; per block, the host block to save
+    /// it into, or None (already there, a duplicate in the list, or no block to spare).
+    fn register_blocks(&mut self, blocks: Vec<Planned>) -> PyResult<Vec<Option<u32>>> {
+        if let Some(b) = blocks.iter().find(|b| b.tokens.len() != self.block_size) {
+            return Err(LayoutError::new_err(format!(
+                "block {:#x} has {} tokens, blocks have {}",
+                b.hash,
+                b.tokens.len(),
+                self.block_size
+            )));
+        }
+        let mut out = vec![None; blocks.len()];
+        let missing: Vec<usize> = (0..blocks.len())
+            .filter(|&i| !self.host.contains(SequenceHash(blocks[i].hash)))
+            .collect();
+        let mut completed = Vec::with_capacity(missing.len());
+        let mut positions = Vec::with_capacity(missing.len());
+        let fresh = self.host.allocate_up_to(missing.len());
+        for (block, &i) in fresh.into_iter().zip(&missing) {
+            let planned = &blocks[i];
+            completed.push(block.complete(BlockIdentity {
+                sequence_hash: SequenceHash(planned.hash),
+                parent: planned.parent.map(SequenceHash),
+                tokens: planned.tokens.clone(),
+                lora_name: planned.lora.clone(),
+            }));
+            positions.push(i);
+        }
+        let registered = self
+            .host
+            .register_all(completed)
+            .map_err(|r| LayoutError::new_err(r.reason))?;
+        let mut kept = Vec::with_capacity(registered.len());
+        let mut seen = HashSet::with_capacity(registered.len());
+        let now = Instant::now();
+        for (block, i) in registered.into_iter().zip(positions) {
+            // A duplicate within this list resolves to the block registered first: save once.
+            if seen.insert(block.id().0) {
+                out[i] = Some(block.id().0);
+                self.sight(&block, now);
+            }
+            kept.push(block);
+        }
+        self.keep(kept);
+        Ok(out)
+    }
+
     /// A sighting of a host block for disk admission; admitted blocks not on disk yet queue for
     /// `take_disk_writes` (held meanwhile).
     fn sight(&mut self, block: &ImmutableBlock, now: Instant) {

@@ -219,8 +219,8 @@ class KvbmLeader:
                 elif new_ids is not None:
                     st.block_ids.extend(_group0(new_ids))
                 st.computed = cached.num_computed_tokens[i]
-        # Blocks that complete in this step, per request; hashed and offloaded in batches (one
-        # native call each, whatever the number of requests).
+        # Blocks that complete in this step, per request: hashed, registered and paired in one
+        # native call for the whole step, whatever the number of requests.
         work = []
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             st = self._requests.get(rid)
@@ -228,37 +228,22 @@ class KvbmLeader:
                 continue
             tokens = _tokens(st.request)
             full = min((st.computed + scheduled) // b, len(st.block_ids), len(tokens) // b)
-            if full > st.saved_blocks:
-                work.append((rid, st, tokens, full))
-        to_hash = [(st, full) for _, st, _, full in work if len(st.hashes) < full]
-        if to_hash:
-            items = [
-                (
-                    list(_tokens(st.request)[len(st.hashes) * b : full * b]),
-                    st.hashes[-1] if st.hashes else None,
-                    st.lora,
-                    st.salt,
-                )
-                for st, full in to_hash
-            ]
-            for (st, _), hashes in zip(to_hash, _kvbm.sequence_hashes_batch(items, b)):
-                st.hashes.extend(hashes)
-        # One run of consecutive blocks per request, offloaded in one native call per LoRA.
-        by_lora: Dict[Optional[str], list] = {}
-        for rid, st, tokens, full in work:
             first = st.saved_blocks
-            run = (
-                st.hashes[first:full],
-                st.hashes[first - 1] if first else None,
-                list(tokens[first * b : full * b]),
-            )
-            by_lora.setdefault(st.lora, []).append((rid, st.block_ids[first:full], run))
-            st.saved_blocks = full
+            if full > first:
+                work.append((rid, st, first, full, tokens[first * b : full * b]))
         per_request: Dict[str, List[Tuple[int, int]]] = {}
-        for lora, group in by_lora.items():
-            results = self._native.offload_runs([run for _, _, run in group], lora)
-            for (rid, gpu_ids, _), host_ids in zip(group, results):
-                pairs = [(g, h) for g, h in zip(gpu_ids, host_ids) if h is not None]
+        if work:
+            results = self._native.offload_tokens(
+                [
+                    (list(span), st.hashes[first - 1] if first else None, st.lora, st.salt)
+                    for _, st, first, _, span in work
+                ]
+            )
+            for (rid, st, first, full, _), (hashes, host) in zip(work, results):
+                del st.hashes[first:]
+                st.hashes.extend(hashes)
+                st.saved_blocks = full
+                pairs = [(g, h) for g, h in zip(st.block_ids[first:full], host) if h is not None]
                 if pairs:
                     per_request[rid] = pairs
         saves = list(per_request.items())
