@@ -8,7 +8,7 @@
 //! - Events come from the pool (one `BlockStored` per run of chained blocks, `BlockRemoved` on
 //!   eviction) through a bounded subscription; what overflows is counted in `events_lost`.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use std::time::Instant;
@@ -76,6 +76,8 @@ pub struct Leader {
     admitted: Vec<ImmutableBlock>,
     /// Staging host blocks of disk loads (never registered), with their step.
     staging: VecDeque<(u64, Vec<MutableBlock>)>,
+    /// What an asynchronous load holds, by request, until `release`.
+    pinned: HashMap<String, (Vec<ImmutableBlock>, Vec<MutableBlock>)>,
     _publisher: EventPublisher,
     events: EventSubscriber,
     events_lost: u64,
@@ -133,6 +135,7 @@ impl Leader {
                 admission: Admission::new(disk_filter_disabled, ADMISSION_HALF_LIFE),
                 admitted: Vec::new(),
                 staging: VecDeque::new(),
+                pinned: HashMap::new(),
                 _publisher: publisher,
                 events,
                 events_lost: 0,
@@ -179,8 +182,14 @@ impl Leader {
     /// blocks continuing it on disk, the disk block, a staging host block to read it into, and
     /// its key. Shorter than asked when blocks were evicted since they were counted or no
     /// staging block is free. Host hits count as sightings for disk admission.
-    fn plan_load(&mut self, hashes_: Vec<u64>) -> PyResult<LoadPlan> {
+    ///
+    /// The blocks stay held two steps, or, with `request_id` (an asynchronous load, which may
+    /// take longer), until `release(request_id)`.
+    #[pyo3(signature = (hashes_, request_id=None))]
+    fn plan_load(&mut self, hashes_: Vec<u64>, request_id: Option<String>) -> PyResult<LoadPlan> {
         guard(|| {
+            let mut held_blocks = Vec::new();
+            let mut staged = Vec::new();
             let h = hashes(&hashes_);
             let held = self.host.hold_prefix(&h);
             let host_ids: Vec<u32> = held.blocks().iter().map(|(id, _)| id.0).collect();
@@ -189,26 +198,40 @@ impl Leader {
             for b in &host_blocks {
                 self.sight(b, now);
             }
-            self.keep(host_blocks);
+            held_blocks.extend(host_blocks);
             let mut reads = Vec::new();
             if let Some(disk) = &self.disk {
                 let rest = &h[host_ids.len()..];
-                if host_ids.len() == h.len() || rest.is_empty() {
-                    return Ok((host_ids, reads));
+                if !rest.is_empty() {
+                    let on_disk = disk.hold_prefix(rest);
+                    let staging = self.host.allocate_up_to(on_disk.len());
+                    for ((id, hash), stage) in on_disk.blocks().iter().zip(&staging) {
+                        reads.push((id.0, stage.id().0, hash.0));
+                    }
+                    held_blocks.extend(on_disk.into_blocks());
+                    staged = staging;
                 }
-                let on_disk = disk.hold_prefix(rest);
-                let staging = self.host.allocate_up_to(on_disk.len());
-                for ((id, hash), stage) in on_disk.blocks().iter().zip(&staging) {
-                    reads.push((id.0, stage.id().0, hash.0));
+            }
+            match request_id {
+                Some(rid) => {
+                    let entry = self.pinned.entry(rid).or_default();
+                    entry.0.extend(held_blocks);
+                    entry.1.extend(staged);
                 }
-                let disk_blocks = on_disk.into_blocks();
-                self.keep(disk_blocks);
-                if !staging.is_empty() {
-                    self.staging.push_back((self.step, staging));
+                None => {
+                    self.keep(held_blocks);
+                    if !staged.is_empty() {
+                        self.staging.push_back((self.step, staged));
+                    }
                 }
             }
             Ok((host_ids, reads))
         })
+    }
+
+    /// Releases what an asynchronous load of `request_id` held (when its load finished).
+    fn release(&mut self, request_id: &str) -> PyResult<bool> {
+        guard(|| Ok(self.pinned.remove(request_id).is_some()))
     }
 
     /// The disk writes of the blocks admitted since the last call: each gets a disk block,
@@ -361,6 +384,7 @@ impl Leader {
     /// Drops every held block and clears the host tier's registry (one `AllBlocksCleared`).
     fn reset(&mut self) -> PyResult<()> {
         guard(|| {
+            // Asynchronous loads in flight keep their blocks: the reset then refuses (busy).
             self.held.clear();
             self.staging.clear();
             self.admitted.clear();

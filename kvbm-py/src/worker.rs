@@ -83,7 +83,7 @@ impl DiskPending {
 struct DiskSide {
     store: Arc<DiskStore>,
     jobs: Option<Sender<DiskWrite>>,
-    pending: Arc<(Mutex<DiskPending>, Condvar)>,
+    pending: SharedPending,
     thread: Option<JoinHandle<()>>,
     reads: u64,
     misses: u64,
@@ -117,6 +117,119 @@ impl DiskSide {
     }
 }
 
+/// A finished asynchronous load: (request, GPU blocks that failed).
+type LoadDone = (String, Vec<u32>);
+
+/// Disk writes in flight, shared with the threads that wait on them.
+type SharedPending = Arc<(Mutex<DiskPending>, Condvar)>;
+
+/// One asynchronous load: disk reads into staging host blocks, then host blocks to GPU blocks.
+struct AsyncLoad {
+    request: String,
+    reads: Vec<(u32, u32, u64)>,
+    pairs: Pairs,
+}
+
+/// The thread running asynchronous loads, one at a time, in order; dropping it waits for them.
+struct AsyncLoader {
+    jobs: Option<Sender<AsyncLoad>>,
+    /// Finished loads: (request, GPU blocks that failed).
+    done: Arc<Mutex<Vec<LoadDone>>>,
+    /// Loads queued or running.
+    busy: Arc<(Mutex<usize>, Condvar)>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for AsyncLoader {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What the asynchronous loader needs of the worker (clones: regions are reference-counted).
+struct LoaderContext {
+    kv: KvLayout,
+    gpu: BlockLayout,
+    gpu_regions: Vec<GpuRegion>,
+    host: HostRegion,
+    host_layout: BlockLayout,
+    h2d: Arc<CopyStream>,
+    disk: Option<(Arc<DiskStore>, SharedPending)>,
+}
+
+impl LoaderContext {
+    /// Runs one load; returns the GPU blocks that did not get their bytes.
+    fn run(&self, job: &AsyncLoad) -> Vec<u32> {
+        let mut bad_hosts = HashSet::new();
+        if !job.reads.is_empty() {
+            match &self.disk {
+                None => bad_hosts.extend(job.reads.iter().map(|&(_, h, _)| h)),
+                Some((store, pending)) => {
+                    let bytes = self.kv.bytes_per_block();
+                    let mut buf = AlignedBuf::new(store.payload_area_bytes()).ok();
+                    for &(d, h, key) in &job.reads {
+                        {
+                            let (lock, cv) = &**pending;
+                            let mut p = lock.lock();
+                            while p.busy(Some(h), Some(d)) {
+                                cv.wait(&mut p);
+                            }
+                        }
+                        let ok = buf.as_mut().is_some_and(|buf| {
+                            matches!(store.read(d, key, buf), Ok(Lookup::Hit))
+                                && self
+                                    .host
+                                    .write(
+                                        host_offset(&self.host, &self.host_layout, h),
+                                        &buf.as_slice()[..bytes],
+                                    )
+                                    .is_ok()
+                        });
+                        if !ok {
+                            bad_hosts.insert(h);
+                        }
+                    }
+                }
+            }
+        }
+        let (bad, good): (Pairs, Pairs) =
+            job.pairs.iter().partition(|(h, _)| bad_hosts.contains(h));
+        let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
+        if good.is_empty() {
+            return failed;
+        }
+        let end = good.iter().map(|&(h, _)| h).max().unwrap_or(0) as usize + 1;
+        let ready = self
+            .host
+            .wait_ready(end * self.kv.host_stride_bytes(), HOST_READY_TIMEOUT);
+        let mut pieces = Vec::new();
+        let planned = ready
+            && good.iter().all(|&(h, g)| {
+                self.host_layout
+                    .copy_pieces_into(h as usize, &self.gpu, g as usize, &mut pieces)
+                    .is_ok()
+            });
+        let copied = planned && {
+            let mut transfer = Transfer::with_capacity(pieces.len());
+            for p in &pieces {
+                transfer.push(p.src, p.dst, p.len);
+            }
+            for r in &self.gpu_regions {
+                transfer.keep(r.clone());
+            }
+            transfer.keep(self.host.clone());
+            self.h2d.submit(transfer).and_then(|c| c.wait()).is_ok()
+        };
+        if !copied {
+            failed.extend(good.iter().map(|&(_, g)| g));
+        }
+        failed
+    }
+}
+
 struct PendingLoad {
     completion: Completion,
     gpu_blocks: Vec<u32>,
@@ -129,12 +242,14 @@ pub struct Worker {
     kv: KvLayout,
     gpu: BlockLayout,
     gpu_regions: Vec<GpuRegion>,
+    /// Declared before `_tensors`: dropped (and joined) first, as it copies into them.
+    loader: Option<AsyncLoader>,
     _tensors: Vec<PyObject>,
     host: HostRegion,
     host_layout: BlockLayout,
     host_blocks: usize,
     d2h: CopyStream,
-    h2d: CopyStream,
+    h2d: Arc<CopyStream>,
     saves: Vec<PendingSave>,
     /// Save transfers not yet complete, per request.
     save_pending: HashMap<String, usize>,
@@ -280,14 +395,26 @@ impl Worker {
             let d2h = device
                 .copy_stream(Direction::DeviceToHost)
                 .map_err(device_err)?;
-            let h2d = device
-                .copy_stream(Direction::HostToDevice)
-                .map_err(device_err)?;
+            let h2d = Arc::new(
+                device
+                    .copy_stream(Direction::HostToDevice)
+                    .map_err(device_err)?,
+            );
+            let loader = start_loader(LoaderContext {
+                kv,
+                gpu: gpu.clone(),
+                gpu_regions: gpu_regions.clone(),
+                host: host.clone(),
+                host_layout: host_layout.clone(),
+                h2d: h2d.clone(),
+                disk: disk.as_ref().map(|d| (d.store.clone(), d.pending.clone())),
+            })?;
             Ok(Self {
                 device,
                 kv,
                 gpu,
                 gpu_regions,
+                loader: Some(loader),
                 _tensors: tensors,
                 host,
                 host_layout,
@@ -608,6 +735,76 @@ impl Worker {
         })
     }
 
+    /// Starts an asynchronous load for `request` on the worker's loader thread: disk reads (of
+    /// (disk, staging host, key)) into staging host blocks, then host blocks into GPU blocks
+    /// (`pairs` of (host, gpu)), after every save started so far completed. `poll_loads` reports
+    /// it when done.
+    fn load_async(
+        &mut self,
+        py: Python<'_>,
+        request: String,
+        reads: Vec<(u32, u32, u64)>,
+        pairs: Vec<(u32, u32)>,
+    ) -> PyResult<()> {
+        guard(|| {
+            self.check(&pairs)?;
+            if let Some(disk) = &self.disk {
+                if let Some((d, ..)) = reads
+                    .iter()
+                    .find(|(d, ..)| *d as usize >= disk.store.slots())
+                {
+                    return Err(LayoutError::new_err(format!(
+                        "disk block {d} outside {} disk blocks",
+                        disk.store.slots()
+                    )));
+                }
+            }
+            self.check(&reads.iter().map(|&(_, h, _)| (h, 0)).collect::<Vec<_>>())?;
+            self.wait_saves(py)?;
+            let loader = self.loader.as_ref().expect("present until dropped");
+            *loader.busy.0.lock() += 1;
+            let sent = loader
+                .jobs
+                .as_ref()
+                .expect("open while the worker lives")
+                .send(AsyncLoad {
+                    request,
+                    reads,
+                    pairs,
+                });
+            if sent.is_err() {
+                *loader.busy.0.lock() -= 1;
+                return Err(DeviceError::new_err("the asynchronous loader has stopped"));
+            }
+            Ok(())
+        })
+    }
+
+    /// Waits until every asynchronous load started so far finished (`poll_loads` then reports
+    /// them all).
+    fn wait_loads_async(&self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let loader = self.loader.as_ref().expect("present until dropped");
+            let busy = loader.busy.clone();
+            py.allow_threads(|| {
+                let (lock, cv) = &*busy;
+                let mut n = lock.lock();
+                while *n > 0 {
+                    cv.wait(&mut n);
+                }
+            });
+            Ok(())
+        })
+    }
+
+    /// Asynchronous loads finished since the last call: (request, GPU blocks that failed).
+    fn poll_loads(&mut self) -> PyResult<Vec<LoadDone>> {
+        guard(|| {
+            let loader = self.loader.as_ref().expect("present until dropped");
+            Ok(std::mem::take(&mut *loader.done.lock()))
+        })
+    }
+
     /// Waits until every queued disk write finished.
     fn wait_disk(&self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
@@ -756,5 +953,31 @@ fn start_disk(
         thread: Some(thread),
         reads: 0,
         misses: 0,
+    })
+}
+
+/// Starts the thread that runs asynchronous loads.
+fn start_loader(context: LoaderContext) -> PyResult<AsyncLoader> {
+    let (jobs, receiver) = crossbeam_channel::unbounded::<AsyncLoad>();
+    let done: Arc<Mutex<Vec<LoadDone>>> = Arc::default();
+    let busy: Arc<(Mutex<usize>, Condvar)> = Arc::default();
+    let (thread_done, thread_busy) = (done.clone(), busy.clone());
+    let thread = std::thread::Builder::new()
+        .name("kvbm-py-load".into())
+        .spawn(move || {
+            for job in receiver {
+                let failed = context.run(&job);
+                thread_done.lock().push((job.request, failed));
+                let (lock, cv) = &*thread_busy;
+                *lock.lock() -= 1;
+                cv.notify_all();
+            }
+        })
+        .map_err(|e| DeviceError::new_err(format!("cannot start the loader: {e}")))?;
+    Ok(AsyncLoader {
+        jobs: Some(jobs),
+        done,
+        busy,
+        thread: Some(thread),
     })
 }

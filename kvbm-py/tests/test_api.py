@@ -226,3 +226,46 @@ def test_leader_admits_to_disk_and_matches_host_then_disk():
     assert with_filter.take_disk_writes() == [], "seen once: not admitted"
     with_filter.plan_load(hashes[:2])
     assert [w[2] for w in with_filter.take_disk_writes()] == hashes[:2], "seen twice: admitted"
+
+
+def test_asynchronous_loads_run_in_the_background_and_report_failures(tmp_path):
+    caches = make_caches("outer_first", layers=2, num_blocks=6, block_size=4, heads=2, head_size=8)
+    rng = np.random.default_rng(5)
+    for t in caches.values():
+        t.array[...] = rng.integers(0, 1 << 16, size=t.array.shape, dtype=np.uint16)
+    before = {name: block_view(t, "outer_first", 1) for name, t in caches.items()}
+    config = kvbm.Config.from_env(
+        {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+    )
+    worker = KvbmWorker(host_blocks=4, disk_blocks=4, config=config)
+    worker.register_kv_caches(caches)
+    w = worker.native
+    w.save([(1, 0)], ["r"])
+    w.disk_write([(0, 2, 77, [])])
+    w.wait_disk()
+    # Disk 2 -> staging host 3 -> GPU 4; a second load whose key is wrong fails GPU block 5.
+    w.load_async("a", [(2, 3, 77)], [(3, 4)])
+    w.load_async("b", [(2, 1, 78)], [(1, 5)])
+    w.wait_loads_async()
+    assert sorted(w.poll_loads()) == [("a", []), ("b", [5])]
+    assert w.poll_loads() == []
+    for name, t in caches.items():
+        assert np.array_equal(block_view(t, "outer_first", 4), before[name])
+
+
+def test_an_asynchronous_load_holds_its_blocks_until_released():
+    leader = kvbm.Leader(4, 4, disk_blocks=4, disk_filter_disabled=True)
+    blocks = _blocks(list(range(8)), 4)
+    hashes = [b[0] for b in blocks]
+    leader.offload(blocks)
+    leader.take_disk_writes()
+    for _ in range(2):
+        leader.end_step()
+    host, reads = leader.plan_load(hashes, "req")
+    assert len(host) == 2 and reads == []
+    for _ in range(4):
+        leader.end_step()
+    assert leader.counts()["held"] == 2, "held past the two steps until released"
+    assert leader.release("req") is True
+    assert leader.counts()["held"] == 0
+    assert leader.release("req") is False

@@ -84,11 +84,13 @@ def run_worker(conn) -> None:
     shard = rank * 4099
     worker.register_kv_caches(caches)
     names = list(caches)
+    pending_async = {}
     while True:
         msg = conn.recv()
         if msg is None:
             break
-        meta_bytes, writes, expect, finished_ids = msg
+        meta_bytes, writes, expect, finished_ids, async_expect = msg
+        pending_async.update(dict(async_expect))
         worker.bind_connector_metadata(pickle.loads(meta_bytes))
         worker.start_load_kv(None)
         mismatches = []
@@ -105,7 +107,19 @@ def run_worker(conn) -> None:
                     a[outer, gpu, slot] = pattern(v + shard, layer, outer)
             worker.save_kv_layer(name, caches[name], None)
         worker.wait_for_save()
+        # The asynchronous loads of this step finish within it, so that what the leader holds,
+        # and therefore what later requests match, does not depend on timing.
+        worker.native.wait_loads_async()
         sending, recving = worker.get_finished(set(finished_ids))
+        for rid in recving or ():
+            # An asynchronous load is done: its blocks must hold their tokens' bytes now.
+            for layer, name in enumerate(names):
+                a = caches[name].array
+                for gpu, values in pending_async.pop(rid) if layer == LAYERS - 1 else pending_async[rid]:
+                    for slot, v in enumerate(values):
+                        for outer in range(2):
+                            if not np.array_equal(a[outer, gpu, slot], pattern(v + shard, layer, outer)):
+                                mismatches.append((name, gpu, slot))
         errors = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
         conn.send((sorted(sending or ()), sorted(recving or ()), sorted(errors), mismatches))
@@ -129,9 +143,10 @@ class Request:
     block_ids: List[int] = field(default_factory=list)
     outputs: int = 0
     matched_tokens: List[int] = field(default_factory=list)
-    status: str = "waiting"  # waiting, running, finishing, done
+    status: str = "waiting"  # waiting, loading, loaded, running, finishing, done
     was_preempted: bool = False
     ext_blocks: List[int] = field(default_factory=list)  # block indices loaded this admission
+    pending_ext: int = 0  # tokens an asynchronous load brings
 
     def __post_init__(self):
         self.all_token_ids = list(self.prompt_token_ids)
@@ -187,7 +202,7 @@ def next_token(tokens: List[int]) -> int:
 
 @pytest.mark.parametrize(
     "host_blocks,disk_blocks,ranks",
-    [(HOST_BLOCKS, 0, 1), (24, 160, 2)],
+    [(HOST_BLOCKS, 0, 1), (32, 160, 2)],
     ids=["host-tier", "host-and-disk-tiers-two-ranks"],
 )
 def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ranks):
@@ -217,25 +232,31 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
         for conn, _ in workers:
             conn.send(message)
         answers = [receive(conn) for conn, _ in workers]
-        sent = []
+        sent, loaded = [], []
         for answer in answers:
             for rid in answer[0]:
                 reports[rid] = reports.get(rid, 0) + 1
                 if reports[rid] == ranks:
                     sent.append(rid)
+            for rid in answer[1]:
+                load_reports[rid] = load_reports.get(rid, 0) + 1
+                if load_reports[rid] == ranks:
+                    loaded.append(rid)
         return (
             sorted(sent),
-            sorted(set().union(*(a[1] for a in answers))),
+            sorted(loaded),
             sorted(set().union(*(a[2] for a in answers))),
             [m for a in answers for m in a[3]],
         )
 
     reports: Dict[str, int] = {}
+    load_reports: Dict[str, int] = {}
 
     leader = KvbmLeader(BLOCK, host_blocks, disk_blocks=disk_blocks, disk_filter_disabled=True)
     free = list(range(GPU_BLOCKS))
     models: Dict[str, Set[int]] = {"CPU_PINNED": set(), "DISK": set()}
     disk_reads = 0
+    async_loads = 0
     finished_prev: Set[str] = set()
     awaiting_send: Dict[str, List[int]] = {}
     loaded_blocks = 0
@@ -243,6 +264,7 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
     try:
         for step in range(80):
             new_reqs, cached = [], CachedRequestData()
+            async_expect = []
             scheduled: Dict[str, int] = {}
             writes, expect = [], []
             preempted: Set[str] = set()
@@ -256,18 +278,29 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
             for r in requests:
                 if r.status == "waiting" and r.arrival <= step and r.request_id not in preempted:
                     n_ext, is_async = leader.get_num_new_matched_tokens(r, 0)
-                    assert is_async is False
-                    again, _ = leader.get_num_new_matched_tokens(r, 0)
-                    assert again == n_ext, "no side effects"
+                    again = leader.get_num_new_matched_tokens(r, 0)
+                    assert again == (n_ext, is_async), "no side effects"
                     assert n_ext % BLOCK == 0 and n_ext < r.num_tokens
+                    assert not is_async or disk_blocks, "only disk-backed loads are asynchronous"
                     need = (r.num_tokens + BLOCK) // BLOCK
                     if need > len(free):
                         continue
                     ids = [free.pop() for _ in range(need)]
                     leader.update_state_after_alloc(r, Blocks(ids), n_ext)
-                    r.block_ids, r.num_computed_tokens, r.status = ids, n_ext, "running"
+                    r.block_ids = ids
                     r.matched_tokens.append(n_ext)
                     r.ext_blocks = list(range(n_ext // BLOCK))
+                    if is_async:
+                        # vLLM parks it until the workers report the load in finished_recving.
+                        values = token_values(r.all_token_ids)
+                        async_expect.append(
+                            (r.request_id, [(ids[k], values[k * BLOCK : (k + 1) * BLOCK]) for k in r.ext_blocks])
+                        )
+                        loaded_blocks += len(r.ext_blocks)
+                        async_loads += 1
+                        r.ext_blocks, r.pending_ext, r.status = [], n_ext, "loading"
+                        continue
+                    r.num_computed_tokens, r.status = n_ext, "running"
                     if r.was_preempted:
                         cached.req_ids.append(r.request_id)
                         cached.resumed_req_ids.add(r.request_id)
@@ -275,6 +308,19 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
                         cached.num_computed_tokens.append(n_ext)
                     else:
                         new_reqs.append(NewRequestData(r.request_id, list(r.prompt_token_ids), (list(ids),), n_ext))
+                elif r.status == "loaded":
+                    # Scheduled once loaded: its computed tokens are the loaded ones.
+                    leader.update_state_after_alloc(r, Blocks(r.block_ids), 0)
+                    r.num_computed_tokens, r.status = r.pending_ext, "running"
+                    if r.was_preempted:
+                        cached.req_ids.append(r.request_id)
+                        cached.resumed_req_ids.add(r.request_id)
+                        cached.new_block_ids.append((list(r.block_ids),))
+                        cached.num_computed_tokens.append(r.pending_ext)
+                    else:
+                        new_reqs.append(
+                            NewRequestData(r.request_id, list(r.prompt_token_ids), (list(r.block_ids),), r.pending_ext)
+                        )
                 elif r.status == "running" and not r.ext_blocks:
                     if r.num_tokens >= len(r.block_ids) * BLOCK:
                         if not free:
@@ -300,12 +346,15 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
             out = SchedulerOutput(new_reqs, cached, scheduled, finished_prev, preempted)
             meta = leader.build_connector_meta(out)
             assert sum(len(p) for _, p in meta.loads) == len(expect)
-            disk_reads += len(meta.disk_reads)
+            disk_reads += len(meta.disk_reads) + sum(len(reads) for _, reads, _ in meta.async_loads)
             sending, recving, errors, mismatches = step_all(
-                (pickle.dumps(meta), writes, expect, sorted(finished_prev))
+                (pickle.dumps(meta), writes, expect, sorted(finished_prev), async_expect)
             )
+            for rid in recving:
+                assert by_id[rid].status == "loading", f"{rid} reported loaded without a load"
+                by_id[rid].status = "loaded"
             assert mismatches == [], f"step {step}: loaded bytes differ at {mismatches[:5]}"
-            assert errors == [] and recving == []
+            assert errors == []
             finished_prev = set()
             # The step's results.
             for rid, n in scheduled.items():
@@ -347,7 +396,7 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
         # Two more empty steps release every hold.
         for _ in range(2):
             meta = leader.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, set(), set()))
-            assert step_all((pickle.dumps(meta), [], [], []))[3] == []
+            assert step_all((pickle.dumps(meta), [], [], [], []))[3] == []
     finally:
         for conn, proc in workers:
             conn.send(None)
@@ -371,7 +420,8 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
     assert models["CPU_PINNED"] == set(leader.native.registered_hashes("host"))
     assert models["DISK"] == set(leader.native.registered_hashes("disk"))
     if disk_blocks:
-        assert counts["disk_held"] == 0 and disk_reads > 10, (counts, disk_reads)
+        assert counts["disk_held"] == 0 and disk_reads > 0, (counts, disk_reads)
+        assert async_loads >= 2, "disk-backed loads run asynchronously"
         names = sorted(p.name for p in tmp_path.iterdir())
         assert names == [f"kvbm-rank{r}.cache" for r in range(ranks)], names
     else:

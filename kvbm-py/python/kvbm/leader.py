@@ -10,8 +10,11 @@ What it does each step:
   hit, that the host tier holds and then those continuing on disk, stopping at the first miss
   and never covering the whole prompt (vLLM must compute at least one token). No side effects.
 - ``update_state_after_alloc``: holds the matched host and disk blocks and pairs them with the
-  GPU blocks vLLM allocated (disk blocks through staging host blocks); these loads run
-  synchronously in the worker's step, so the answer's asynchronous flag is always False.
+  GPU blocks vLLM allocated (disk blocks through staging host blocks). A match held in host
+  memory only is loaded synchronously within the worker's step (answered with async False); one
+  that reaches the disk tier is loaded asynchronously (async True): the worker reads the disk and
+  copies in the background, vLLM holds the request until the workers report it in
+  ``finished_recving``, and its blocks stay held until then.
 - ``build_connector_meta``: for every scheduled request, the blocks that become complete in this
   step are registered in the host tier (write-through offload) and paired with their GPU blocks
   for the workers to save; host blocks admitted to disk (seen twice) get a disk block to be
@@ -104,6 +107,8 @@ class KvbmLeader:
         self._loads: List[Tuple[str, List[Tuple[int, int]]]] = []
         self._load_errors: List[int] = []
         self._disk_reads: List[Tuple[int, int, int]] = []
+        self._async_loads: List[Tuple[str, List[Tuple[int, int, int]], List[Tuple[int, int]]]] = []
+        self._loading: set = set()
         self._step = 0
 
     # -- helpers --------------------------------------------------------------------------
@@ -156,10 +161,11 @@ class KvbmLeader:
         hashes = self._hashes(st, limit)
         on_host, on_disk = self._native.count_prefix_tiers(hashes[start:limit])
         found = on_host + on_disk
+        is_async = on_disk > 0
         self._metrics.inc("kvbm_lookup_tokens", (limit - start) * b)
         self._metrics.inc("kvbm_matched_tokens", found * b)
-        st.match = (start, found) if found else None
-        return found * b, False
+        st.match = (start, found, is_async) if found else None
+        return found * b, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(request)
@@ -169,7 +175,7 @@ class KvbmLeader:
         if num_external_tokens <= 0 or st.match is None:
             st.match = None
             return
-        start, found = st.match
+        start, found, is_async = st.match
         st.match = None
         wanted = min(found, num_external_tokens // self.block_size)
         if len(ids) < start + wanted:
@@ -181,19 +187,24 @@ class KvbmLeader:
                 start,
             )
             return
-        host, disk = self._native.plan_load(st.hashes[start : start + wanted])
+        rid = request.request_id
+        host, disk = self._native.plan_load(st.hashes[start : start + wanted], rid if is_async else None)
         got = len(host) + len(disk)
         gpu = ids[start : start + got]
         # Disk blocks come through staging host blocks: disk -> host, then host -> GPU.
         pairs = list(zip(host, gpu)) + [(stage, g) for (_, stage, _), g in zip(disk, gpu[len(host) :])]
-        self._disk_reads.extend(disk)
         if got < wanted:
             # Evicted since they were counted: vLLM must recompute these.
             self._load_errors.extend(ids[start + got : start + wanted])
-        if pairs:
-            self._loads.append((request.request_id, pairs))
-            self._metrics.inc("kvbm_onboard_blocks_h2d", len(host))
-            self._metrics.inc("kvbm_onboard_blocks_d2d", len(disk))
+        if is_async:
+            # Reported in finished_recving even when nothing could be held (then all failed).
+            self._async_loads.append((rid, disk, pairs))
+            self._loading.add(rid)
+        elif pairs:
+            self._disk_reads.extend(disk)
+            self._loads.append((rid, pairs))
+        self._metrics.inc("kvbm_onboard_blocks_h2d", len(host))
+        self._metrics.inc("kvbm_onboard_blocks_d2d", len(disk))
         # Blocks loaded from the host tier are there already; those from disk are saved again.
         st.saved_blocks = max(st.saved_blocks, start + len(host))
 
@@ -259,8 +270,9 @@ class KvbmLeader:
             load_errors=self._load_errors,
             disk_reads=self._disk_reads,
             disk_writes=disk_writes,
+            async_loads=self._async_loads,
         )
-        self._loads, self._load_errors, self._disk_reads = [], [], []
+        self._loads, self._load_errors, self._disk_reads, self._async_loads = [], [], [], []
         self._step += 1
         self._native.end_step()
         self._metrics.set("kvbm_host_blocks_registered", self._native.counts()["registered"])
@@ -279,6 +291,10 @@ class KvbmLeader:
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
+        for rid in getattr(connector_output, "finished_recving", None) or ():
+            if rid in self._loading:
+                self._loading.discard(rid)
+                self._native.release(rid)
         for rid in getattr(connector_output, "finished_sending", None) or ():
             st = self._requests.get(rid)
             if st is not None and st.finished:
@@ -291,7 +307,12 @@ class KvbmLeader:
         return from_tuples(self._native.take_events())
 
     def reset_cache(self) -> bool:
-        self._native.reset()
+        """Drops the tiers' contents; False (nothing dropped) while blocks are being copied."""
+        try:
+            self._native.reset()
+        except _kvbm.KvbmError as e:
+            log.warning("kvbm: cache reset refused: %s", e)
+            return False
         return True
 
     # -- inspection -------------------------------------------------------------------------

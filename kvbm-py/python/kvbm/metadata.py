@@ -30,6 +30,8 @@ class KvbmConnectorMetadata(_Base):
     - ``disk_reads``: (disk block, host block, key) to read before the loads (the host blocks
       are staging blocks that the loads then copy to the GPU).
     - ``disk_writes``: (host block, disk block, key, identity bytes) to write after the saves.
+    - ``async_loads``: per request id, its disk reads and (host, GPU) pairs, loaded in the
+      background; the workers report the request in ``finished_recving`` when done.
     """
 
     step: int = 0
@@ -38,3 +40,4 @@ class KvbmConnectorMetadata(_Base):
     load_errors: List[int] = field(default_factory=list)
     disk_reads: List[Tuple[int, int, int]] = field(default_factory=list)
     disk_writes: List[Tuple[int, int, int, List[int]]] = field(default_factory=list)
+    async_loads: List[Tuple[str, List[Tuple[int, int, int]], Pairs]] = field(default_factory=list)

@@ -11,7 +11,9 @@ the pinned host pool and its copy streams, and executes the leader's instruction
 - ``wait_for_layer_load``: waits for that layer's transfer only;
 - ``wait_for_save``: starts the step's saves (after the forward pass wrote the blocks), then
   queues the step's disk writes (after those saves completed);
-- ``get_finished``: reports finished requests whose saves all completed.
+- ``get_finished``: reports finished requests whose saves all completed, and requests whose
+  asynchronous loads (disk reads, then the copy to the GPU, on the worker's loader thread) are
+  done; their failed blocks are reported by ``get_block_ids_with_load_errors`` in the same pass.
 """
 
 from __future__ import annotations
@@ -191,6 +193,8 @@ class KvbmWorker:
         pairs = [p for _, ps in meta.loads for p in ps]
         if pairs:
             w.load(pairs)
+        for rid, disk_reads, async_pairs in getattr(meta, "async_loads", None) or ():
+            w.load_async(rid, disk_reads, async_pairs)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
@@ -230,8 +234,12 @@ class KvbmWorker:
         done = {rid for rid in self._finished_waiting if rid not in self._in_flight}
         self._finished_waiting -= done
         self._saved -= done
+        loaded = set()
+        for rid, failed in w.poll_loads():
+            loaded.add(rid)
+            self._load_errors.update(failed)
         self._report_bytes()
-        return (done or None), None
+        return (done or None), (loaded or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         errors = set(self.native.take_failed()) | self._load_errors
@@ -244,6 +252,7 @@ class KvbmWorker:
         if self._native is not None:
             self._native.wait_saves()
             self._native.wait_loads()
+            self._native.wait_loads_async()
             self._native.wait_disk()
 
     def _report_bytes(self) -> None:
