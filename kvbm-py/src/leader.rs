@@ -271,17 +271,6 @@ impl Leader {
         })
     }
 
-    /// Holds the host blocks of the longest held prefix of `hashes` for loading and returns their
-    /// ids, in order (fewer than asked when some were evicted since they were counted).
-    fn hold(&mut self, hashes_: Vec<u64>) -> PyResult<Vec<u32>> {
-        guard(|| {
-            let held = self.host.hold_prefix(&hashes(&hashes_));
-            let ids = held.blocks().iter().map(|(id, _)| id.0).collect();
-            self.keep(held.into_blocks());
-            Ok(ids)
-        })
-    }
-
     /// Registers the blocks not in the host tier yet and returns, per block, the host block id to
     /// save it into (None when it is there already or the tier has no block to spare).
     #[pyo3(signature = (blocks, lora_name=None))]

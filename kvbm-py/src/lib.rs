@@ -102,35 +102,6 @@ fn sequence_hashes(
     })
 }
 
-/// One request's blocks to hash: (tokens, parent, lora name, cache salt).
-type HashItem = (Vec<u32>, Option<u64>, Option<String>, Option<String>);
-
-/// [`sequence_hashes`] for many token runs in one call: one list of hashes per item.
-#[pyfunction]
-fn sequence_hashes_batch(
-    py: Python<'_>,
-    items: Vec<HashItem>,
-    block_size: usize,
-) -> PyResult<Vec<Vec<u64>>> {
-    guard(|| {
-        if block_size == 0 {
-            return Err(LayoutError::new_err("block_size must be at least 1"));
-        }
-        Ok(py.allow_threads(|| {
-            items
-                .iter()
-                .map(|(tokens, parent, lora, salt)| {
-                    BlockHasher::new(block_size, lora.as_deref(), salt.as_deref())
-                        .sequence_hashes(parent.map(kvbm_events::SequenceHash), tokens)
-                        .into_iter()
-                        .map(|h| h.0)
-                        .collect()
-                })
-                .collect()
-        }))
-    })
-}
-
 /// Installs kvbm's log output (stderr) with a tracing filter such as "info" or
 /// "kvbm_core=debug" (the syntax of `DYN_LOG`). A second call changes nothing.
 #[pyfunction]
@@ -165,7 +136,6 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("LayoutError", py.get_type::<LayoutError>())?;
     m.add("DiskError", py.get_type::<DiskError>())?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
-    m.add_function(wrap_pyfunction!(sequence_hashes_batch, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<config::Config>()?;

@@ -98,14 +98,46 @@ impl Drop for DiskSide {
     }
 }
 
-impl DiskSide {
-    /// Waits (the caller releases the GIL) until no queued write reads `host` or writes `slot`.
-    fn wait_for(&self, host: Option<u32>, slot: Option<u32>) {
-        let (lock, cv) = &*self.pending;
-        let mut p = lock.lock();
-        while p.busy(host, slot) {
-            cv.wait(&mut p);
+/// Waits (the caller releases the GIL) until no queued write reads `host` or writes `slot`.
+fn wait_for_writes(pending: &SharedPending, host: Option<u32>, slot: Option<u32>) {
+    let (lock, cv) = &**pending;
+    let mut p = lock.lock();
+    while p.busy(host, slot) {
+        cv.wait(&mut p);
+    }
+}
+
+/// Reads disk blocks ((disk, host, key)) into host blocks, each after any queued write of its
+/// slot or reading its host block; returns the host blocks that missed (a block that fails
+/// verification, a key that differs, an I/O error).
+fn read_into_host(
+    store: &DiskStore,
+    pending: &SharedPending,
+    host: &HostRegion,
+    layout: &BlockLayout,
+    bytes: usize,
+    reads: &[(u32, u32, u64)],
+) -> Vec<u32> {
+    let Ok(mut buf) = AlignedBuf::new(store.payload_area_bytes()) else {
+        return reads.iter().map(|&(_, h, _)| h).collect();
+    };
+    let mut missed = Vec::new();
+    for &(d, h, key) in reads {
+        wait_for_writes(pending, Some(h), Some(d));
+        let hit = matches!(store.read(d, key, &mut buf), Ok(Lookup::Hit))
+            && host
+                .write(host_offset(host, layout, h), &buf.as_slice()[..bytes])
+                .is_ok();
+        if !hit {
+            missed.push(h);
         }
+    }
+    missed
+}
+
+impl DiskSide {
+    fn wait_for(&self, host: Option<u32>, slot: Option<u32>) {
+        wait_for_writes(&self.pending, host, slot);
     }
 
     fn wait_all(&self) {
@@ -163,38 +195,20 @@ struct LoaderContext {
 impl LoaderContext {
     /// Runs one load; returns the GPU blocks that did not get their bytes.
     fn run(&self, job: &AsyncLoad) -> Vec<u32> {
-        let mut bad_hosts = HashSet::new();
-        if !job.reads.is_empty() {
-            match &self.disk {
-                None => bad_hosts.extend(job.reads.iter().map(|&(_, h, _)| h)),
-                Some((store, pending)) => {
-                    let bytes = self.kv.bytes_per_block();
-                    let mut buf = AlignedBuf::new(store.payload_area_bytes()).ok();
-                    for &(d, h, key) in &job.reads {
-                        {
-                            let (lock, cv) = &**pending;
-                            let mut p = lock.lock();
-                            while p.busy(Some(h), Some(d)) {
-                                cv.wait(&mut p);
-                            }
-                        }
-                        let ok = buf.as_mut().is_some_and(|buf| {
-                            matches!(store.read(d, key, buf), Ok(Lookup::Hit))
-                                && self
-                                    .host
-                                    .write(
-                                        host_offset(&self.host, &self.host_layout, h),
-                                        &buf.as_slice()[..bytes],
-                                    )
-                                    .is_ok()
-                        });
-                        if !ok {
-                            bad_hosts.insert(h);
-                        }
-                    }
-                }
-            }
-        }
+        let bad_hosts: HashSet<u32> = match &self.disk {
+            _ if job.reads.is_empty() => HashSet::new(),
+            None => job.reads.iter().map(|&(_, h, _)| h).collect(),
+            Some((store, pending)) => read_into_host(
+                store,
+                pending,
+                &self.host,
+                &self.host_layout,
+                self.kv.bytes_per_block(),
+                &job.reads,
+            )
+            .into_iter()
+            .collect(),
+        };
         let (bad, good): (Pairs, Pairs) =
             job.pairs.iter().partition(|(h, _)| bad_hosts.contains(h));
         let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
@@ -705,22 +719,7 @@ impl Worker {
             let disk = self.disk.as_ref().expect("checked");
             let (host, layout, bytes) = (&self.host, &self.host_layout, self.kv.bytes_per_block());
             let missed: Vec<u32> = py.allow_threads(|| {
-                let mut buf = match AlignedBuf::new(disk.store.payload_area_bytes()) {
-                    Ok(b) => b,
-                    Err(_) => return reads.iter().map(|&(_, h, _)| h).collect(),
-                };
-                let mut missed = Vec::new();
-                for &(d, h, key) in &reads {
-                    disk.wait_for(Some(h), Some(d));
-                    let hit = matches!(disk.store.read(d, key, &mut buf), Ok(Lookup::Hit))
-                        && host
-                            .write(host_offset(host, layout, h), &buf.as_slice()[..bytes])
-                            .is_ok();
-                    if !hit {
-                        missed.push(h);
-                    }
-                }
-                missed
+                read_into_host(&disk.store, &disk.pending, host, layout, bytes, &reads)
             });
             let disk = self.disk.as_mut().expect("checked");
             disk.reads += reads.len() as u64;

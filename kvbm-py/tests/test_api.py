@@ -94,9 +94,8 @@ def test_leader_offloads_matches_holds_evicts_and_reports_events():
     assert [e[0] for e in events] == ["removed", "stored"]
     assert events[1][3] == hashes[2], "the stored block names its parent"
     assert len(leader.registered_hashes()) == 3
-    held = leader.hold(hashes[:2])
-    assert held == [], "block 0 was evicted: no prefix"
-    assert len(leader.hold(hashes[1:3])) == 2
+    assert leader.plan_load(hashes[:2]) == ([], []), "block 0 was evicted: no prefix"
+    assert len(leader.plan_load(hashes[1:3])[0]) == 2
     with pytest.raises(kvbm.LayoutError):
         leader.offload([(1, None, [1, 2, 3])])  # 3 tokens in a 4-token block
 
@@ -152,18 +151,23 @@ def test_layouts_that_kvbm_cannot_copy_are_refused_clearly():
         kvbm.Worker(tensors, [x.data_ptr() for x in tensors], "sideways", 4, 4, 16, 2, 2)
 
 
-def test_worker_disk_tier_round_trips_and_a_bad_block_is_a_miss(tmp_path):
-    caches = make_caches("block_first", layers=2, num_blocks=6, block_size=4, heads=2, head_size=8)
-    rng = np.random.default_rng(3)
+def disk_worker(tmp_path, kind, num_blocks, host_blocks, disk_blocks, seed):
+    """Caches of random bytes (2 layers) registered with a worker that has a disk tier."""
+    caches = make_caches(kind, layers=2, num_blocks=num_blocks, block_size=4, heads=2, head_size=8)
+    rng = np.random.default_rng(seed)
     for t in caches.values():
         t.array[...] = rng.integers(0, 1 << 16, size=t.array.shape, dtype=np.uint16)
-    before = {name: block_view(t, "block_first", 2) for name, t in caches.items()}
     config = kvbm.Config.from_env(
-        {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
+        {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks), "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
     )
-    worker = KvbmWorker(host_blocks=4, disk_blocks=8, config=config)
+    worker = KvbmWorker(host_blocks=host_blocks, disk_blocks=disk_blocks, config=config)
     worker.register_kv_caches(caches)
-    w = worker.native
+    return caches, worker.native
+
+
+def test_worker_disk_tier_round_trips_and_a_bad_block_is_a_miss(tmp_path):
+    caches, w = disk_worker(tmp_path, "block_first", num_blocks=6, host_blocks=4, disk_blocks=8, seed=3)
+    before = {name: block_view(t, "block_first", 2) for name, t in caches.items()}
     assert w.disk_blocks == 8
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o600
@@ -229,17 +233,8 @@ def test_leader_admits_to_disk_and_matches_host_then_disk():
 
 
 def test_asynchronous_loads_run_in_the_background_and_report_failures(tmp_path):
-    caches = make_caches("outer_first", layers=2, num_blocks=6, block_size=4, heads=2, head_size=8)
-    rng = np.random.default_rng(5)
-    for t in caches.values():
-        t.array[...] = rng.integers(0, 1 << 16, size=t.array.shape, dtype=np.uint16)
+    caches, w = disk_worker(tmp_path, "outer_first", num_blocks=6, host_blocks=4, disk_blocks=4, seed=5)
     before = {name: block_view(t, "outer_first", 1) for name, t in caches.items()}
-    config = kvbm.Config.from_env(
-        {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)}
-    )
-    worker = KvbmWorker(host_blocks=4, disk_blocks=4, config=config)
-    worker.register_kv_caches(caches)
-    w = worker.native
     w.save([(1, 0)], ["r"])
     w.disk_write([(0, 2, 77, [])])
     w.wait_disk()

@@ -227,17 +227,17 @@ struct Memo {
 }
 
 impl Memo {
-    fn get(&self, old: u32) -> Option<u32> {
-        self.entries[..self.len]
-            .iter()
-            .find(|(o, _)| *o == old)
-            .map(|(_, n)| *n)
-    }
-
-    fn put(&mut self, old: u32, new: u32) {
+    /// The transition of `old`, computed by `compute` the first time.
+    #[inline]
+    fn get_or(&mut self, old: u32, compute: impl FnOnce() -> u32) -> u32 {
+        if let Some(&(_, new)) = self.entries[..self.len].iter().find(|(o, _)| *o == old) {
+            return new;
+        }
+        let new = compute();
         self.entries[self.next] = (old, new);
         self.next = (self.next + 1) % self.entries.len();
         self.len = (self.len + 1).min(self.entries.len());
+        new
     }
 }
 
@@ -445,14 +445,7 @@ impl KvIndex {
                 }
                 continue;
             }
-            let new = match memo.get(old) {
-                Some(new) => new,
-                None => {
-                    let new = self.sets.with(old, w, |m| m | bit);
-                    memo.put(old, new);
-                    new
-                }
-            };
+            let new = memo.get_or(old, || self.sets.with(old, w, |m| m | bit));
             self.set_node(n, new);
             self.workers[w as usize].blocks[t] += 1;
         }
@@ -502,14 +495,7 @@ impl KvIndex {
                     continue;
                 }
             }
-            let new = match memo.get(old) {
-                Some(new) => new,
-                None => {
-                    let new = self.sets.with(old, w, |m| m & !bit);
-                    memo.put(old, new);
-                    new
-                }
-            };
+            let new = memo.get_or(old, || self.sets.with(old, w, |m| m & !bit));
             self.set_node(n, new);
             self.workers[w as usize].blocks[t] -= 1;
             if new == EMPTY {
