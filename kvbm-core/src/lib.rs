@@ -28,7 +28,8 @@ pub use disk::{
 pub use error::CoreError;
 pub use eviction::{EvictionPolicy, LruPriority};
 pub use layout::{
-    BlockLayout, KvLayout, LayerShape, LayoutKind, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES,
+    BlockLayout, GpuLayout, KvLayout, LayerShape, LayoutKind, PagedShape, PhysicalLayout, Run,
+    TensorView, ViewsLayout, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES, RUNS_PER_BLOCK_MAX,
 };
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};

@@ -15,7 +15,7 @@ use kvbm_events::{EventPublisher, EventSubscriber, SequenceHash, Tier};
 
 use crate::config::KvbmConfig;
 use crate::disk::{DiskOptions, DiskTier};
-use crate::layout::{BlockLayout, KvLayout, LayerShape};
+use crate::layout::{BlockLayout, GpuLayout, KvLayout};
 use crate::metrics::{add, Metrics, MetricsSnapshot};
 use crate::pool::{
     clear_across, match_across, BlockId, BlockPool, CompleteBlock, ImmutableBlock, MutableBlock,
@@ -31,9 +31,10 @@ pub const HOST_PIN_CHUNK_BYTES: usize = 256 << 20;
 /// Where the GPU tier's memory comes from.
 #[derive(Debug)]
 pub enum GpuMemory {
-    /// Allocate one tensor per layer on the device.
+    /// Allocate on the device as the GPU layout says (one tensor per layer, or one buffer).
     Allocate,
-    /// The engine's per-layer tensors (one region per layer, each `kv.layer_bytes(gpu_blocks)`).
+    /// The engine's memory, as many regions as the GPU layout allocates
+    /// ([`GpuLayout::allocation_bytes`]), each at least that large.
     External(Vec<GpuRegion>),
 }
 
@@ -44,8 +45,8 @@ pub struct ManagerOptions {
     pub kv: KvLayout,
     /// Blocks in the GPU tier.
     pub gpu_blocks: usize,
-    /// The GPU tensors' shape.
-    pub gpu_shape: LayerShape,
+    /// How the GPU memory is laid out.
+    pub gpu_layout: GpuLayout,
     /// Blocks in the host tier (at least 1).
     pub host_blocks: usize,
     /// Transfer batching and concurrency.
@@ -65,13 +66,13 @@ impl ManagerOptions {
         config: &KvbmConfig,
         kv: KvLayout,
         gpu_blocks: usize,
-        gpu_shape: LayerShape,
+        gpu_layout: impl Into<GpuLayout>,
         world_size: usize,
     ) -> Self {
         Self {
             kv,
             gpu_blocks,
-            gpu_shape,
+            gpu_layout: gpu_layout.into(),
             host_blocks: config.host.blocks(kv.host_stride_bytes(), world_size),
             limits: TransferLimits {
                 batch_blocks_max: config.transfer_batch_blocks_max.get(),
@@ -187,28 +188,32 @@ impl BlockManager {
             ),
         };
 
-        let layer_bytes = kv.layer_bytes(options.gpu_blocks);
+        let sizes = options.gpu_layout.allocation_bytes(&kv, options.gpu_blocks);
         let gpu_regions = match gpu_memory {
-            GpuMemory::Allocate => (0..kv.num_layers)
-                .map(|_| device.alloc_gpu(layer_bytes))
+            GpuMemory::Allocate => sizes
+                .iter()
+                .map(|&bytes| device.alloc_gpu(bytes))
                 .collect::<Result<Vec<_>, _>>()?,
             GpuMemory::External(regions) => {
-                if regions.len() != kv.num_layers || regions.iter().any(|r| r.len() < layer_bytes) {
+                if regions.len() != sizes.len()
+                    || regions.iter().zip(&sizes).any(|(r, &s)| r.len() < s)
+                {
                     return Err(CoreError::InvalidLayout(format!(
-                        "{} GPU tensors for {} layers of {layer_bytes} bytes",
+                        "{} GPU regions for a {} layout of {} allocations of {} bytes",
                         regions.len(),
-                        kv.num_layers
+                        options.gpu_layout.name(),
+                        sizes.len(),
+                        sizes[0]
                     )));
                 }
                 regions
             }
         };
-        let gpu_layout = BlockLayout::layer_separate(
-            kv,
-            options.gpu_blocks,
-            options.gpu_shape,
-            gpu_regions.iter().map(GpuRegion::addr).collect(),
-        )?;
+        let addrs: Vec<u64> = gpu_regions.iter().map(GpuRegion::addr).collect();
+        let gpu_layout = options
+            .gpu_layout
+            .place(kv, options.gpu_blocks, &addrs)?;
+        let geometry_id = gpu_layout.geometry_id();
         let gpu = TierStorage {
             pool: BlockPool::new(
                 Tier::Gpu,
@@ -264,6 +269,7 @@ impl BlockManager {
                 Some(Arc::new(DiskTier::open(
                     disk_options,
                     kv,
+                    geometry_id,
                     pool,
                     host.pool.clone(),
                     host.layout.clone(),
@@ -500,8 +506,9 @@ impl BlockManager {
         set
     }
 
-    /// Writes one GPU block from `bytes` in canonical order (layer, then outer), for filling
-    /// blocks in tests and benchmarks. `bytes` is exactly one block.
+    /// Writes one GPU block from `bytes` in canonical order (the GPU layout's memory order, see
+    /// [`crate::layout`]; the order its host copy has), for filling blocks in tests and
+    /// benchmarks. `bytes` is exactly one block.
     pub fn write_gpu_block(&self, id: BlockId, bytes: &[u8]) -> Result<(), CoreError> {
         self.block_io(
             self.engine.gpu(),
@@ -556,25 +563,23 @@ impl BlockManager {
                 kv.bytes_per_block()
             )));
         }
-        let chunk = kv.chunk_bytes();
-        for layer in 0..kv.num_layers {
-            for outer in 0..kv.outer_dim {
-                let addr = tier.layout.chunk_addr(id.index(), layer, outer);
-                let region = tier
-                    .regions
-                    .iter()
-                    .find(|r| r.addr() <= addr && addr + chunk as u64 <= r.addr() + r.len() as u64)
-                    .ok_or_else(|| {
-                        CoreError::InvalidLayout(format!("chunk at {addr:#x} outside every region"))
-                    })?;
-                let start = (layer * kv.outer_dim + outer) * chunk;
-                io(
-                    region,
-                    (addr - region.addr()) as usize,
-                    start..start + chunk,
-                )?;
+        let mut result = Ok(());
+        tier.layout.for_each_run(id.index(), |addr, offset, len, _| {
+            if result.is_err() {
+                return;
             }
-        }
-        Ok(())
+            let region = tier
+                .regions
+                .iter()
+                .find(|r| r.addr() <= addr && addr + len as u64 <= r.addr() + r.len() as u64);
+            result = match region {
+                None => Err(CoreError::InvalidLayout(format!(
+                    "run at {addr:#x} outside every region"
+                ))),
+                Some(region) => io(region, (addr - region.addr()) as usize, offset..offset + len)
+                    .map_err(CoreError::from),
+            };
+        });
+        result
     }
 }

@@ -520,7 +520,7 @@ fn build_transfer(
     dst: &TierStorage,
     batch: &Batch,
 ) -> Result<Transfer, CoreError> {
-    let chunks = src.layout.kv().chunks_per_block();
+    let chunks = src.layout.runs_per_block().max(dst.layout.runs_per_block());
     let mut transfer = Transfer::with_capacity(batch.sources.len() * chunks);
     let mut pieces = Vec::with_capacity(batch.sources.len() * chunks);
     for (s, t) in batch.sources.iter().zip(&batch.targets) {

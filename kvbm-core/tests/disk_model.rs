@@ -56,7 +56,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
         ManagerOptions {
             kv: kv(2),
             gpu_blocks: 10,
-            gpu_shape: LayerShape::BlockFirst,
+            gpu_layout: LayerShape::BlockFirst.into(),
             host_blocks: 6,
             limits: TransferLimits {
                 batch_blocks_max: 2,

@@ -25,7 +25,7 @@ fn disk_manager(dir: &Path, filter_disabled: bool, events: EventPublisher) -> Bl
         ManagerOptions {
             kv: kv(2),
             gpu_blocks: 12,
-            gpu_shape: LayerShape::OuterFirst,
+            gpu_layout: LayerShape::OuterFirst.into(),
             host_blocks: 12,
             limits: TransferLimits {
                 batch_blocks_max: 4,

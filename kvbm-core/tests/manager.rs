@@ -305,7 +305,7 @@ fn a_managers_events_go_out_over_zmq_in_vllms_format() {
     let options = kvbm_core::ManagerOptions {
         kv: kv(2),
         gpu_blocks: 64,
-        gpu_shape: LayerShape::OuterFirst,
+        gpu_layout: LayerShape::OuterFirst.into(),
         host_blocks: 64,
         limits: TransferLimits::default(),
         pin_threads: 1,

@@ -40,7 +40,7 @@ pub(crate) fn write_host_blocks(
         .map(|(block, slot, metadata)| WriteRequest {
             slot: *slot,
             key: block.sequence_hash().0,
-            addr: host_layout.chunk_addr(block.id().index(), 0, 0),
+            addr: host_layout.block_start(block.id().index()),
             metadata,
             framed: true,
         })
@@ -64,7 +64,7 @@ pub(crate) fn read_into_host_blocks(
         .map(|(slot, key, target)| ReadRequest {
             slot: *slot,
             key: *key,
-            addr: host_layout.chunk_addr(target.id().index(), 0, 0),
+            addr: host_layout.block_start(target.id().index()),
             framed: true,
         })
         .collect();

@@ -40,19 +40,21 @@ pub const ADMISSION_ENTRIES_MAX: usize = 1 << 20;
 /// Write batches queued for the disk writer at most.
 pub const DISK_QUEUE_MAX: usize = 256;
 
-/// Fingerprint of a KV layout, stored with the disk cache: a file written for another layout is
-/// discarded on open.
-pub fn layout_fingerprint(kv: &KvLayout) -> u64 {
+/// Fingerprint of a KV layout and of the canonical order of a block's bytes (the GPU layout's
+/// [`BlockLayout::geometry_id`]), stored with the disk cache: a file written for another layout
+/// is discarded on open.
+pub fn layout_fingerprint(kv: &KvLayout, geometry_id: u64) -> u64 {
     let fields = [
-        kv.num_layers,
-        kv.outer_dim,
-        kv.block_size_tokens,
-        kv.inner_dim,
-        kv.dtype_bytes,
+        kv.num_layers as u64,
+        kv.outer_dim as u64,
+        kv.block_size_tokens as u64,
+        kv.inner_dim as u64,
+        kv.dtype_bytes as u64,
+        geometry_id,
     ];
     let bytes: Vec<u8> = fields
         .iter()
-        .flat_map(|f| (*f as u64).to_le_bytes())
+        .flat_map(|f| f.to_le_bytes())
         .collect();
     xxhash_rust::xxh3::xxh3_64(&bytes)
 }
@@ -232,11 +234,13 @@ impl std::fmt::Debug for DiskTier {
 
 impl DiskTier {
     /// Opens the disk cache for `kv` and announces what it recovered (`BlockStored{tier: Disk}`
-    /// through `pool`'s publisher). `pool` must have `options.blocks` blocks.
+    /// through `pool`'s publisher). `pool` must have `options.blocks` blocks; `geometry_id` is
+    /// the GPU layout's ([`BlockLayout::geometry_id`]), the order of a block's bytes.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn open(
         options: &DiskOptions,
         kv: KvLayout,
+        geometry_id: u64,
         pool: BlockPool,
         host_pool: BlockPool,
         host_layout: BlockLayout,
@@ -244,7 +248,7 @@ impl DiskTier {
         metrics: Arc<Metrics>,
     ) -> Result<Self, CoreError> {
         let store_options = StoreOptions {
-            layout_fingerprint: layout_fingerprint(&kv),
+            layout_fingerprint: layout_fingerprint(&kv, geometry_id),
             payload_bytes: kv.bytes_per_block(),
             slots: options.blocks,
             queue_depth: options.queue_depth,

@@ -31,7 +31,7 @@ pub fn manager(
         ManagerOptions {
             kv: kv(outer),
             gpu_blocks,
-            gpu_shape: shape,
+            gpu_layout: shape.into(),
             host_blocks,
             limits,
             pin_threads: 1,
