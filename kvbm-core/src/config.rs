@@ -22,6 +22,10 @@ pub const DISK_DISABLE_O_DIRECT: &str = "DYN_KVBM_DISK_DISABLE_O_DIRECT";
 pub const DISABLE_DISK_OFFLOAD_FILTER: &str = "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER";
 /// kvbm's disk engine: `auto`, `io_uring` or `psync`.
 pub const DISK_ENGINE: &str = kvbm_disk::ENGINE_ENV;
+/// The KV cache layout kvbm's vLLM connector asks vLLM for (`get_required_kvcache_layout`):
+/// one of vLLM 0.33's names (default `BLNHC`, one contiguous run per block), or `auto` to leave
+/// vLLM's own choice.
+pub const KV_CACHE_LAYOUT: &str = "KVBM_KV_CACHE_LAYOUT";
 /// Where to publish KV events over ZMQ (a PUB socket; e.g. `tcp://127.0.0.1:5557`).
 pub const KV_EVENTS_ENDPOINT: &str = "DYN_KVBM_KV_EVENTS_ENDPOINT";
 /// Where to serve replays of recent KV event batches (a ROUTER socket).
@@ -112,6 +116,9 @@ pub struct KvbmConfig {
     pub disk_disable_o_direct: bool,
     /// Write every host block to disk instead of those seen twice. Default off.
     pub disk_offload_filter_disabled: bool,
+    /// The GPU layout the vLLM connector asks for (`KVBM_KV_CACHE_LAYOUT`). Default BLNHC;
+    /// `None` (`auto`) asks for nothing.
+    pub kv_cache_layout: Option<crate::layout::PhysicalLayout>,
     /// The disk I/O engine (`KVBM_DISK_ENGINE`). Default auto.
     pub disk_engine: kvbm_disk::EngineChoice,
     /// ZMQ endpoint for KV events. Default none (no ZMQ publishing).
@@ -214,6 +221,7 @@ impl KvbmConfig {
             ));
         }
         Ok(Self {
+            kv_cache_layout: kv_cache_layout(&lookup)?,
             kv_events_endpoint,
             kv_events_replay_endpoint,
             disk_engine,
@@ -227,6 +235,24 @@ impl KvbmConfig {
             metrics_port: metrics_on.then_some(port),
             log_filter: lookup(LOG).unwrap_or_else(|| "info".to_owned()),
         })
+    }
+}
+
+/// The layout `KVBM_KV_CACHE_LAYOUT` asks for (read alone: vLLM asks for it before the tiers
+/// are configured).
+pub fn kv_cache_layout(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Option<crate::layout::PhysicalLayout>, ConfigError> {
+    match lookup(KV_CACHE_LAYOUT) {
+        None => Ok(Some(crate::layout::PhysicalLayout::Blnhc)),
+        Some(v) if v.trim().eq_ignore_ascii_case("auto") => Ok(None),
+        Some(v) => v.parse().map(Some).map_err(|_| {
+            invalid(
+                KV_CACHE_LAYOUT,
+                &v,
+                "expected auto or one of vLLM's layouts: LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC",
+            )
+        }),
     }
 }
 

@@ -6,10 +6,11 @@
 //!   are derived from each tensor's shape and strides ([`BlockLayout::from_views`]): vLLM 0.33's
 //!   `[B, H, N, C]` per-layer views of one backing buffer in any [`PhysicalLayout`], the older
 //!   `[2, B, N, H, D]` / `[B, 2, N, H, D]` per-layer tensors ([`LayerShape`]) and MLA's
-//!   `[B, N, D]`. The runs are listed in memory order, which is the block's *canonical order*:
-//!   when all layers are views of one buffer at equal distances, the layer axis takes its place
-//!   among the others by stride, so a block-outermost layout (BLNHC, BLHNC, BHLNC) is one run
-//!   per block and LBNHC/LBHNC one run per layer; otherwise layers follow in registration order.
+//!   `[B, N, D]`. The order of the runs is the block's *canonical order*: tensors whose pages
+//!   interleave or overlap (views of one buffer, overlaid cache groups) contribute the union of
+//!   their bytes in memory order, and such clusters follow each other in registration order. So
+//!   a block-outermost layout (BLNHC, BLHNC, BHLNC) is one run per block, LBNHC/LBHNC one run
+//!   per layer, LHBNC one per (layer, head), and separate tensors keep their layer order.
 //! - **FullyContiguous** (host, disk): block `b` is one run of the block's bytes in canonical
 //!   order, starting at `base + b * block_stride_bytes + lead_bytes`.
 //!
@@ -17,12 +18,13 @@
 //! - Two layouts copy between each other only when their [`KvLayout`]s are equal; pieces follow
 //!   the canonical order and merge runs that continue each other on both sides, so paged to
 //!   contiguous is one piece per run of the paged side.
-//! - A paged layout's runs never overlap each other, within a block or across blocks: tensors
-//!   whose strides could alias are refused, and a tensor whose block pages lie inside another's
-//!   (vLLM's overlaid cache groups) is dropped, so its bytes are copied once.
+//! - A paged layout's runs never overlap each other: a tensor whose strides make two elements
+//!   share bytes is refused, and bytes that several tensors address (vLLM's overlaid cache
+//!   groups, layers sharing a cache) are one run, copied once.
 //! - The canonical order is part of [`BlockLayout::geometry_id`], which the disk tier stores, so a
 //!   block written under one GPU layout is never read back as data under another.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -180,7 +182,9 @@ impl GpuLayout {
                 };
                 let shape = PagedShape::of(&kv, num_heads)?;
                 let views = layout.views(&shape, num_blocks, *base);
-                BlockLayout::from_views(&views, num_blocks)?.layout.with_kv(kv)
+                BlockLayout::from_views(&views, num_blocks)?
+                    .layout
+                    .with_kv(kv)
             }
         }
     }
@@ -394,6 +398,8 @@ pub enum LayoutKind {
         block_stride_bytes: u64,
         /// Identifies the canonical order (see [`BlockLayout::geometry_id`]).
         geometry_id: u64,
+        /// Tensors the layout was built from (the runs' layer tags index them).
+        views: usize,
     },
     /// One contiguous run per block.
     FullyContiguous {
@@ -415,7 +421,8 @@ pub struct Run {
     pub len: usize,
     /// Bytes of the block (in canonical order) before this run.
     pub offset: usize,
-    /// The first and last layer (in registration order) whose bytes the run holds.
+    /// The first and last tensor (in registration order: a layer, or an overlaid layer) whose
+    /// bytes the run holds.
     pub layers: (u32, u32),
 }
 
@@ -430,14 +437,12 @@ pub struct BlockLayout {
 /// A paged layout derived from the engine's tensors ([`BlockLayout::from_views`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ViewsLayout {
-    /// The KV shape the tensors hold (over the layers kept).
+    /// The KV shape the tensors hold (layers: their distinct pages).
     pub kv: KvLayout,
     /// Where each block's bytes are.
     pub layout: BlockLayout,
     /// The vLLM 0.33 layout the strides match, when they match one.
     pub physical: Option<PhysicalLayout>,
-    /// Indices of the tensors kept; the others address bytes a kept one covers.
-    pub kept: Vec<usize>,
     /// Address ranges (start, bytes) the tensors address, merged where they touch: the memory to
     /// register with the device.
     pub spans: Vec<(u64, usize)>,
@@ -522,35 +527,6 @@ impl Page {
     }
 }
 
-/// True if every interval of `inner` lies inside one interval of `outer` (both sorted, absolute).
-fn covered(inner: &[(u64, u64)], outer: &[(u64, u64)]) -> bool {
-    let mut j = 0;
-    for &(s, e) in inner {
-        while j < outer.len() && outer[j].1 <= s {
-            j += 1;
-        }
-        if j == outer.len() || outer[j].0 > s || outer[j].1 < e {
-            return false;
-        }
-    }
-    true
-}
-
-/// True if any interval of `a` meets one of `b` (both sorted, absolute).
-fn intersects(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
-    let (mut i, mut j) = (0, 0);
-    while i < a.len() && j < b.len() {
-        if a[i].1 <= b[j].0 {
-            i += 1;
-        } else if b[j].1 <= a[i].0 {
-            j += 1;
-        } else {
-            return true;
-        }
-    }
-    false
-}
-
 const SUPPORTED: &str = "kvbm addresses vLLM 0.33's [B, H, N, C] per-layer views in every \
     KVCacheLayout (LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC), MLA's [B, 1, N, C] and [B, N, C], \
     and the older [2, B, N, H, D] / [B, 2, N, H, D] tensors, with the last axis contiguous";
@@ -598,11 +574,13 @@ impl BlockLayout {
 
     /// The engine's tensors, one per layer (`views`), each holding `num_blocks` blocks: the piece
     /// list of a block is derived from their shapes and strides. A tensor whose block axis is a
-    /// multiple of `num_blocks` holds vLLM's kernel blocks, that many per block.
+    /// multiple of `num_blocks` holds vLLM's kernel blocks, that many per block. Tensors that
+    /// address the same bytes (vLLM's overlaid cache groups, shared layers) have them copied
+    /// once. The runs' layer tags are indices into `views`.
     ///
     /// Refused, with the tensor's name, shape and strides: a last axis that is not contiguous,
-    /// strides under which two elements share bytes, tensors of different block strides or page
-    /// sizes, and tensors that partly overlap (a tensor entirely inside another is dropped).
+    /// strides under which two elements share bytes, tensors of different block strides or
+    /// element sizes.
     pub fn from_views(views: &[TensorView], num_blocks: usize) -> Result<ViewsLayout, CoreError> {
         if views.is_empty() || num_blocks == 0 {
             return Err(CoreError::InvalidLayout(format!(
@@ -618,18 +596,18 @@ impl BlockLayout {
             ))
         };
         let mut pages = Vec::with_capacity(views.len());
-        let mut kv_of = None;
+        let mut kv_first: Option<KvLayout> = None;
         for v in views {
             let (page, kv) = Self::page_of(v, num_blocks).map_err(|why| refuse(v, &why))?;
-            match kv_of {
-                None => kv_of = Some(kv),
-                Some(first) if first != kv => {
-                    return Err(refuse(
-                        v,
-                        &format!("it holds {kv:?} where the first tensor holds {first:?}"),
-                    ))
-                }
-                Some(_) => {}
+            let first = *kv_first.get_or_insert(kv);
+            if kv.dtype_bytes != first.dtype_bytes {
+                return Err(refuse(
+                    v,
+                    &format!(
+                        "its elements are {} bytes where the first tensor's are {}",
+                        kv.dtype_bytes, first.dtype_bytes
+                    ),
+                ));
             }
             if let Some(first) = pages.first().map(|p: &Page| p.block_stride) {
                 if page.block_stride != first {
@@ -644,60 +622,12 @@ impl BlockLayout {
             }
             pages.push(page);
         }
-        let kv_one = kv_of.expect("at least one view");
-
-        // Overlaid tensors (vLLM's cache groups over the same bytes): a page inside another is
-        // dropped; a partial overlap cannot be copied once and is refused.
-        let abs: Vec<Vec<(u64, u64)>> = pages
-            .iter()
-            .map(|p| {
-                p.runs()
-                    .iter()
-                    .map(|&(o, l)| (p.addr + o as u64, p.addr + (o + l) as u64))
-                    .collect()
-            })
-            .collect();
-        let mut kept: Vec<usize> = Vec::with_capacity(pages.len());
-        for i in 0..pages.len() {
-            let mut keep = true;
-            let mut k = 0;
-            while k < kept.len() {
-                let j = kept[k];
-                if !intersects(&abs[i], &abs[j]) {
-                    k += 1;
-                } else if covered(&abs[i], &abs[j]) {
-                    keep = false;
-                    break;
-                } else if covered(&abs[j], &abs[i]) {
-                    kept.remove(k);
-                } else {
-                    return Err(refuse(
-                        &views[i],
-                        &format!(
-                            "its pages partly overlap those of {:?}, so no copy can take each \
-                             byte once",
-                            views[j].name
-                        ),
-                    ));
-                }
-            }
-            if keep {
-                kept.push(i);
-            }
-        }
-        kept.sort_unstable();
-        let kept_pages: Vec<Page> = kept.iter().map(|&i| pages[i].clone()).collect();
-        let kv = KvLayout::new(
-            kept.len(),
-            kv_one.outer_dim,
-            kv_one.block_size_tokens,
-            kv_one.inner_dim,
-            kv_one.dtype_bytes,
-        )?;
-        let physical = detect_physical(views, &kept, &pages);
+        let first = kv_first.expect("at least one view");
+        let physical = detect_physical(views, &pages);
         let tag = format!("views {:?}", physical.map(PhysicalLayout::name));
-        let layout = Self::paged(kv, num_blocks, &kept_pages, &tag)?;
-        let mut spans: Vec<(u64, u64)> = kept_pages
+        let layout = Self::paged(first, num_blocks, &pages, &tag)?;
+        let kv = *layout.kv();
+        let mut spans: Vec<(u64, u64)> = pages
             .iter()
             .map(|p| (p.addr, p.addr + p.extent(num_blocks) as u64))
             .collect();
@@ -713,7 +643,6 @@ impl BlockLayout {
             kv,
             layout,
             physical,
-            kept,
             spans: merged
                 .into_iter()
                 .map(|(s, e)| (s, (e - s) as usize))
@@ -735,8 +664,8 @@ impl BlockLayout {
         }
         // The block axis, the K/V axis if any, and the token axis.
         let (block_axis, outer_axis, token_axis) = match rank {
-            3 => (0, None, 1),                                              // [B, N, D]
-            4 => (0, None, 2),                                              // [B, H, N, C]
+            3 => (0, None, 1), // [B, N, D]
+            4 => (0, None, 2), // [B, H, N, C]
             _ if v.shape[0] == 2 && v.shape[1] % num_blocks == 0 => (1, Some(0), 2), // [2, B, ...]
             _ if v.shape[1] == 2 && v.shape[0] % num_blocks == 0 => (0, Some(1), 2), // [B, 2, ...]
             _ => return Err("no K/V axis of size 2 next to a block axis".into()),
@@ -796,93 +725,132 @@ impl BlockLayout {
         Ok((page, kv))
     }
 
-    /// A paged layout from each layer's page; `tag` names the geometry for its id.
+    /// A paged layout from each tensor's page; `shape` gives the KV shape of one page (its
+    /// `num_layers` is ignored: the layers are the distinct pages' bytes over one page's), and
+    /// `tag` names the geometry for its id.
+    ///
+    /// A block's runs are built cluster by cluster: tensors whose block pages reach into each
+    /// other's address span (interleaved layers, overlaid groups) form one cluster, whose bytes
+    /// are the union of their pages in address order; clusters follow each other in
+    /// registration order. So separate tensors keep their order wherever they were allocated,
+    /// and one buffer's views follow memory order.
     fn paged(
-        kv: KvLayout,
+        shape: KvLayout,
         num_blocks: usize,
         pages: &[Page],
         tag: &str,
     ) -> Result<Self, CoreError> {
-        let first = &pages[0];
-        // Layers at equal distances with the same geometry: the layer axis is one more axis.
-        let layer_stride = pages
-            .get(1)
-            .and_then(|p| p.addr.checked_sub(first.addr))
-            .filter(|&d| d > 0)
-            .filter(|&d| {
-                pages.iter().enumerate().all(|(l, p)| {
-                    p.addr == first.addr + l as u64 * d
-                        && p.axes == first.axes
-                        && p.block_stride == first.block_stride
-                })
-            });
-        let mut runs: Vec<Run> = Vec::new();
-        // Where the layer axis sits among a page's axes (0: outermost), for the geometry id.
-        let mut layer_position = 0usize;
-        match layer_stride {
-            Some(stride) if pages.len() > 1 => {
-                layer_position = first
-                    .axes
+        // Block 0's intervals per tensor (absolute), and each tensor's span.
+        let intervals: Vec<Vec<(u64, u64)>> = pages
+            .iter()
+            .map(|p| {
+                p.runs()
                     .iter()
-                    .filter(|a| a.size > 1 && a.stride > stride as usize)
-                    .count();
-                let mut whole = first.clone();
-                whole.axes.push(Axis {
-                    size: pages.len(),
-                    stride: stride as usize,
-                });
-                if !whole.is_injective(num_blocks) {
-                    return Err(CoreError::InvalidLayout(format!(
-                        "{} layers {stride} bytes apart overlap each other's blocks",
-                        pages.len()
-                    )));
+                    .map(|&(o, l)| (p.addr + o as u64, p.addr + (o + l) as u64))
+                    .collect()
+            })
+            .collect();
+        let span = |i: usize| (intervals[i][0].0, intervals[i].last().expect("a run").1);
+        // Clusters of tensors with intersecting spans, in registration order of their first.
+        let mut cluster_of: Vec<usize> = (0..pages.len()).collect();
+        let mut by_start: Vec<usize> = (0..pages.len()).collect();
+        by_start.sort_by_key(|&i| span(i));
+        let mut reach: Option<(u64, usize)> = None; // (end of the current group, its cluster)
+        for &i in &by_start {
+            let (s, e) = span(i);
+            match reach {
+                Some((end, c)) if s < end => {
+                    cluster_of[i] = c;
+                    reach = Some((end.max(e), c));
                 }
-                let spans: Vec<(u64, u64)> = pages
-                    .iter()
-                    .map(|p| (p.addr, p.addr + p.extent(1) as u64))
-                    .collect();
-                for (o, len) in whole.runs() {
-                    let (s, e) = (first.addr + o as u64, first.addr + (o + len) as u64);
-                    let touched: Vec<u32> = spans
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, &(ps, pe))| ps < e && s < pe)
-                        .map(|(l, _)| l as u32)
-                        .collect();
-                    let layers = (touched[0], *touched.last().expect("a run is in a layer"));
-                    push_run(&mut runs, s, len, layers);
-                }
-            }
-            _ => {
-                for (l, p) in pages.iter().enumerate() {
-                    for (o, len) in p.runs() {
-                        push_run(&mut runs, p.addr + o as u64, len, (l as u32, l as u32));
-                    }
-                }
+                _ => reach = Some((e, i)),
             }
         }
-        let total: usize = runs.iter().map(|r| r.len).sum();
-        if total != kv.bytes_per_block() {
+        // A cluster is named by one member; order clusters by their first member.
+        let mut first_member: HashMap<usize, usize> = HashMap::new();
+        for (i, &c) in cluster_of.iter().enumerate() {
+            first_member.entry(c).or_insert(i);
+        }
+        let mut clusters: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut index_of: HashMap<usize, usize> = HashMap::new();
+        for (i, &c) in cluster_of.iter().enumerate() {
+            let k = *index_of.entry(c).or_insert_with(|| {
+                clusters.push((first_member[&c], Vec::new()));
+                clusters.len() - 1
+            });
+            clusters[k].1.push(i);
+        }
+        clusters.sort_by_key(|(first, _)| *first);
+
+        let mut runs: Vec<Run> = Vec::new();
+        for (_, members) in &clusters {
+            // Every member's intervals, tagged, in address order; then their union.
+            let mut all: Vec<(u64, u64, u32)> = members
+                .iter()
+                .flat_map(|&i| intervals[i].iter().map(move |&(s, e)| (s, e, i as u32)))
+                .collect();
+            all.sort_unstable();
+            let mut union: Vec<(u64, u64, u32, u32)> = Vec::new();
+            for (s, e, layer) in all {
+                match union.last_mut() {
+                    Some(last) if s < last.1 => {
+                        last.1 = last.1.max(e);
+                        last.2 = last.2.min(layer);
+                        last.3 = last.3.max(layer);
+                    }
+                    _ => union.push((s, e, layer, layer)),
+                }
+            }
+            for (s, e, lo, hi) in union {
+                push_run(&mut runs, s, (e - s) as usize, (lo, hi));
+            }
+        }
+        if runs.len() > RUNS_PER_BLOCK_MAX {
             return Err(CoreError::InvalidLayout(format!(
-                "the tensors hold {total} bytes per block where {kv:?} has {}",
-                kv.bytes_per_block()
+                "a block is {} runs (at most {RUNS_PER_BLOCK_MAX})",
+                runs.len()
             )));
         }
-        // The canonical order: each layer's page axes by stride, and where the layer axis sits
-        // among them (not the runs, which also depend on where separate tensors happen to lie).
-        let mut id = format!("{tag};{kv:?};layer axis at {layer_position};");
-        for p in pages {
-            let mut axes: Vec<Axis> = p.axes.iter().copied().filter(|a| a.size > 1).collect();
-            axes.sort_by_key(|a| std::cmp::Reverse(a.stride));
-            id.push_str(&format!("{axes:?};"));
+        let total: usize = runs.iter().map(|r| r.len).sum();
+        let page = shape.page_bytes();
+        if total % page != 0 {
+            return Err(CoreError::InvalidLayout(format!(
+                "the tensors hold {total} distinct bytes per block, not a whole number of \
+                 {page}-byte pages"
+            )));
+        }
+        let kv = KvLayout::new(
+            total / page,
+            shape.outer_dim,
+            shape.block_size_tokens,
+            shape.inner_dim,
+            shape.dtype_bytes,
+        )?;
+        // The canonical order: each cluster's members' page axes by stride and their offsets
+        // from the cluster's start (not absolute addresses, which differ between runs).
+        let mut id = format!("{tag};{kv:?};");
+        for (_, members) in &clusters {
+            let base = members.iter().map(|&i| span(i).0).min().expect("a member");
+            for &i in members {
+                let mut axes: Vec<Axis> = pages[i]
+                    .axes
+                    .iter()
+                    .copied()
+                    .filter(|a| a.size > 1)
+                    .collect();
+                axes.sort_by_key(|a| std::cmp::Reverse(a.stride));
+                id.push_str(&format!("{}@{}:{axes:?};", i, span(i).0 - base));
+            }
+            id.push('|');
         }
         Ok(Self {
             kv,
             num_blocks,
             kind: LayoutKind::Paged {
                 runs,
-                block_stride_bytes: first.block_stride as u64,
+                block_stride_bytes: pages[0].block_stride as u64,
                 geometry_id: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
+                views: pages.len(),
             },
         })
     }
@@ -1012,11 +980,15 @@ impl BlockLayout {
         }
     }
 
-    /// For each layer, the last layer of the runs holding its bytes: layer `l` is in place once
-    /// the runs of every layer up to `ready_after()[l]` are (runs merged across layers, as in a
-    /// block-outermost layout, make a layer wait for the whole block).
+    /// For each tensor (layer), the last tensor of the runs holding its bytes: layer `l` is in
+    /// place once the runs tagged up to `ready_after()[l]` are (runs merged across layers, as in
+    /// a block-outermost layout, make a layer wait for the whole block).
     pub fn ready_after(&self) -> Vec<u32> {
-        let mut ready: Vec<u32> = (0..self.kv.num_layers as u32).collect();
+        let tensors = match &self.kind {
+            LayoutKind::Paged { views, .. } => *views,
+            LayoutKind::FullyContiguous { .. } => self.kv.num_layers,
+        };
+        let mut ready: Vec<u32> = (0..tensors as u32).collect();
         self.for_each_run(0, |_, _, _, (first, last)| {
             for l in first..=last {
                 ready[l as usize] = ready[l as usize].max(last);
@@ -1146,33 +1118,47 @@ fn push_run(runs: &mut Vec<Run>, addr: u64, len: usize, layers: (u32, u32)) {
 }
 
 /// The vLLM 0.33 layout that equally spaced, equally shaped 4-D views follow, if any.
-fn detect_physical(views: &[TensorView], kept: &[usize], pages: &[Page]) -> Option<PhysicalLayout> {
-    let v = &views[kept[0]];
-    if v.shape.len() != 4 || kept.iter().any(|&i| views[i].shape != v.shape) {
+fn detect_physical(views: &[TensorView], pages: &[Page]) -> Option<PhysicalLayout> {
+    let v = &views[0];
+    if v.shape.len() != 4
+        || views
+            .iter()
+            .any(|w| w.shape != v.shape || w.strides != v.strides)
+    {
         return None;
     }
-    // Byte strides of L, B, H, N (C is innermost).
-    let layer_stride = match kept {
+    // Byte strides of L, B, H, N (C is innermost); the layers must be equally spaced.
+    let layer_stride = match pages {
         [_] => usize::MAX,
-        [a, b, ..] => pages[*b].addr.checked_sub(pages[*a].addr)? as usize,
+        [a, b, ..] => {
+            let d = b.addr.checked_sub(a.addr)?;
+            let uniform = pages
+                .iter()
+                .enumerate()
+                .all(|(l, p)| p.addr == a.addr + l as u64 * d);
+            if !uniform || d == 0 {
+                return None;
+            }
+            d as usize
+        }
         [] => return None,
     };
     let e = v.elem_bytes;
     let strides = [
         layer_stride,
-        pages[kept[0]].block_stride,
+        pages[0].block_stride,
         v.strides[1] * e,
         v.strides[2] * e,
     ];
-    let sizes = [kept.len(), usize::MAX, v.shape[1], v.shape[2]];
+    let sizes = [pages.len(), usize::MAX, v.shape[1], v.shape[2]];
     PhysicalLayout::ALL.into_iter().find(|layout| {
-        let order: Vec<usize> = layout.stride_order()[..]
+        // Axes of size 1 may carry any stride; the others must descend in the layout's order.
+        let relevant: Vec<usize> = layout
+            .stride_order()
             .iter()
             .copied()
-            .filter(|&a| a != 4)
+            .filter(|&a| a != 4 && sizes[a] > 1)
             .collect();
-        // Axes of size 1 may carry any stride; the others must descend in the layout's order.
-        let relevant: Vec<usize> = order.into_iter().filter(|&a| sizes[a] > 1).collect();
         relevant.windows(2).all(|w| strides[w[0]] > strides[w[1]])
     })
 }

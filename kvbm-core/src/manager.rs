@@ -210,9 +210,7 @@ impl BlockManager {
             }
         };
         let addrs: Vec<u64> = gpu_regions.iter().map(GpuRegion::addr).collect();
-        let gpu_layout = options
-            .gpu_layout
-            .place(kv, options.gpu_blocks, &addrs)?;
+        let gpu_layout = options.gpu_layout.place(kv, options.gpu_blocks, &addrs)?;
         let geometry_id = gpu_layout.geometry_id();
         let gpu = TierStorage {
             pool: BlockPool::new(
@@ -564,22 +562,27 @@ impl BlockManager {
             )));
         }
         let mut result = Ok(());
-        tier.layout.for_each_run(id.index(), |addr, offset, len, _| {
-            if result.is_err() {
-                return;
-            }
-            let region = tier
-                .regions
-                .iter()
-                .find(|r| r.addr() <= addr && addr + len as u64 <= r.addr() + r.len() as u64);
-            result = match region {
-                None => Err(CoreError::InvalidLayout(format!(
-                    "run at {addr:#x} outside every region"
-                ))),
-                Some(region) => io(region, (addr - region.addr()) as usize, offset..offset + len)
+        tier.layout
+            .for_each_run(id.index(), |addr, offset, len, _| {
+                if result.is_err() {
+                    return;
+                }
+                let region = tier
+                    .regions
+                    .iter()
+                    .find(|r| r.addr() <= addr && addr + len as u64 <= r.addr() + r.len() as u64);
+                result = match region {
+                    None => Err(CoreError::InvalidLayout(format!(
+                        "run at {addr:#x} outside every region"
+                    ))),
+                    Some(region) => io(
+                        region,
+                        (addr - region.addr()) as usize,
+                        offset..offset + len,
+                    )
                     .map_err(CoreError::from),
-            };
-        });
+                };
+            });
         result
     }
 }

@@ -1,9 +1,14 @@
 //! The emulated copy stream: one worker thread per stream running memcpy, transfers in order.
+//!
+//! A stream can be *held* ([`EmulatedStream::hold`]): while a hold lives, the worker starts no
+//! further transfer, so tests can keep a copy in flight for as long as they need, without
+//! timing, and check what the code above does meanwhile.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
+use parking_lot::{Condvar, Mutex};
 
 use crate::region::Region;
 use crate::stream::{CopyPiece, Direction, Signal, STREAM_QUEUE_MAX};
@@ -16,17 +21,43 @@ struct Job {
     signal: Arc<Signal>,
 }
 
+/// Holds alive, and the worker's wait for them to end.
+type Holds = Arc<(Mutex<usize>, Condvar)>;
+
 pub(crate) struct EmulatedStream {
     sender: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
+    holds: Holds,
+}
+
+/// Keeps an emulated stream from starting transfers until dropped.
+#[must_use = "the stream runs again as soon as the hold is dropped"]
+pub struct StreamHold {
+    holds: Holds,
+}
+
+impl std::fmt::Debug for StreamHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StreamHold")
+    }
+}
+
+impl Drop for StreamHold {
+    fn drop(&mut self) {
+        let (count, cv) = &*self.holds;
+        *count.lock() -= 1;
+        cv.notify_all();
+    }
 }
 
 impl EmulatedStream {
     pub(crate) fn new(direction: Direction) -> Result<Self, DeviceError> {
         let (sender, receiver) = crossbeam_channel::bounded(STREAM_QUEUE_MAX);
+        let holds: Holds = Arc::default();
+        let worker_holds = holds.clone();
         let worker = std::thread::Builder::new()
             .name(format!("kvbm-emu-{}", direction.as_str()))
-            .spawn(move || run(receiver))
+            .spawn(move || run(receiver, worker_holds))
             .map_err(|e| DeviceError::Os {
                 call: "spawn",
                 errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)),
@@ -34,7 +65,17 @@ impl EmulatedStream {
         Ok(Self {
             sender: Some(sender),
             worker: Some(worker),
+            holds,
         })
+    }
+
+    /// Stops the worker before its next transfer until the hold drops (a transfer already
+    /// running finishes).
+    pub(crate) fn hold(&self) -> StreamHold {
+        *self.holds.0.lock() += 1;
+        StreamHold {
+            holds: self.holds.clone(),
+        }
     }
 
     /// Queues a validated transfer; waits when [`STREAM_QUEUE_MAX`] transfers are queued.
@@ -58,8 +99,15 @@ impl EmulatedStream {
     }
 }
 
-fn run(receiver: Receiver<Job>) {
+fn run(receiver: Receiver<Job>, holds: Holds) {
     for job in receiver {
+        {
+            let (count, cv) = &*holds;
+            let mut held = count.lock();
+            while *held > 0 {
+                cv.wait(&mut held);
+            }
+        }
         for p in &job.pieces {
             // SAFETY: `validate` checked that both ranges lie inside regions of this transfer,
             // which `job.regions` keeps alive until after the copy; source and target are

@@ -25,6 +25,7 @@ mod region;
 mod stream;
 
 pub use device::{BackendChoice, Device, DeviceKind, BACKEND_ENV};
+pub use emulated::StreamHold;
 pub use error::DeviceError;
 pub use host::{HostRegion, HostRegionOptions, PinStatus, PIN_CHUNK_BYTES_MAX};
 pub use region::{GpuRegion, Region};

@@ -270,6 +270,18 @@ impl CopyStream {
         }
     }
 
+    /// Holds the stream before its next transfer until the returned guard drops, so that a
+    /// test can keep copies queued (in flight, for everything above) as long as it needs.
+    /// Only the emulated device can: on CUDA this is `InvalidArgument`.
+    pub fn hold(&self) -> Result<crate::emulated::StreamHold, DeviceError> {
+        match &self.backend {
+            Backend::Emulated(s) => Ok(s.hold()),
+            Backend::Cuda(_) => Err(DeviceError::InvalidArgument(
+                "only an emulated copy stream can be held".into(),
+            )),
+        }
+    }
+
     /// Counters since the stream was created.
     pub fn stats(&self) -> StreamStats {
         StreamStats {

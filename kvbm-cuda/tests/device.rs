@@ -348,3 +348,30 @@ fn external_gpu_memory_is_used_but_not_owned() {
     engine_tensor[0] = 9; // still ours to use
     assert_eq!(engine_tensor[0], 9);
 }
+
+#[test]
+fn a_held_emulated_stream_starts_nothing_until_released() {
+    let device = Device::emulated();
+    let gpu = device.alloc_gpu(4096).unwrap();
+    let host = device
+        .alloc_host(4096, kvbm_cuda::HostRegionOptions::default())
+        .unwrap();
+    assert!(host.wait_ready(host.len(), std::time::Duration::from_secs(60)));
+    gpu.write(0, &[7u8; 4096]).unwrap();
+    let stream = device.copy_stream(Direction::DeviceToHost).unwrap();
+    let hold = stream.hold().unwrap();
+    let mut t = kvbm_cuda::Transfer::with_capacity(1);
+    t.push(gpu.addr(), host.addr(), 4096);
+    t.keep(gpu.clone());
+    t.keep(host.clone());
+    let done = stream.submit(t).unwrap();
+    // Held: the copy cannot have started, so the host side is still zero.
+    assert!(!done.poll().unwrap());
+    let mut got = [1u8; 4096];
+    host.read(0, &mut got).unwrap();
+    assert_eq!(got, [0u8; 4096]);
+    drop(hold);
+    done.wait().unwrap();
+    host.read(0, &mut got).unwrap();
+    assert_eq!(got, [7u8; 4096]);
+}

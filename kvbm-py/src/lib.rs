@@ -117,6 +117,26 @@ fn init_logging(filter: &str) -> PyResult<()> {
     })
 }
 
+/// The KV cache layout the connector asks vLLM for: `KVBM_KV_CACHE_LAYOUT` (default "BLNHC"),
+/// or None for `auto`. Raises `ConfigError` naming the variable and the value.
+#[pyfunction]
+#[pyo3(signature = (overrides=None))]
+fn required_kv_cache_layout(
+    overrides: Option<std::collections::HashMap<String, String>>,
+) -> PyResult<Option<&'static str>> {
+    guard(|| {
+        let overrides = overrides.unwrap_or_default();
+        kvbm_core::config::kv_cache_layout(|name| {
+            overrides
+                .get(name)
+                .cloned()
+                .or_else(|| std::env::var(name).ok())
+        })
+        .map(|layout| layout.map(|l| l.name()))
+        .map_err(|e| ConfigError::new_err(e.to_string()))
+    })
+}
+
 /// The device back end `auto` picks on this machine: "cuda" or "emulated".
 #[pyfunction]
 fn device_kind() -> PyResult<String> {
@@ -137,9 +157,11 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DiskError", py.get_type::<DiskError>())?;
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(required_kv_cache_layout, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<config::Config>()?;
     m.add_class::<leader::Leader>()?;
     m.add_class::<worker::Worker>()?;
+    m.add_class::<worker::CopyHold>()?;
     Ok(())
 }

@@ -1,12 +1,19 @@
 //! `Worker`: one GPU worker's bytes: its registered KV cache tensors, its shard of the pinned host
 //! pool, and a copy stream per direction.
 //!
+//! The GPU side is whatever vLLM hands over: per-layer views of one backing buffer (vLLM 0.33,
+//! any `KVCacheLayout`) or older per-layer tensors; kvbm-core's layout module turns their shapes
+//! and strides into each block's runs (`BlockLayout::from_views`).
+//!
 //! Invariants:
 //! - The worker keeps a reference to every registered tensor, so their memory outlives every
 //!   copy (the one `unsafe` call, `register_gpu`, relies on it).
-//! - A step's loads start only after every earlier save completed, so a host block is never read
-//!   while a save into it is in flight, and the GPU blocks a save reads are not overwritten by the
-//!   next forward pass while the copy runs.
+//! - A host block is read (by a load, a disk write) or overwritten (by a disk read) only after
+//!   every save into it completed (`wait_saves_touching`).
+//! - The GPU blocks a save reads are not overwritten while it runs: vLLM frees a request's
+//!   blocks either after `finished_sending` (which waits for its saves) or, on preemption, right
+//!   after `handle_preemptions`, which waits for the preempted requests' saves
+//!   (`wait_saves_of`). Nothing else frees a block a save reads (see ARCHITECTURE.md).
 //! - A load that fails, or that reads a host block whose save failed, reports its GPU blocks in
 //!   `take_failed` (vLLM then recomputes them); nothing is loaded from a bad host block.
 
@@ -22,7 +29,7 @@ use kvbm_disk::{
 };
 use parking_lot::{Condvar, Mutex};
 
-use kvbm_core::layout::{BlockLayout, KvLayout, LayerShape};
+use kvbm_core::layout::{BlockLayout, KvLayout, TensorView};
 use kvbm_cuda::{
     BackendChoice, Completion, CopyStream, Device, Direction, GpuRegion, HostRegion,
     HostRegionOptions, Transfer,
@@ -41,7 +48,7 @@ const HOST_READY_TIMEOUT: Duration = Duration::from_secs(300);
 struct PendingSave {
     completion: Completion,
     requests: Vec<String>,
-    host_blocks: Vec<u32>,
+    host_blocks: HashSet<u32>,
 }
 
 /// One disk write: host block, disk slot, key, identity bytes.
@@ -256,6 +263,12 @@ pub struct Worker {
     kv: KvLayout,
     gpu: BlockLayout,
     gpu_regions: Vec<GpuRegion>,
+    /// vLLM's layout name the tensors follow ("BLNHC", ...), or "per-layer tensors".
+    layout_name: String,
+    /// Per layer, the load stage that brings its bytes in (see `BlockLayout::ready_after`).
+    ready_after: Vec<u32>,
+    /// The load stages, ascending: the last layers of a block's runs.
+    stages: Vec<u32>,
     /// Declared before `_tensors`: dropped (and joined) first, as it copies into them.
     loader: Option<AsyncLoader>,
     _tensors: Vec<PyObject>,
@@ -271,17 +284,22 @@ pub struct Worker {
     save_done: Vec<String>,
     /// Host blocks whose save failed.
     bad_host: HashSet<u32>,
+    /// The loads in flight, per stage (indexed by the stage's layer).
     loads: Vec<Option<PendingLoad>>,
     failed: Vec<u32>,
     disk: Option<DiskSide>,
     bytes_saved: u64,
     bytes_loaded: u64,
+    /// Times a preemption or a load had to wait for a save still in flight.
+    save_waits: u64,
 }
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
             .field("kv", &self.kv)
+            .field("layout", &self.layout_name)
+            .field("runs_per_block", &self.gpu.runs_per_block())
             .field("gpu_blocks", &self.gpu.num_blocks())
             .field("host_blocks", &self.host_blocks)
             .field("device", &self.device.kind().as_str())
@@ -297,31 +315,34 @@ fn device_err(e: impl std::fmt::Display) -> PyErr {
     DeviceError::new_err(e.to_string())
 }
 
+/// One tensor as Python describes it: (name, address, shape, strides in elements, element size).
+type ViewTuple = (String, u64, Vec<usize>, Vec<usize>, usize);
+
 #[pymethods]
 impl Worker {
-    /// Registers vLLM's per-layer KV cache tensors (`layer_ptrs[i]` is the first byte of
-    /// `tensors[i]`) and maps a pinned host pool of `host_blocks` blocks.
+    /// Registers vLLM's KV cache tensors and maps a pinned host pool of `host_blocks` blocks.
     ///
-    /// `shape`: "outer_first" (`[2, num_blocks, block_size, heads, head_size]`), "block_first"
-    /// (`[num_blocks, 2, ...]`) or "mla" (`[num_blocks, block_size, head_size]`). `inner_dim` is
-    /// the elements per token per layer and per K or V (heads x head size on this rank).
-    #[new]
+    /// `views[i]` describes `tensors[i]`: (layer name, address of its first element, shape,
+    /// strides in elements, element size). Any layout vLLM hands over works: 0.33's `[B, H, N,
+    /// C]` views of one buffer in every `KVCacheLayout`, MLA, the older 5-D tensors; each block's
+    /// runs come from the strides. `num_blocks` is vLLM's block count (a view with a multiple of
+    /// it holds kernel blocks). `outer_dim` (2 for K and V, 1 for MLA) names what the content
+    /// axis holds, for the KV shape; the bytes moved do not depend on it. A layout that cannot be
+    /// addressed raises `LayoutError` naming the tensor, its shape and strides.
     ///
     /// With `disk_blocks` above 0 the worker opens its disk cache file `disk_file` in `disk_dir`
     /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk
     /// tier starts empty: what an earlier run left there is overwritten as slots are reused.
-    #[pyo3(signature = (tensors, layer_ptrs, shape, num_blocks, block_size, inner_dim, dtype_bytes, host_blocks, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto"))]
+    #[new]
+    #[pyo3(signature = (tensors, views, num_blocks, host_blocks, *, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         tensors: Vec<PyObject>,
-        layer_ptrs: Vec<u64>,
-        shape: &str,
+        views: Vec<ViewTuple>,
         num_blocks: usize,
-        block_size: usize,
-        inner_dim: usize,
-        dtype_bytes: usize,
         host_blocks: usize,
+        outer_dim: Option<usize>,
         device: &str,
         device_index: usize,
         disk_blocks: usize,
@@ -331,21 +352,11 @@ impl Worker {
         disk_engine: &str,
     ) -> PyResult<Self> {
         guard(|| {
-            let (outer, layer_shape) = match shape {
-                "outer_first" => (2, LayerShape::OuterFirst),
-                "block_first" => (2, LayerShape::BlockFirst),
-                "mla" => (1, LayerShape::BlockFirst),
-                other => {
-                    return Err(LayoutError::new_err(format!(
-                        "layer shape {other:?}: expected outer_first, block_first or mla"
-                    )))
-                }
-            };
-            if tensors.len() != layer_ptrs.len() || layer_ptrs.is_empty() {
+            if tensors.len() != views.len() || views.is_empty() {
                 return Err(LayoutError::new_err(format!(
-                    "{} tensors and {} pointers: expected one pointer per layer tensor, at least one",
+                    "{} tensors and {} views: expected one view per tensor, at least one",
                     tensors.len(),
-                    layer_ptrs.len()
+                    views.len()
                 )));
             }
             if num_blocks == 0 || host_blocks == 0 {
@@ -353,23 +364,58 @@ impl Worker {
                     "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
                 )));
             }
-            let kv = KvLayout::new(layer_ptrs.len(), outer, block_size, inner_dim, dtype_bytes)
+            let views: Vec<TensorView> = views
+                .into_iter()
+                .map(|(name, addr, shape, strides, elem_bytes)| TensorView {
+                    name,
+                    addr,
+                    shape,
+                    strides,
+                    elem_bytes,
+                })
+                .collect();
+            let placed = BlockLayout::from_views(&views, num_blocks).map_err(layout_err)?;
+            let mut kv = placed.kv;
+            let mut gpu = placed.layout;
+            if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
+                let total = kv.outer_dim * kv.inner_dim;
+                if outer == 0 || total % outer != 0 {
+                    return Err(LayoutError::new_err(format!(
+                        "outer_dim {outer} does not divide the {total} elements per token"
+                    )));
+                }
+                kv = KvLayout::new(
+                    kv.num_layers,
+                    outer,
+                    kv.block_size_tokens,
+                    total / outer,
+                    kv.dtype_bytes,
+                )
                 .map_err(layout_err)?;
+                gpu = gpu.with_kv(kv).map_err(layout_err)?;
+            }
+            let layout_name = placed
+                .physical
+                .map_or_else(|| "per-layer tensors".to_owned(), |p| p.name().to_owned());
             let choice: BackendChoice = device.parse().map_err(device_err)?;
             let device = Device::open(choice, device_index).map_err(device_err)?;
-            let layer_bytes = kv.layer_bytes(num_blocks);
-            let mut gpu_regions = Vec::with_capacity(layer_ptrs.len());
-            for &ptr in &layer_ptrs {
+            let mut gpu_regions = Vec::with_capacity(placed.spans.len());
+            for &(addr, len) in &placed.spans {
                 #[allow(unsafe_code)]
-                // SAFETY: each pointer is the first byte of one of `tensors`, whose size the
-                // Python side checked against this layout (`layer_bytes`); the worker keeps a
-                // reference to every tensor for as long as it (and so any copy) lives.
-                let region = unsafe { device.register_gpu(ptr, layer_bytes, device_index) }
-                    .map_err(device_err)?;
+                // SAFETY: each span is the memory one or more of `tensors` address with their
+                // shapes and strides (computed from them by `from_views`), so it lies inside
+                // their storage; the worker keeps a reference to every tensor for as long as it
+                // (and so any copy) lives.
+                let region =
+                    unsafe { device.register_gpu(addr, len, device_index) }.map_err(device_err)?;
                 gpu_regions.push(region);
             }
-            let gpu = BlockLayout::layer_separate(kv, num_blocks, layer_shape, layer_ptrs)
-                .map_err(layout_err)?;
+            let ready_after = gpu.ready_after();
+            let tensors_count = ready_after.len();
+            let mut stages = Vec::new();
+            gpu.for_each_run(0, |_, _, _, (_, last)| stages.push(last));
+            stages.sort_unstable();
+            stages.dedup();
             let host_bytes = host_blocks
                 .checked_mul(kv.host_stride_bytes())
                 .ok_or_else(|| LayoutError::new_err("host pool size overflows"))?;
@@ -384,7 +430,7 @@ impl Worker {
                     .parse()
                     .map_err(|e: kvbm_disk::DiskError| DiskError::new_err(e.to_string()))?;
                 let options = StoreOptions {
-                    layout_fingerprint: kvbm_core::disk::layout_fingerprint(&kv),
+                    layout_fingerprint: kvbm_core::disk::layout_fingerprint(&kv, gpu.geometry_id()),
                     payload_bytes: kv.bytes_per_block(),
                     slots: disk_blocks,
                     queue_depth: 8,
@@ -428,6 +474,9 @@ impl Worker {
                 kv,
                 gpu,
                 gpu_regions,
+                layout_name,
+                ready_after,
+                stages,
                 loader: Some(loader),
                 _tensors: tensors,
                 host,
@@ -439,19 +488,38 @@ impl Worker {
                 save_pending: HashMap::new(),
                 save_done: Vec::new(),
                 bad_host: HashSet::new(),
-                loads: (0..kv.num_layers).map(|_| None).collect(),
+                loads: (0..tensors_count).map(|_| None).collect(),
                 failed: Vec::new(),
                 disk,
                 bytes_saved: 0,
                 bytes_loaded: 0,
+                save_waits: 0,
             })
         })
     }
 
-    /// Layers registered.
+    /// vLLM's name of the layout the tensors follow ("BLNHC", ...), or "per-layer tensors".
+    #[getter]
+    fn layout_name(&self) -> &str {
+        &self.layout_name
+    }
+
+    /// Contiguous runs per block on the GPU side: the copies (DMAs) one block takes.
+    #[getter]
+    fn runs_per_block(&self) -> usize {
+        self.gpu.runs_per_block()
+    }
+
+    /// Distinct layer pages per block (tensors addressing the same bytes count once).
+    #[getter]
+    fn distinct_layers(&self) -> usize {
+        self.kv.num_layers
+    }
+
+    /// Tensors (layers) registered.
     #[getter]
     fn num_layers(&self) -> usize {
-        self.kv.num_layers
+        self.ready_after.len()
     }
 
     /// GPU blocks per layer tensor.
@@ -500,7 +568,7 @@ impl Worker {
                     }
                 });
             }
-            let mut pieces = Vec::with_capacity(pairs.len() * self.kv.chunks_per_block());
+            let mut pieces = Vec::with_capacity(pairs.len() * self.gpu.runs_per_block());
             for &(g, h) in &pairs {
                 self.gpu
                     .copy_pieces_into(g as usize, &self.host_layout, h as usize, &mut pieces)
@@ -528,6 +596,39 @@ impl Worker {
                 host_blocks: pairs.iter().map(|&(_, h)| h).collect(),
             });
             Ok(())
+        })
+    }
+
+    /// Waits for the saves started on behalf of any of `requests` (vLLM's preempted requests,
+    /// whose GPU blocks it reuses as soon as `handle_preemptions` returns); returns how many
+    /// save transfers it waited for.
+    fn wait_saves_of(&mut self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
+        guard(|| {
+            let wanted: HashSet<&str> = requests.iter().map(String::as_str).collect();
+            Ok(self.wait_saves_where(py, |s| {
+                s.requests.iter().any(|r| wanted.contains(r.as_str()))
+            }))
+        })
+    }
+
+    /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies
+    /// until `release()` is called on the returned hold. Emulated device only; for tests that
+    /// need a copy in flight for as long as they look.
+    fn _hold_stream(&self, direction: &str) -> PyResult<CopyHold> {
+        guard(|| {
+            let stream: &CopyStream = match direction {
+                "d2h" => &self.d2h,
+                "h2d" => &self.h2d,
+                other => {
+                    return Err(DeviceError::new_err(format!(
+                        "stream {other:?}: expected d2h or h2d"
+                    )))
+                }
+            };
+            let hold = stream.hold().map_err(device_err)?;
+            Ok(CopyHold {
+                hold: Mutex::new(Some(hold)),
+            })
         })
     }
 
@@ -561,14 +662,16 @@ impl Worker {
     }
 
     /// Starts loading host blocks into GPU blocks (`pairs` of (host, gpu)) on the H2D stream, one
-    /// transfer per layer. Earlier saves are waited for first.
+    /// transfer per load stage (per layer, or per group of layers whose runs are merged), after
+    /// the saves into those host blocks completed.
     fn load(&mut self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
         guard(|| {
             if pairs.is_empty() {
                 return Ok(());
             }
             self.check(&pairs)?;
-            self.wait_saves(py)?;
+            let hosts: HashSet<u32> = pairs.iter().map(|&(h, _)| h).collect();
+            self.wait_saves_touching(py, &hosts);
             self.wait_loads(py)?;
             // Blocks whose saved copy is bad are reported, not loaded.
             let (bad, good): (Pairs, Pairs) = pairs
@@ -579,24 +682,31 @@ impl Worker {
                 return Ok(());
             }
             self.wait_blocks_ready(py, good.iter().map(|&(h, _)| h))?;
-            let chunk = self.kv.chunk_bytes();
-            for layer in 0..self.kv.num_layers {
-                let mut transfer = Transfer::with_capacity(good.len() * self.kv.outer_dim);
+            for &stage in &self.stages {
+                let mut pieces = Vec::new();
                 for &(h, g) in &good {
-                    for outer in 0..self.kv.outer_dim {
-                        transfer.push(
-                            self.host_layout.chunk_addr(h as usize, layer, outer),
-                            self.gpu.chunk_addr(g as usize, layer, outer),
-                            chunk,
-                        );
-                    }
+                    self.host_layout
+                        .copy_runs_into(
+                            h as usize,
+                            &self.gpu,
+                            g as usize,
+                            |(_, last)| last == stage,
+                            &mut pieces,
+                        )
+                        .map_err(layout_err)?;
                 }
-                transfer.keep(self.gpu_regions[layer].clone());
+                let mut transfer = Transfer::with_capacity(pieces.len());
+                for p in &pieces {
+                    transfer.push(p.src, p.dst, p.len);
+                }
+                for r in &self.gpu_regions {
+                    transfer.keep(r.clone());
+                }
                 transfer.keep(self.host.clone());
                 self.bytes_loaded += transfer.bytes();
                 match self.h2d.submit(transfer) {
                     Ok(completion) => {
-                        self.loads[layer] = Some(PendingLoad {
+                        self.loads[stage as usize] = Some(PendingLoad {
                             completion,
                             gpu_blocks: good.iter().map(|&(_, g)| g).collect(),
                         })
@@ -608,22 +718,27 @@ impl Worker {
         })
     }
 
-    /// Waits until layer `layer`'s loads are in place; False if they failed (their blocks are
-    /// then reported by `take_failed`).
+    /// Waits until layer `layer`'s loads are in place (the stage holding its runs, and the
+    /// stages before it on the same stream); False if any failed (their blocks are then
+    /// reported by `take_failed`).
     fn wait_layer(&mut self, py: Python<'_>, layer: usize) -> PyResult<bool> {
         guard(|| {
-            let Some(slot) = self.loads.get_mut(layer) else {
+            let Some(&stage) = self.ready_after.get(layer) else {
                 return Err(LayoutError::new_err(format!(
                     "layer {layer} of {}",
-                    self.kv.num_layers
+                    self.ready_after.len()
                 )));
             };
-            let Some(load) = slot.take() else {
-                return Ok(true);
-            };
-            let ok = py.allow_threads(|| load.completion.wait().is_ok());
-            if !ok {
-                self.failed.extend(load.gpu_blocks);
+            let mut ok = true;
+            for slot in &mut self.loads[..=stage as usize] {
+                let Some(load) = slot.take() else {
+                    continue;
+                };
+                let done = py.allow_threads(|| load.completion.wait().is_ok());
+                if !done {
+                    self.failed.extend(load.gpu_blocks);
+                }
+                ok &= done;
             }
             Ok(ok)
         })
@@ -631,13 +746,7 @@ impl Worker {
 
     /// Waits for every layer's loads; False if any failed.
     fn wait_loads(&mut self, py: Python<'_>) -> PyResult<bool> {
-        guard(|| {
-            let mut ok = true;
-            for layer in 0..self.kv.num_layers {
-                ok &= self.wait_layer(py, layer)?;
-            }
-            Ok(ok)
-        })
+        guard(|| self.wait_layer(py, self.ready_after.len() - 1))
     }
 
     /// GPU blocks whose loads failed since the last call, sorted, without repeats.
@@ -671,7 +780,8 @@ impl Worker {
                     )));
                 }
             }
-            self.wait_saves(py)?;
+            let hosts: HashSet<u32> = writes.iter().map(|w| w.0).collect();
+            self.wait_saves_touching(py, &hosts);
             let disk = self.disk.as_ref().expect("checked");
             {
                 let mut p = disk.pending.0.lock();
@@ -714,7 +824,8 @@ impl Worker {
                     )));
                 }
             }
-            self.wait_saves(py)?;
+            let hosts: HashSet<u32> = reads.iter().map(|&(_, h, _)| h).collect();
+            self.wait_saves_touching(py, &hosts);
             self.wait_blocks_ready(py, reads.iter().map(|&(_, h, _)| h))?;
             let disk = self.disk.as_ref().expect("checked");
             let (host, layout, bytes) = (&self.host, &self.host_layout, self.kv.bytes_per_block());
@@ -736,8 +847,8 @@ impl Worker {
 
     /// Starts an asynchronous load for `request` on the worker's loader thread: disk reads (of
     /// (disk, staging host, key)) into staging host blocks, then host blocks into GPU blocks
-    /// (`pairs` of (host, gpu)), after every save started so far completed. `poll_loads` reports
-    /// it when done.
+    /// (`pairs` of (host, gpu)), after the saves into any of those host blocks completed.
+    /// `poll_loads` reports it when done.
     fn load_async(
         &mut self,
         py: Python<'_>,
@@ -759,7 +870,12 @@ impl Worker {
                 }
             }
             self.check(&reads.iter().map(|&(_, h, _)| (h, 0)).collect::<Vec<_>>())?;
-            self.wait_saves(py)?;
+            let hosts: HashSet<u32> = reads
+                .iter()
+                .map(|&(_, h, _)| h)
+                .chain(pairs.iter().map(|&(h, _)| h))
+                .collect();
+            self.wait_saves_touching(py, &hosts);
             let loader = self.loader.as_ref().expect("present until dropped");
             *loader.busy.0.lock() += 1;
             let sent = loader
@@ -837,6 +953,7 @@ impl Worker {
             d.set_item("bytes_saved", self.bytes_saved)?;
             d.set_item("bytes_loaded", self.bytes_loaded)?;
             d.set_item("saves_in_flight", self.saves.len())?;
+            d.set_item("save_waits", self.save_waits)?;
             d.set_item("bad_host_blocks", self.bad_host.len())?;
             d.set_item("host_ready_bytes", self.host.ready_bytes())?;
             if let Some(disk) = &self.disk {
@@ -856,7 +973,47 @@ impl Worker {
     }
 }
 
+/// A hold on one of a worker's copy streams (see `Worker._hold_stream`).
+#[pyclass(module = "kvbm._kvbm")]
+#[derive(Debug)]
+pub struct CopyHold {
+    hold: Mutex<Option<kvbm_cuda::StreamHold>>,
+}
+
+#[pymethods]
+impl CopyHold {
+    /// Lets the stream run again (idempotent).
+    fn release(&self) {
+        self.hold.lock().take();
+    }
+}
+
 impl Worker {
+    /// Waits (without the GIL) for the save transfers `pick` selects, settles them, and returns
+    /// how many there were.
+    fn wait_saves_where(&mut self, py: Python<'_>, pick: impl Fn(&PendingSave) -> bool) -> usize {
+        let (chosen, rest): (Vec<PendingSave>, Vec<PendingSave>) =
+            std::mem::take(&mut self.saves).into_iter().partition(pick);
+        self.saves = rest;
+        if chosen.is_empty() {
+            return 0;
+        }
+        let results: Vec<bool> =
+            py.allow_threads(|| chosen.iter().map(|s| s.completion.wait().is_ok()).collect());
+        let n = chosen.len();
+        for (save, ok) in chosen.into_iter().zip(results) {
+            self.settle(save, ok);
+        }
+        self.save_waits += 1;
+        n
+    }
+
+    /// Waits for the saves writing any of `hosts` (the same stream keeps earlier saves first,
+    /// so a later save into the same block is never overtaken).
+    fn wait_saves_touching(&mut self, py: Python<'_>, hosts: &HashSet<u32>) {
+        self.wait_saves_where(py, |s| !s.host_blocks.is_disjoint(hosts));
+    }
+
     /// Checks (host, gpu) pairs against the pools' sizes.
     fn check(&self, pairs: &[(u32, u32)]) -> PyResult<()> {
         for &(h, g) in pairs {
@@ -909,7 +1066,7 @@ impl Worker {
 
 /// Byte offset of host block `h`'s payload in the host region.
 fn host_offset(host: &HostRegion, layout: &BlockLayout, h: u32) -> usize {
-    (layout.chunk_addr(h as usize, 0, 0) - host.addr()) as usize
+    (layout.block_start(h as usize) - host.addr()) as usize
 }
 
 /// Starts the thread that writes host blocks to disk.

@@ -52,10 +52,7 @@ pub fn layout_fingerprint(kv: &KvLayout, geometry_id: u64) -> u64 {
         kv.dtype_bytes as u64,
         geometry_id,
     ];
-    let bytes: Vec<u8> = fields
-        .iter()
-        .flat_map(|f| f.to_le_bytes())
-        .collect();
+    let bytes: Vec<u8> = fields.iter().flat_map(|f| f.to_le_bytes()).collect();
     xxhash_rust::xxh3::xxh3_64(&bytes)
 }
 
