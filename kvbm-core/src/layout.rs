@@ -667,7 +667,8 @@ impl BlockLayout {
             3 => (0, None, 1), // [B, N, D]
             4 => (0, None, 2), // [B, H, N, C]
             _ if v.shape[0] == 2 && v.shape[1] % num_blocks == 0 => (1, Some(0), 2), // [2, B, ...]
-            _ if v.shape[1] == 2 && v.shape[0] % num_blocks == 0 => (0, Some(1), 2), // [B, 2, ...]
+            _ if v.shape[1] == 2 => (0, Some(1), 2), // [B, 2, ...]
+            _ if v.shape[0] == 2 => (1, Some(0), 2), // [2, B, ...]
             _ => return Err("no K/V axis of size 2 next to a block axis".into()),
         };
         let blocks = v.shape[block_axis];

@@ -158,6 +158,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sequence_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
     m.add_function(wrap_pyfunction!(required_kv_cache_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(worker::describe_kv_caches, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<config::Config>()?;
     m.add_class::<leader::Leader>()?;

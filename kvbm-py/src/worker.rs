@@ -318,6 +318,45 @@ fn device_err(e: impl std::fmt::Display) -> PyErr {
 /// One tensor as Python describes it: (name, address, shape, strides in elements, element size).
 type ViewTuple = (String, u64, Vec<usize>, Vec<usize>, usize);
 
+fn tensor_views(views: Vec<ViewTuple>) -> Vec<TensorView> {
+    views
+        .into_iter()
+        .map(|(name, addr, shape, strides, elem_bytes)| TensorView {
+            name,
+            addr,
+            shape,
+            strides,
+            elem_bytes,
+        })
+        .collect()
+}
+
+/// How kvbm addresses these tensors (`views` as for `Worker`): a dict with `layout` (vLLM's
+/// name, or "per-layer tensors"), `runs_per_block`, `bytes_per_block`, `layers` (distinct layer
+/// pages) and `block_size`. Raises `LayoutError` naming the tensor, its shape and strides when
+/// the layout cannot be addressed.
+#[pyfunction]
+pub(crate) fn describe_kv_caches<'py>(
+    py: Python<'py>,
+    views: Vec<ViewTuple>,
+    num_blocks: usize,
+) -> PyResult<Bound<'py, PyDict>> {
+    guard(|| {
+        let placed =
+            BlockLayout::from_views(&tensor_views(views), num_blocks).map_err(layout_err)?;
+        let d = PyDict::new(py);
+        d.set_item(
+            "layout",
+            placed.physical.map_or("per-layer tensors", |p| p.name()),
+        )?;
+        d.set_item("runs_per_block", placed.layout.runs_per_block())?;
+        d.set_item("bytes_per_block", placed.kv.bytes_per_block())?;
+        d.set_item("layers", placed.kv.num_layers)?;
+        d.set_item("block_size", placed.kv.block_size_tokens)?;
+        Ok(d)
+    })
+}
+
 #[pymethods]
 impl Worker {
     /// Registers vLLM's KV cache tensors and maps a pinned host pool of `host_blocks` blocks.
@@ -364,17 +403,8 @@ impl Worker {
                     "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
                 )));
             }
-            let views: Vec<TensorView> = views
-                .into_iter()
-                .map(|(name, addr, shape, strides, elem_bytes)| TensorView {
-                    name,
-                    addr,
-                    shape,
-                    strides,
-                    elem_bytes,
-                })
-                .collect();
-            let placed = BlockLayout::from_views(&views, num_blocks).map_err(layout_err)?;
+            let placed =
+                BlockLayout::from_views(&tensor_views(views), num_blocks).map_err(layout_err)?;
             let mut kv = placed.kv;
             let mut gpu = placed.layout;
             if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {

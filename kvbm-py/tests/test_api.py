@@ -7,9 +7,25 @@ import numpy as np
 import pytest
 
 import kvbm
-from kvbm.worker import KvbmWorker, detect_layout
+from kvbm.testing import allocate_kv_cache
+from kvbm.worker import KvbmWorker, describe_kv_caches
 
-from conftest import REPO, HostTensor, block_view, make_caches
+from conftest import LAYOUTS_033, REPO, HostTensor, block_view, make_caches
+
+#: Copies per block for 3 layers of 2 heads (the older 5-D tensors: K and V apart per layer).
+RUNS = {
+    "LBNHC": 3,
+    "LBHNC": 3,
+    "LHBNC": 6,
+    "BLNHC": 1,
+    "BLHNC": 1,
+    "BHLNC": 1,
+    "MLA-LBNHC": 3,
+    "MLA-BLNHC": 1,
+    "outer_first": 6,
+    "block_first": 3,
+    "mla": 3,
+}
 
 
 def test_sequence_hashes_equal_the_reference_vectors():
@@ -100,7 +116,7 @@ def test_leader_offloads_matches_holds_evicts_and_reports_events():
         leader.offload([(1, None, [1, 2, 3])])  # 3 tokens in a 4-token block
 
 
-@pytest.mark.parametrize("kind", ["outer_first", "block_first", "mla"])
+@pytest.mark.parametrize("kind", LAYOUTS_033 + ["MLA-LBNHC", "MLA-BLNHC", "outer_first", "block_first", "mla"])
 def test_worker_round_trips_blocks_byte_exactly(kind):
     caches = make_caches(kind, layers=3, num_blocks=8, block_size=4, heads=2, head_size=8)
     rng = np.random.default_rng(7)
@@ -111,6 +127,8 @@ def test_worker_round_trips_blocks_byte_exactly(kind):
     worker.register_kv_caches(caches)
     w = worker.native
     assert (w.num_layers, w.num_blocks, w.host_blocks, w.device_kind) == (3, 8, 5, "emulated")
+    assert w.runs_per_block == RUNS[kind], "one copy per contiguous run of a block"
+    assert w.layout_name == (kind.upper().removeprefix("MLA-") if kind.upper()[-5:] in LAYOUTS_033 else "per-layer tensors")
     w.save([(1, 0), (6, 4), (3, 2)], ["r"])
     w.wait_saves()
     assert w.poll_saves() == ["r"]
@@ -132,23 +150,106 @@ def test_worker_round_trips_blocks_byte_exactly(kind):
         w.save([(8, 0)], [])
 
 
+def refused(caches, *words):
+    with pytest.raises(kvbm.LayoutError) as err:
+        KvbmWorker(host_blocks=2).register_kv_caches(caches)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+    assert "BLNHC" in str(err.value), "the error says what is supported"
+
+
 def test_layouts_that_kvbm_cannot_copy_are_refused_clearly():
-    bad = HostTensor(np.zeros((3, 4, 5, 6), dtype=np.uint16))
-    with pytest.raises(kvbm.LayoutError, match="expected"):
-        detect_layout("l0", bad)
-    transposed = HostTensor(np.zeros((2, 8, 4, 2, 8), dtype=np.uint16).transpose(0, 1, 3, 2, 4))
-    with pytest.raises(kvbm.LayoutError, match="contiguous"):
-        detect_layout("l0", transposed)
+    refused({"l0": HostTensor(np.zeros((3, 4), dtype=np.uint16))}, '"l0"', "[3, 4]", "axes")
+    # The content axis transposed away from the innermost place.
+    transposed = HostTensor(np.zeros((4, 2, 8, 4), dtype=np.uint16).transpose(0, 1, 3, 2))
+    refused({"l0": transposed}, '"l0"', "[4, 2, 4, 8]", "[64, 32, 1, 4]", "not contiguous")
+    # Heads that alias each other.
+    base = np.zeros((4, 1, 4, 8), dtype=np.uint16)
+    aliased = np.lib.stride_tricks.as_strided(base, shape=(4, 2, 4, 8), strides=(64, 0, 16, 2))
+    refused({"l0": HostTensor(aliased)}, "share bytes")
+    # A layer with another block count than the others.
     caches = make_caches("outer_first", 2, 4, 4, 2, 8)
     caches["extra"] = HostTensor(np.zeros((2, 5, 4, 2, 8), dtype=np.uint16))
-    with pytest.raises(kvbm.LayoutError, match="differs"):
-        KvbmWorker(host_blocks=2).register_kv_caches(caches)
+    refused(caches, '"extra"', "[2, 5, 4, 2, 8]", "not a multiple")
     with pytest.raises(kvbm.LayoutError):
-        kvbm.Worker([], [], "outer_first", 4, 4, 16, 2, 2)
-    with pytest.raises(kvbm.LayoutError, match="shape"):
-        t = make_caches("outer_first", 1, 4, 4, 2, 8)
-        tensors = list(t.values())
-        kvbm.Worker(tensors, [x.data_ptr() for x in tensors], "sideways", 4, 4, 16, 2, 2)
+        KvbmWorker(host_blocks=2).register_kv_caches({})
+    with pytest.raises(kvbm.LayoutError):
+        kvbm.Worker([], [], 4, 2)
+    with pytest.raises(kvbm.LayoutError, match="GPU blocks"):
+        t = make_caches("BLNHC", 1, 4, 4, 2, 8)
+        kvbm.Worker(list(t.values()), [("x", 0, [4, 2, 4, 16], [128, 64, 16, 1], 2)], 0, 2)
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_overlaid_cache_groups_are_copied_once(layout):
+    """vLLM's cache groups alias the same bytes from offset 0 (kv_cache_planning.py,
+    get_kv_cache_config_from_groups): a block's bytes move once, and every group's view of a
+    loaded block holds what was saved."""
+    caches, raw = allocate_kv_cache(3, 8, 2, 4, 16, layout=layout, groups=2)
+    assert len(caches) == 6
+    raw[...] = np.random.default_rng(3).integers(-128, 127, size=raw.shape, dtype=np.int8)
+    before = {name: [t.array[b].copy() for b in range(8)] for name, t in caches.items()}
+    worker = KvbmWorker(host_blocks=4)
+    worker.register_kv_caches(caches)
+    w = worker.native
+    assert w.distinct_layers == 3 and w.num_layers == 6
+    assert w.bytes_per_block == 3 * 2 * 4 * 16 * 2
+    w.save([(2, 0)], ["r"])
+    w.wait_saves()
+    raw[...] = 0
+    w.load([(0, 5)])
+    assert w.wait_loads()
+    for name, t in caches.items():
+        assert np.array_equal(t.array[5], before[name][2]), name
+    assert w.stats()["bytes_saved"] == w.bytes_per_block
+
+
+def test_kernel_blocks_are_one_block_per_vllm_block():
+    """vLLM splits a 4-token block into 2-token kernel blocks (create_kv_cache_views): the views
+    have twice the blocks; the connector's block ids are vLLM's (kv_cache_config.num_blocks)."""
+
+    class Config:
+        num_blocks = 6
+        kv_cache_layout = "LBNHC"
+
+    caches, raw = allocate_kv_cache(2, 6, 2, 4, 16, layout="LBNHC", kernel_block_size=2)
+    assert next(iter(caches.values())).shape == (12, 2, 2, 16)
+    raw[...] = np.random.default_rng(5).integers(-128, 127, size=raw.shape, dtype=np.int8)
+    before = {name: t.array[2:4].copy() for name, t in caches.items()}  # vLLM block 1
+    worker = KvbmWorker(host_blocks=2, kv_cache_config=Config())
+    worker.register_kv_caches(caches)
+    w = worker.native
+    assert (w.num_blocks, w.runs_per_block) == (6, 2)
+    w.save([(1, 0)], ["r"])
+    w.wait_saves()
+    raw[...] = 0
+    w.load([(0, 4)])
+    assert w.wait_loads()
+    for name, t in caches.items():
+        assert np.array_equal(t.array[8:10], before[name]), name
+        assert not t.array[:8].any() and not t.array[10:].any()
+
+
+def test_describe_names_the_layout_the_strides_follow():
+    for layout in LAYOUTS_033:
+        d = describe_kv_caches(make_caches(layout, 3, 4, 4, 2, 8))
+        assert (d["layout"], d["runs_per_block"], d["layers"]) == (layout, RUNS[layout], 3)
+        assert d["bytes_per_block"] == 3 * 4 * 2 * 16 * 2
+
+
+def test_the_connector_asks_vllm_for_a_block_outermost_layout(monkeypatch):
+    from kvbm.vllm_integration.connector import DynamoConnector
+
+    monkeypatch.delenv("KVBM_KV_CACHE_LAYOUT", raising=False)
+    assert DynamoConnector.get_required_kvcache_layout(None) == "BLNHC"
+    monkeypatch.setenv("KVBM_KV_CACHE_LAYOUT", "bhlnc")
+    assert DynamoConnector.get_required_kvcache_layout(None) == "BHLNC"
+    ask = kvbm._kvbm.required_kv_cache_layout
+    assert ask({"KVBM_KV_CACHE_LAYOUT": "lbnhc"}) == "LBNHC"
+    assert ask({"KVBM_KV_CACHE_LAYOUT": "NHD"}) == "LBNHC"
+    assert ask({"KVBM_KV_CACHE_LAYOUT": "auto"}) is None
+    with pytest.raises(kvbm.ConfigError, match="KVBM_KV_CACHE_LAYOUT.*diagonal"):
+        ask({"KVBM_KV_CACHE_LAYOUT": "diagonal"})
 
 
 def disk_worker(tmp_path, kind, num_blocks, host_blocks, disk_blocks, seed):

@@ -21,7 +21,7 @@ def test_every_contract_method_is_defined_by_the_connector_itself():
     from kvbm.vllm_integration.connector import DynamoConnector
 
     methods = contract_methods()
-    assert len(methods) == 20
+    assert len(methods) == 22
     for name in methods:
         assert name in DynamoConnector.__dict__, f"DynamoConnector lacks {name}"
         assert callable(getattr(DynamoConnector, name))
@@ -63,9 +63,19 @@ def test_with_vllm_the_connector_is_a_vllm_connector_in_both_roles():
         assert type(events[0]).__module__ == "vllm.distributed.kv_events", events
         assert events[0].medium == "CPU_PINNED" and len(events[0].block_hashes) == 2
         assert leader.request_finished(req, ([0, 1, 2],)) == (True, None)
+        assert DynamoConnector.get_required_kvcache_layout(cfg) == "BLNHC"
+        # The worker side gets what vLLM 0.33 hands it: the KV cache config (block count,
+        # resolved layout) and per-layer views of one buffer (vllm/v1/worker/utils.py).
+        from kvbm.testing import allocate_kv_cache
+        spec.head_size, spec.num_kv_heads = 4, 2
+        kv_cache_config.num_blocks, kv_cache_config.kv_cache_layout = 8, "BLNHC"
         worker = DynamoConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
-        import conftest
-        worker.register_kv_caches(conftest.make_caches("outer_first", 2, 8, 4, 2, 4))
+        caches, _ = allocate_kv_cache(2, 8, 2, 4, 8, layout="BLNHC")
+        worker.register_kv_caches(caches)
+        native = worker._work().native
+        assert (native.layout_name, native.runs_per_block, native.host_blocks) == ("BLNHC", 1, 16)
+        # vLLM 0.33's order without synchronous loads: start_load_kv after the forward.
+        worker.handle_preemptions(meta)
         worker.bind_connector_metadata(meta)
         worker.start_load_kv(None)
         worker.wait_for_save()

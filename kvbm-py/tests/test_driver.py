@@ -7,6 +7,14 @@ they arrived, and GPU blocks are freed only when vLLM would free them. The "forw
 for every token it computes, a pattern derived from the token's whole prefix, so a loaded block
 holds the right bytes only if it was saved from, and loaded into, the right places.
 
+The KV cache is built as vLLM 0.33 builds it (`kvbm.testing.allocate_kv_cache`, after
+`allocate_kv_cache` in vllm/v1/worker/utils.py: one backing buffer, per-layer strided views) in
+every `KVCacheLayout`, plus one run on the older per-layer tensors. The worker process follows
+vLLM 0.33's call order (vllm/v1/worker/gpu/kv_connector.py, `ActiveKVConnector.pre_forward` and
+`post_forward`): `handle_preemptions` first, then `start_load_kv` before the forward only when
+the step has synchronous loads (`has_sync_kv_loads`, set by vllm/v1/core/sched/scheduler.py when
+a request is scheduled with external tokens loaded synchronously), otherwise after it.
+
 Run with the host tier alone, and with host and disk tiers on two tensor-parallel ranks (two
 worker processes, each with its own shard of bytes and its own disk file, executing the same
 metadata). Checked: a prefix saved by one request is matched by the next; every loaded block
@@ -23,6 +31,7 @@ from typing import Dict, List, Optional, Set
 import numpy as np
 import pytest
 
+from conftest import LAYOUTS_033
 from kvbm.leader import KvbmLeader
 
 BLOCK = 4
@@ -32,7 +41,6 @@ HEAD_SIZE = 4
 GPU_BLOCKS = 96
 HOST_BLOCKS = 36
 CHUNK = 24  # prefill tokens per request per step
-KIND = "outer_first"
 
 
 def token_values(tokens: List[int]) -> List[int]:
@@ -44,9 +52,10 @@ def token_values(tokens: List[int]) -> List[int]:
     return out
 
 
-def pattern(value: int, layer: int, outer: int) -> np.ndarray:
-    base = (value + layer * 31 + outer * 17) & 0xFFFF
-    return ((base + np.arange(HEADS * HEAD_SIZE)) & 0xFFFF).astype(np.uint16).reshape(HEADS, HEAD_SIZE)
+def pattern(value: int, layer: int) -> np.ndarray:
+    """One token's KV in one layer (every head, K and V), flat."""
+    base = (value + layer * 31) & 0xFFFF
+    return ((base + np.arange(2 * HEADS * HEAD_SIZE) * 17) & 0xFFFF).astype(np.uint16)
 
 
 def receive(conn):
@@ -69,13 +78,13 @@ def run_worker(conn) -> None:
     import os
 
     os.environ["KVBM_DEVICE"] = "emulated"
-    from conftest import make_caches
+    from conftest import make_caches, token_slot
 
     import kvbm
     from kvbm.worker import KvbmWorker
 
-    host_blocks, disk_blocks, disk_dir, rank = conn.recv()
-    caches = make_caches(KIND, LAYERS, GPU_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
+    kind, host_blocks, disk_blocks, disk_dir, rank = conn.recv()
+    caches = make_caches(kind, LAYERS, GPU_BLOCKS, BLOCK, HEADS, HEAD_SIZE)
     config = kvbm.Config.from_env(
         {"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks), "DYN_KVBM_DISK_CACHE_DIR": disk_dir}
     )
@@ -85,27 +94,37 @@ def run_worker(conn) -> None:
     worker.register_kv_caches(caches)
     names = list(caches)
     pending_async = {}
+
+    def holds(name: str, layer: int, gpu: int, slot: int, v: int) -> bool:
+        got = token_slot(caches[name], kind, gpu, slot)
+        return np.array_equal(got, pattern(v + shard, layer).reshape(got.shape))
+
     while True:
         msg = conn.recv()
         if msg is None:
             break
-        meta_bytes, writes, expect, finished_ids, async_expect = msg
+        meta_bytes, writes, expect, finished_ids, async_expect, has_sync_kv_loads = msg
         pending_async.update(dict(async_expect))
-        worker.bind_connector_metadata(pickle.loads(meta_bytes))
-        worker.start_load_kv(None)
+        meta = pickle.loads(meta_bytes)
+        # vLLM 0.33: handle_preemptions, bind, start_load_kv before the forward only with
+        # synchronous loads (ActiveKVConnector.pre_forward / post_forward).
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        if has_sync_kv_loads:
+            worker.start_load_kv(None)
         mismatches = []
         for layer, name in enumerate(names):
             worker.wait_for_layer_load(name)
-            a = caches[name].array
             for gpu, values in expect:
                 for slot, v in enumerate(values):
-                    for outer in range(2):
-                        if not np.array_equal(a[outer, gpu, slot], pattern(v + shard, layer, outer)):
-                            mismatches.append((name, gpu, slot))
+                    if not holds(name, layer, gpu, slot, v):
+                        mismatches.append((name, gpu, slot))
             for gpu, slot, v in writes:
-                for outer in range(2):
-                    a[outer, gpu, slot] = pattern(v + shard, layer, outer)
+                target = token_slot(caches[name], kind, gpu, slot)
+                target[...] = pattern(v + shard, layer).reshape(target.shape)
             worker.save_kv_layer(name, caches[name], None)
+        if not has_sync_kv_loads:
+            worker.start_load_kv(None)
         worker.wait_for_save()
         # The asynchronous loads of this step finish within it, so that what the leader holds,
         # and therefore what later requests match, does not depend on timing.
@@ -114,12 +133,10 @@ def run_worker(conn) -> None:
         for rid in recving or ():
             # An asynchronous load is done: its blocks must hold their tokens' bytes now.
             for layer, name in enumerate(names):
-                a = caches[name].array
                 for gpu, values in pending_async.pop(rid) if layer == LAYERS - 1 else pending_async[rid]:
                     for slot, v in enumerate(values):
-                        for outer in range(2):
-                            if not np.array_equal(a[outer, gpu, slot], pattern(v + shard, layer, outer)):
-                                mismatches.append((name, gpu, slot))
+                        if not holds(name, layer, gpu, slot, v):
+                            mismatches.append((name, gpu, slot))
         errors = worker.get_block_ids_with_load_errors()
         worker.clear_connector_metadata()
         conn.send((sorted(sending or ()), sorted(recving or ()), sorted(errors), mismatches))
@@ -187,6 +204,7 @@ class SchedulerOutput:
     num_scheduled_tokens: Dict[str, int]
     finished_req_ids: Set[str]
     preempted_req_ids: Set[str]
+    has_sync_kv_loads: bool = False
 
 
 @dataclass
@@ -201,11 +219,13 @@ def next_token(tokens: List[int]) -> int:
 
 
 @pytest.mark.parametrize(
-    "host_blocks,disk_blocks,ranks",
-    [(HOST_BLOCKS, 0, 1), (32, 160, 2)],
-    ids=["host-tier", "host-and-disk-tiers-two-ranks"],
+    "kind,host_blocks,disk_blocks,ranks",
+    [(kind, HOST_BLOCKS, 0, 1) for kind in LAYOUTS_033 + ["MLA-BLNHC", "outer_first"]]
+    + [("BLNHC", 32, 160, 2), ("LBNHC", 32, 160, 2)],
+    ids=[f"host-tier-{kind}" for kind in LAYOUTS_033 + ["MLA-BLNHC", "outer_first"]]
+    + ["host-and-disk-tiers-two-ranks-BLNHC", "host-and-disk-tiers-two-ranks-LBNHC"],
 )
-def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ranks):
+def test_vllm_call_order_across_processes(tmp_path, kind, host_blocks, disk_blocks, ranks):
     system = list(range(1000, 1040))  # 10 shared blocks
     requests = [
         Request("r0", system + list(range(1, 14)), max_tokens=9, arrival=0),
@@ -223,7 +243,7 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker_main, args=(child,), daemon=True)
         proc.start()
-        parent.send((host_blocks, disk_blocks, str(tmp_path), rank))
+        parent.send((kind, host_blocks, disk_blocks, str(tmp_path), rank))
         workers.append((parent, proc))
 
     def step_all(message):
@@ -268,6 +288,7 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
             scheduled: Dict[str, int] = {}
             writes, expect = [], []
             preempted: Set[str] = set()
+            has_sync_kv_loads = False
             # Preemption: vLLM frees the blocks at once and the request waits again.
             for r in requests:
                 if (r.request_id, step) in preempt and r.status == "running":
@@ -301,6 +322,7 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
                         r.ext_blocks, r.pending_ext, r.status = [], n_ext, "loading"
                         continue
                     r.num_computed_tokens, r.status = n_ext, "running"
+                    has_sync_kv_loads |= n_ext > 0
                     if r.was_preempted:
                         cached.req_ids.append(r.request_id)
                         cached.resumed_req_ids.add(r.request_id)
@@ -343,12 +365,12 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
                     expect.append((r.block_ids[k], values[k * BLOCK : (k + 1) * BLOCK]))
                 loaded_blocks += len(r.ext_blocks)
                 r.ext_blocks = []
-            out = SchedulerOutput(new_reqs, cached, scheduled, finished_prev, preempted)
+            out = SchedulerOutput(new_reqs, cached, scheduled, finished_prev, preempted, has_sync_kv_loads)
             meta = leader.build_connector_meta(out)
             assert sum(len(p) for _, p in meta.loads) == len(expect)
             disk_reads += len(meta.disk_reads) + sum(len(reads) for _, reads, _ in meta.async_loads)
             sending, recving, errors, mismatches = step_all(
-                (pickle.dumps(meta), writes, expect, sorted(finished_prev), async_expect)
+                (pickle.dumps(meta), writes, expect, sorted(finished_prev), async_expect, has_sync_kv_loads)
             )
             for rid in recving:
                 assert by_id[rid].status == "loading", f"{rid} reported loaded without a load"
@@ -396,9 +418,11 @@ def test_vllm_call_order_across_processes(tmp_path, host_blocks, disk_blocks, ra
         # Two more empty steps release every hold.
         for _ in range(2):
             meta = leader.build_connector_meta(SchedulerOutput([], CachedRequestData(), {}, set(), set()))
-            assert step_all((pickle.dumps(meta), [], [], [], []))[3] == []
+            assert step_all((pickle.dumps(meta), [], [], [], [], False))[3] == []
     finally:
         for conn, proc in workers:
+            if not proc.is_alive():
+                continue  # it failed and said so: that error is the test's
             conn.send(None)
             assert receive(conn) == "bye"
             proc.join(timeout=30)

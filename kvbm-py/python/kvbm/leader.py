@@ -271,6 +271,7 @@ class KvbmLeader:
             disk_reads=self._disk_reads,
             disk_writes=disk_writes,
             async_loads=self._async_loads,
+            preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
         )
         self._loads, self._load_errors, self._disk_reads, self._async_loads = [], [], [], []
         self._step += 1

@@ -32,6 +32,8 @@ class KvbmConnectorMetadata(_Base):
     - ``disk_writes``: (host block, disk block, key, identity bytes) to write after the saves.
     - ``async_loads``: per request id, its disk reads and (host, GPU) pairs, loaded in the
       background; the workers report the request in ``finished_recving`` when done.
+    - ``preempted``: requests vLLM preempted in this step; their GPU blocks are reused right
+      after ``handle_preemptions``, which waits for their saves.
     """
 
     step: int = 0
@@ -41,3 +43,4 @@ class KvbmConnectorMetadata(_Base):
     disk_reads: List[Tuple[int, int, int]] = field(default_factory=list)
     disk_writes: List[Tuple[int, int, int, List[int]]] = field(default_factory=list)
     async_loads: List[Tuple[str, List[Tuple[int, int, int]], Pairs]] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)

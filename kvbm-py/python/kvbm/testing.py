@@ -51,3 +51,86 @@ def host_array(shape: Sequence[int], dtype="uint16", huge_pages: bool = False):
     if hasattr(mmap, "MADV_HUGEPAGE"):
         m.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(m, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+# vLLM 0.33's physical KV cache layouts (vllm/v1/kv_cache_layout.py, KVCacheLayout): the stride
+# order, outermost first, of the logical axes [L, B, H, N, C].
+KV_CACHE_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4),
+    "LBNHC": (0, 1, 3, 2, 4),
+    "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4),
+    "BLNHC": (1, 0, 3, 2, 4),
+    "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def _layout_strides(shape, order, fixed=(None,) * 5):
+    """Byte strides in logical [L, B, H, N, C] order (vllm/v1/kv_cache_interface.py,
+    ``compute_layout_strides``, without page padding)."""
+    strides = [0] * 5
+    current = 1
+    for dim in reversed(order):
+        strides[dim] = fixed[dim] or current
+        current = strides[dim] * shape[dim]
+    return strides
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    num_heads: int,
+    block_size: int,
+    content: int,
+    dtype="uint16",
+    layout: str = "LBNHC",
+    groups: int = 1,
+    kernel_block_size=None,
+    huge_pages: bool = False,
+):
+    """KV cache views laid out as vLLM 0.33 lays them out, in host memory.
+
+    Follows ``allocate_kv_cache`` (vllm/v1/worker/utils.py) and the ``KVCacheTensor`` placement of
+    ``get_kv_cache_config_from_groups`` (vllm/v1/core/kv_cache_planning.py): one int8 backing
+    buffer for every layer; per cache group one tensor placement starting at byte 0 (groups
+    overlay each other), ``layer_stride`` and ``block_stride`` from ``compute_layout_strides``
+    (a block-outermost layout packs all layers' pages into a block); each layer's view is
+    ``as_strided`` over the buffer as ``[B, H, N, C bytes]`` and then viewed as ``dtype``
+    (``create_kv_cache_views``), so it is not contiguous as an array. With
+    ``kernel_block_size`` the views hold that many tokens per (kernel) block, ``block_size //
+    kernel_block_size`` kernel blocks per block, as vLLM's kernel block splitting does.
+
+    Returns ``(kv_caches, buffer)``: layer name -> :class:`HostTensor` (group 0's layers first,
+    named ``model.layers.{i}.self_attn.attn``; group g > 0's layers ``...{i}.g{g}...``), and
+    the backing numpy buffer.
+    """
+    import numpy as np
+
+    order = KV_CACHE_LAYOUTS[layout.upper()]
+    dtype = np.dtype(dtype)
+    content_bytes = content * dtype.itemsize
+    page = num_heads * block_size * content_bytes
+    block_outermost = order[0] == 1
+    # kv_cache_planning: bytes_per_block is every layer's page under a block-outermost layout.
+    block_stride = num_layers * page if block_outermost else None
+    planned = _layout_strides(
+        (num_layers, num_blocks, num_heads, block_size, content_bytes), order, (None, block_stride, None, None, None)
+    )
+    layer_stride, block_stride = planned[0], planned[1]
+    size = num_blocks * num_layers * page
+    raw = host_array((size,), dtype="int8", huge_pages=huge_pages)
+    tokens = kernel_block_size or block_size
+    ratio = block_size // tokens
+    if ratio > 1:
+        # create_kv_cache_views: kernel blocks split a dense page into equal parts.
+        assert block_stride == page, "vLLM splits only dense, unpadded pages"
+        block_stride //= ratio
+    shape = (num_layers, num_blocks * ratio, num_heads, tokens, content_bytes)
+    strides = _layout_strides(shape, order, (layer_stride, block_stride, None, None, None))
+    view_5d = np.lib.stride_tricks.as_strided(raw, shape=shape, strides=strides, writeable=True)
+    caches = {}
+    for g in range(groups):
+        for layer in range(num_layers):
+            name = f"model.layers.{layer}.self_attn.attn" if g == 0 else f"model.layers.{layer}.g{g}.self_attn.attn"
+            caches[name] = HostTensor(view_5d[layer].view(dtype))
+    return caches, raw

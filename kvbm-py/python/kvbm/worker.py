@@ -1,19 +1,31 @@
 """The GPU worker side of kvbm's vLLM connector, independent of vLLM.
 
-:class:`KvbmWorker` registers vLLM's per-layer KV cache tensors (or anything exposing
-``data_ptr()``, ``shape``, ``stride()``, ``dtype``, ``element_size()``), owns this rank's shard of
-the pinned host pool and its copy streams, and executes the leader's instructions:
+:class:`KvbmWorker` registers vLLM's KV cache tensors (or anything exposing ``data_ptr()``,
+``shape``, ``stride()``, ``element_size()``, ``device``), owns this rank's shard of the pinned host
+pool and its copy streams, and executes the leader's instructions. Any layout vLLM hands over is
+taken: vLLM 0.33's ``[B, H, N, C]`` views of one backing buffer in every ``KVCacheLayout`` (the
+views are not contiguous tensors), MLA, and the older per-layer 5-D tensors; kvbm-core derives
+each block's runs from the shapes and strides, so under a block-outermost layout (BLNHC, which
+the connector asks vLLM for) one block is one copy in each direction.
 
-- ``start_load_kv``: waits for every earlier save (a host block is never read while a save into
-  it runs, and the GPU blocks a save reads are not overwritten by this step's forward), reads
-  the step's disk blocks into their staging host blocks, then starts the step's loads, one
-  transfer per layer;
-- ``wait_for_layer_load``: waits for that layer's transfer only;
+vLLM 0.33's worker order (``vllm/v1/worker/gpu/kv_connector.py``, ``ActiveKVConnector``):
+``handle_preemptions``, ``bind_connector_metadata``, ``start_load_kv`` before the forward only
+when the step has synchronous loads (otherwise after it), ``wait_for_layer_load`` /
+``save_kv_layer`` inside the forward, ``wait_for_save``, ``get_finished``,
+``get_block_ids_with_load_errors``, ``clear_connector_metadata``. So:
+
+- ``handle_preemptions``: waits for the saves of the requests vLLM preempted in this step, whose
+  GPU blocks vLLM hands to other requests (and the forward overwrites) as soon as it returns;
+- ``start_load_kv``: reads the step's disk blocks into their staging host blocks and starts the
+  step's loads (one transfer per load stage: per layer, or per block under a block-outermost
+  layout), each after the saves into the host blocks it reads; asynchronous loads go to the
+  loader thread;
+- ``wait_for_layer_load``: waits for the stage holding that layer;
 - ``wait_for_save``: starts the step's saves (after the forward pass wrote the blocks), then
-  queues the step's disk writes (after those saves completed);
-- ``get_finished``: reports finished requests whose saves all completed, and requests whose
-  asynchronous loads (disk reads, then the copy to the GPU, on the worker's loader thread) are
-  done; their failed blocks are reported by ``get_block_ids_with_load_errors`` in the same pass.
+  queues the step's disk writes (after the saves into those host blocks);
+- ``get_finished``: reports finished requests whose saves all completed (vLLM frees their GPU
+  blocks only then), and requests whose asynchronous loads are done; their failed blocks are
+  reported by ``get_block_ids_with_load_errors`` in the same pass.
 """
 
 from __future__ import annotations
@@ -28,39 +40,53 @@ from .metrics import Metrics, global_metrics
 
 log = logging.getLogger("kvbm")
 
-
-def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
-    strides, acc = [], 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= dim
-    return tuple(reversed(strides))
+View = Tuple[str, int, List[int], List[int], int]
 
 
-def detect_layout(name: str, tensor: Any) -> Tuple[str, int, int, int]:
-    """(shape kind, num_blocks, block_size, inner_dim) of one layer's KV cache tensor.
-
-    vLLM's shapes: ``[2, num_blocks, block_size, kv_heads, head_size]`` (FlashAttention),
-    ``[num_blocks, 2, block_size, kv_heads, head_size]`` (FlashInfer), and
-    ``[num_blocks, block_size, head_size]`` (MLA). The tensor must be contiguous.
-    """
-    shape = tuple(int(d) for d in tensor.shape)
-    stride = tuple(int(s) for s in tensor.stride())
-    if stride != _contiguous_strides(shape):
-        raise LayoutError(
-            f"KV cache tensor {name!r} of shape {shape} has strides {stride}: kvbm needs it "
-            f"contiguous ({_contiguous_strides(shape)})"
+def tensor_views(kv_caches: Dict[str, Any]) -> List[View]:
+    """(name, address, shape, strides in elements, element size) of each tensor, in order."""
+    return [
+        (
+            str(name),
+            int(t.data_ptr()),
+            [int(d) for d in t.shape],
+            [int(s) for s in t.stride()],
+            int(t.element_size()),
         )
+        for name, t in kv_caches.items()
+    ]
+
+
+def _num_blocks_of(shape: Sequence[int]) -> int:
+    """vLLM's block count as a tensor shows it (used when no ``kv_cache_config`` says it)."""
     if len(shape) == 5 and shape[0] == 2:
-        return "outer_first", shape[1], shape[2], shape[3] * shape[4]
-    if len(shape) == 5 and shape[1] == 2:
-        return "block_first", shape[0], shape[2], shape[3] * shape[4]
-    if len(shape) == 3:
-        return "mla", shape[0], shape[1], shape[2]
-    raise LayoutError(
-        f"KV cache tensor {name!r} has shape {shape}: expected [2, blocks, block_size, heads, "
-        "head_size], [blocks, 2, block_size, heads, head_size] or [blocks, block_size, head_size]"
-    )
+        return int(shape[1])  # [2, B, N, H, D]
+    return int(shape[0])  # [B, H, N, C], [B, 2, N, H, D], [B, N, D]
+
+
+def _outer_dim(kv_cache_config: Any, shape: Sequence[int]) -> Optional[int]:
+    """2 when a 0.33 view's content axis is K and V side by side, 1 for MLA's latent, from the
+    cache spec (``head_size``); None when the shape itself says it or nothing does."""
+    if len(shape) != 4:
+        return None
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
+    head_size = getattr(spec, "head_size", None)
+    if not head_size:
+        return None
+    if shape[-1] == 2 * int(head_size):
+        return 2
+    return 1 if shape[-1] == int(head_size) else None
+
+
+def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: Optional[int] = None) -> Dict[str, Any]:
+    """How kvbm would address these tensors: layout name, runs per block, bytes per block,
+    distinct layers. Raises ``LayoutError`` (naming the tensor, its shape and strides) for a
+    layout kvbm cannot address."""
+    views = tensor_views(kv_caches)
+    if not views:
+        raise LayoutError("register_kv_caches: no KV cache tensors")
+    return _kvbm.describe_kv_caches(views, num_blocks or _num_blocks_of(views[0][2]))
 
 
 def _device_of(tensor: Any) -> Tuple[str, int]:
@@ -86,7 +112,9 @@ class KvbmWorker:
         config: Optional["_kvbm.Config"] = None,
         metrics: Optional[Metrics] = None,
         device: Optional[str] = None,
+        kv_cache_config: Any = None,
     ) -> None:
+        self._kv_cache_config = kv_cache_config
         self._host_blocks = host_blocks
         self._disk_blocks = disk_blocks
         self._world_size = int(world_size)
@@ -116,18 +144,11 @@ class KvbmWorker:
             raise LayoutError("register_kv_caches: no KV cache tensors")
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
-        kind, num_blocks, block_size, inner = detect_layout(names[0], tensors[0])
-        first = tensors[0]
-        for n, t in zip(names[1:], tensors[1:]):
-            if tuple(t.shape) != tuple(first.shape) or t.dtype != first.dtype:
-                raise LayoutError(
-                    f"KV cache tensor {n!r} ({tuple(t.shape)}, {t.dtype}) differs from "
-                    f"{names[0]!r} ({tuple(first.shape)}, {first.dtype}); kvbm needs one shape"
-                )
-            detect_layout(n, t)
-        elem = int(first.element_size())
-        outer = 1 if kind == "mla" else 2
-        bytes_per_block = len(tensors) * outer * block_size * inner * elem
+        views = tensor_views(kv_caches)
+        kcc = self._kv_cache_config
+        num_blocks = int(getattr(kcc, "num_blocks", 0) or 0) or _num_blocks_of(views[0][2])
+        described = _kvbm.describe_kv_caches(views, num_blocks)
+        bytes_per_block = int(described["bytes_per_block"])
         # Sizes given here win; otherwise they come from the configuration (the environment).
         host_blocks, disk_blocks = self._host_blocks, self._disk_blocks
         config = self._config
@@ -137,7 +158,7 @@ class KvbmWorker:
             host_blocks = config.host_blocks(bytes_per_block, self._world_size)
         if disk_blocks is None:
             disk_blocks = config.disk_blocks(bytes_per_block, self._world_size) if config else 0
-        device, index = _device_of(first)
+        device, index = _device_of(tensors[0])
         if self._device is not None:
             device = self._device
         if device == "cuda":
@@ -147,26 +168,34 @@ class KvbmWorker:
             self._sync = stream.synchronize
         self._native = _kvbm.Worker(
             tensors,
-            [int(t.data_ptr()) for t in tensors],
-            kind,
+            views,
             num_blocks,
-            block_size,
-            inner,
-            elem,
             int(host_blocks),
-            device,
-            index,
-            int(disk_blocks),
-            config.disk_dir if config is not None else None,
-            f"kvbm-rank{self._rank}.cache",
-            config.disk_disable_o_direct if config is not None else False,
-            config.disk_engine if config is not None else "auto",
+            outer_dim=_outer_dim(kcc, views[0][2]),
+            device=device,
+            device_index=index,
+            disk_blocks=int(disk_blocks),
+            disk_dir=config.disk_dir if config is not None else None,
+            disk_file=f"kvbm-rank{self._rank}.cache",
+            disk_disable_o_direct=config.disk_disable_o_direct if config is not None else False,
+            disk_engine=config.disk_engine if config is not None else "auto",
         )
         self._layers = {n: i for i, n in enumerate(names)}
+        expected = getattr(kcc, "kv_cache_layout", None)
+        got = self._native.layout_name
+        if expected and got != "per-layer tensors" and str(expected).upper() != got:
+            log.warning(
+                "kvbm worker: vLLM says the KV cache layout is %s, the tensors' strides say %s; "
+                "kvbm follows the strides",
+                expected,
+                got,
+            )
         log.info(
-            "kvbm worker: %d layers (%s), %d GPU blocks, %d host blocks of %d bytes, device %s",
+            "kvbm worker: %d layers (%s, %d copies per block), %d GPU blocks, %d host blocks of "
+            "%d bytes, device %s",
             len(names),
-            kind,
+            got,
+            self._native.runs_per_block,
             num_blocks,
             host_blocks,
             bytes_per_block,
@@ -179,10 +208,16 @@ class KvbmWorker:
     def clear_connector_metadata(self) -> None:
         self._meta = None
 
+    def handle_preemptions(self, metadata: Optional[KvbmConnectorMetadata] = None) -> None:
+        """vLLM frees a preempted request's GPU blocks without asking the connector and reuses
+        them in this very step: its saves, which read those blocks, must be done first."""
+        meta = metadata if metadata is not None else self._meta
+        preempted = list(getattr(meta, "preempted", None) or ())
+        if preempted and self._native is not None:
+            self._native.wait_saves_of(preempted)
+
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         w = self.native
-        # Saves of earlier steps must be done before this step's forward writes GPU blocks.
-        w.wait_saves()
         meta = self._meta
         if meta is None:
             return
@@ -263,4 +298,4 @@ class KvbmWorker:
         self._bytes_reported = (saved, loaded)
 
 
-__all__: List[str] = ["KvbmWorker", "detect_layout"]
+__all__: List[str] = ["KvbmWorker", "describe_kv_caches", "tensor_views"]

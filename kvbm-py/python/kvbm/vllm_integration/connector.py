@@ -109,10 +109,15 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         serve_from_env()
         self._leader: Optional[KvbmLeader] = None
         self._worker: Optional[KvbmWorker] = None
-        if self._role == "scheduler":
+        # Both roles size the tiers from the same numbers (vLLM hands both the KV cache config),
+        # so that block ids agree; a worker without one sizes from its tensors.
+        host_blocks: Optional[int] = None
+        disk_blocks: Optional[int] = None
+        if self._role == "scheduler" or getattr(kv_cache_config, "kv_cache_groups", None):
             per_block = _bytes_per_block(kv_cache_config, block_size)
             host_blocks = config.host_blocks(per_block, world)
             disk_blocks = config.disk_blocks(per_block, world)
+        if self._role == "scheduler":
             if host_blocks == 0:
                 # Disk blocks come back through the host tier: it must exist.
                 raise _kvbm.ConfigError(
@@ -133,7 +138,14 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             )
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
-            self._worker = KvbmWorker(world_size=world, rank=rank, config=config)
+            self._worker = KvbmWorker(
+                host_blocks=host_blocks,
+                disk_blocks=disk_blocks,
+                world_size=world,
+                rank=rank,
+                config=config,
+                kv_cache_config=kv_cache_config,
+            )
 
     # -- scheduler role -----------------------------------------------------------------------
 
@@ -173,6 +185,17 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         return self._leader.reset_cache()
 
     # -- worker role --------------------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
+        """BLNHC (block-outermost: one block of every layer is one contiguous run, so one DMA per
+        block each way) unless ``KVBM_KV_CACHE_LAYOUT`` names another vLLM layout, or ``auto``
+        for none. vLLM keeps it when every attention backend supports it and otherwise warns and
+        uses its own choice, which the worker then reads from the tensors' strides."""
+        return _kvbm.required_kv_cache_layout()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        self._work().handle_preemptions(kv_connector_metadata)
 
     def register_kv_caches(self, kv_caches: Any) -> None:
         self._work().register_kv_caches(kv_caches)

@@ -1,4 +1,7 @@
-"""The shape of vLLM's KVConnectorBase_V1 as kvbm uses it (tests only)."""
+"""The shape of vLLM's KVConnectorBase_V1 as kvbm uses it (tests only), after vLLM 0.33's
+vllm/distributed/kv_transfer/kv_connector/v1/base.py: the defaults kvbm relies on
+(``handle_preemptions`` does nothing; ``get_required_kvcache_layout`` refuses the base class
+and returns None for a subclass that does not override it)."""
 
 import enum
 
@@ -23,3 +26,12 @@ class KVConnectorBase_V1:
 
     def clear_connector_metadata(self):
         self._connector_metadata = None
+
+    def handle_preemptions(self, kv_connector_metadata):
+        return
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):
+        if cls is KVConnectorBase_V1:
+            raise TypeError("get_required_kvcache_layout should not be called on the abstract base class")
+        return None
