@@ -1,7 +1,9 @@
-"""The connector's worker side on real tensors: vLLM-shaped per-layer KV caches (torch CUDA
-tensors on a GPU; numpy arrays in a dry run), registered with KvbmWorker, many blocks saved to the
-pinned host pool and loaded back into other GPU blocks, some through the disk tier, every byte
-compared with the tensors. Prints a summary line and one JSON line. Run by gpu-check.sh."""
+"""The connector's worker side on real tensors: KV caches laid out as vLLM 0.33 lays them out
+(one backing buffer, per-layer [B, H, N, C] views in LBNHC, vLLM's default, and BLNHC, what kvbm
+asks for) and as older releases did (per-layer [2, B, N, H, D] tensors); torch CUDA tensors on a
+GPU, numpy arrays in a dry run; registered with KvbmWorker, many blocks saved to the pinned host
+pool and loaded back into other GPU blocks, some through the disk tier, every byte compared with
+the tensors. Prints a summary line per layout and one JSON line. Run by gpu-check.sh."""
 
 import json
 import os
@@ -10,7 +12,7 @@ import tempfile
 import time
 
 import kvbm
-from kvbm.testing import HostTensor, host_array
+from kvbm.testing import KV_CACHE_LAYOUTS, HostTensor, allocate_kv_cache, host_array, layout_strides
 from kvbm.worker import KvbmWorker
 
 DEVICE = os.environ.get("KVBM_GPU_CHECK_DEVICE", "cuda")
@@ -31,6 +33,29 @@ def make(shape):
     a = host_array(shape, huge_pages=True)
     a[...] = np.random.default_rng(len(shape)).integers(0, 1 << 16, size=shape, dtype=np.uint16)
     return HostTensor(a)
+
+
+def make_vllm(layout):
+    """vLLM 0.33's allocation (vllm/v1/worker/utils.py, allocate_kv_cache): one int8 buffer,
+    per-layer views as_strided in bytes, then viewed as bf16."""
+    content = 2 * HEAD
+    if DEVICE != "cuda":
+        caches, raw = allocate_kv_cache(LAYERS, BLOCKS, HEADS, BLOCK, content, "uint16", layout, huge_pages=True)
+        import numpy as np
+
+        raw[...] = np.random.default_rng(9).integers(-128, 127, size=raw.shape, dtype=np.int8)
+        return caches
+    import torch
+
+    order = KV_CACHE_LAYOUTS[layout]
+    page = HEADS * BLOCK * content * 2
+    fixed_block = LAYERS * page if order[0] == 1 else None
+    planned = layout_strides((LAYERS, BLOCKS, HEADS, BLOCK, content * 2), order, (None, fixed_block, None, None, None))
+    strides = layout_strides((LAYERS, BLOCKS, HEADS, BLOCK, content * 2), order, (planned[0], planned[1], None, None, None))
+    raw = torch.empty(LAYERS * BLOCKS * page, dtype=torch.int8, device="cuda")
+    raw.random_(-128, 127)
+    view_5d = torch.as_strided(raw, (LAYERS, BLOCKS, HEADS, BLOCK, content * 2), strides)
+    return {f"model.layers.{i}.self_attn.attn": view_5d[i].view(torch.bfloat16) for i in range(LAYERS)}
 
 
 def block(t, kind, b):
@@ -63,8 +88,11 @@ def sync():
 
 
 def check(kind):
-    shape = (2, BLOCKS, BLOCK, HEADS, HEAD) if kind == "outer_first" else (BLOCKS, 2, BLOCK, HEADS, HEAD)
-    caches = {f"model.layers.{i}.self_attn.attn": make(shape) for i in range(LAYERS)}
+    if kind in KV_CACHE_LAYOUTS:
+        caches = make_vllm(kind)
+    else:
+        shape = (2, BLOCKS, BLOCK, HEADS, HEAD) if kind == "outer_first" else (BLOCKS, 2, BLOCK, HEADS, HEAD)
+        caches = {f"model.layers.{i}.self_attn.attn": make(shape) for i in range(LAYERS)}
     sync()
     half = BLOCKS // 2
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,6 +144,7 @@ def check(kind):
         worker.shutdown()
     return {
         "layout": kind,
+        "copies_per_block": w.runs_per_block,
         "device": w.device_kind,
         "blocks": half,
         "bytes_per_block": w.bytes_per_block,
@@ -129,10 +158,11 @@ def check(kind):
 
 
 def main():
-    results = [check(kind) for kind in ("outer_first", "block_first")]
+    results = [check(kind) for kind in ("LBNHC", "BLNHC", "outer_first")]
     for r in results:
         print(
-            f"connector worker {r['device']} {r['layout']}: {r['blocks']} blocks of {r['bytes_per_block']} bytes, "
+            f"connector worker {r['device']} {r['layout']}: {r['blocks']} blocks of {r['bytes_per_block']} bytes "
+            f"({r['copies_per_block']} copies each), "
             f"D2H {r['d2h_gbps']:.2f} GB/s, H2D {r['h2d_gbps']:.2f} GB/s, disk write {r['disk_write_gbps']:.2f} GB/s, "
             f"disk read {r['disk_read_gbps']:.2f} GB/s, verified {r['verified']}"
         )

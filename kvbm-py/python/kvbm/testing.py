@@ -65,7 +65,7 @@ KV_CACHE_LAYOUTS = {
 }
 
 
-def _layout_strides(shape, order, fixed=(None,) * 5):
+def layout_strides(shape, order, fixed=(None,) * 5):
     """Byte strides in logical [L, B, H, N, C] order (vllm/v1/kv_cache_interface.py,
     ``compute_layout_strides``, without page padding)."""
     strides = [0] * 5
@@ -113,7 +113,7 @@ def allocate_kv_cache(
     block_outermost = order[0] == 1
     # kv_cache_planning: bytes_per_block is every layer's page under a block-outermost layout.
     block_stride = num_layers * page if block_outermost else None
-    planned = _layout_strides(
+    planned = layout_strides(
         (num_layers, num_blocks, num_heads, block_size, content_bytes), order, (None, block_stride, None, None, None)
     )
     layer_stride, block_stride = planned[0], planned[1]
@@ -126,7 +126,7 @@ def allocate_kv_cache(
         assert block_stride == page, "vLLM splits only dense, unpadded pages"
         block_stride //= ratio
     shape = (num_layers, num_blocks * ratio, num_heads, tokens, content_bytes)
-    strides = _layout_strides(shape, order, (layer_stride, block_stride, None, None, None))
+    strides = layout_strides(shape, order, (layer_stride, block_stride, None, None, None))
     view_5d = np.lib.stride_tricks.as_strided(raw, shape=shape, strides=strides, writeable=True)
     caches = {}
     for g in range(groups):
