@@ -400,6 +400,7 @@ fn layouts_that_cannot_be_addressed_are_refused_with_the_tensor_named() {
     v.shape.push(1);
     v.strides.push(1);
     v.shape[0] = 3;
+    v.shape[1] = 3;
     refused(&[v], 4, &["K/V axis"]);
     // Two tensors whose blocks lie at different distances.
     let mut v = good[1].clone();
