@@ -3,14 +3,16 @@
 1. The leader's cost per scheduler step with 256 running requests (decode steps: each request
    gains a token per step, a block completes every 16 steps), timing only kvbm's calls
    (build_connector_meta, update_connector_output, take_events). Target: under 1 ms per step.
-2. The worker's copy throughput through Python (KvbmWorker.save / load on vLLM-shaped per-layer
-   caches in host memory, emulated device), next to `kvbm-bench offload` (the Rust bench) on the
-   same shape in the same run, and the Rust bench's memcpy yardstick. Target: within 10%.
+2. The worker's copy throughput through Python (KvbmWorker.save / load on a KV cache in host
+   memory laid out as vLLM 0.33 lays it out, `--layout`, LBNHC by default, or the older
+   per-layer `outer_first` tensors; emulated device), next to `kvbm-bench offload` (the Rust
+   bench) on the same shape and layout in the same run, and the Rust bench's memcpy yardstick.
+   Target: within 10%.
 
 Run from the repository root after `pip install ./kvbm-py` and
 `cargo build --release -p kvbm-bench`:
 
-    .venv/bin/python kvbm-py/bench/bench_connector.py [--blocks 512] [--json]
+    .venv/bin/python kvbm-py/bench/bench_connector.py [--blocks 512] [--layout BLNHC] [--json]
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 os.environ.setdefault("KVBM_DEVICE", "emulated")
 
 from kvbm.leader import KvbmLeader  # noqa: E402
-from kvbm.testing import HostTensor, host_array  # noqa: E402
+from kvbm.testing import KV_CACHE_LAYOUTS, HostTensor, allocate_kv_cache, host_array  # noqa: E402
 from kvbm.worker import KvbmWorker  # noqa: E402
 
 
@@ -88,15 +90,26 @@ def bench_leader(requests=256, prompt_tokens=2048, steps=320, block=16, aligned=
     }
 
 
-def bench_worker(blocks, layers=28, heads=8, head_size=128, block=16, batch=64, rounds=3):
-    shape = (2, blocks, block, heads, head_size)
+def bench_worker(blocks, layout="LBNHC", layers=28, heads=8, head_size=128, block=16, batch=64, rounds=3):
     # Stand-in GPU memory mapped with huge pages, as the emulated device maps its own (with 4 KiB
     # pages this VM makes scattered writes several times slower: that would measure the stand-in).
-    caches = {f"layer.{i}": HostTensor(host_array(shape, huge_pages=True)) for i in range(layers)}
     rng = np.random.default_rng(1)
-    for t in caches.values():
-        t.array[...] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
-    reference = caches["layer.5"].array[:, blocks // 2].copy()
+    if layout in KV_CACHE_LAYOUTS:
+        caches, raw = allocate_kv_cache(layers, blocks, heads, block, 2 * head_size, "uint16", layout, huge_pages=True)
+        raw[...] = rng.integers(-128, 127, size=raw.shape, dtype=np.int8)
+
+        def block_of(a, b):
+            return a[b]
+    else:
+        shape = (2, blocks, block, heads, head_size)
+        caches = {f"layer.{i}": HostTensor(host_array(shape, huge_pages=True)) for i in range(layers)}
+        for t in caches.values():
+            t.array[...] = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+
+        def block_of(a, b):
+            return a[:, b]
+    probe = list(caches)[5]
+    reference = block_of(caches[probe].array, blocks // 2).copy()
     worker = KvbmWorker(host_blocks=blocks)
     worker.register_kv_caches(caches)
     w = worker.native
@@ -110,19 +123,21 @@ def bench_worker(blocks, layers=28, heads=8, head_size=128, block=16, batch=64, 
         w.wait_saves()
         saves.append(blocks * bytes_per_block / (time.perf_counter() - t) / 1e9)
         for t_ in caches.values():
-            t_.array[:, blocks // 2] = 0
+            block_of(t_.array, blocks // 2)[...] = 0
         t = time.perf_counter()
         for start in range(0, blocks, batch):
             # One load per step, as the connector issues them (blocks moved by one).
             w.load([(b, (b + 1) % blocks) for b in range(start, min(blocks, start + batch))])
         w.wait_loads()
         loads.append(blocks * bytes_per_block / (time.perf_counter() - t) / 1e9)
-        assert np.array_equal(caches["layer.5"].array[:, (blocks // 2 + 1) % blocks], reference), "loaded bytes differ"
+        assert np.array_equal(block_of(caches[probe].array, (blocks // 2 + 1) % blocks), reference), "loaded bytes differ"
         # Put blocks back where they were for the next round.
         for start in range(0, blocks, batch):
             w.load([(b, b) for b in range(start, min(blocks, start + batch))])
         w.wait_loads()
     return {
+        "layout": layout,
+        "copies_per_block": w.runs_per_block,
         "blocks": blocks,
         "bytes_per_block": bytes_per_block,
         "batch": batch,
@@ -131,11 +146,13 @@ def bench_worker(blocks, layers=28, heads=8, head_size=128, block=16, batch=64, 
     }
 
 
-def bench_rust(blocks, repo):
+def bench_rust(blocks, layout, repo):
     exe = os.path.join(repo, "target", "release", "kvbm-bench")
     if not os.path.exists(exe):
         return None
-    out = subprocess.run([exe, "offload", "--blocks", str(blocks), "--batch-size", "64", "--json"], capture_output=True, text=True,
+    flag = layout.lower().replace("_", "-")
+    out = subprocess.run([exe, "offload", "--blocks", str(blocks), "--batch-size", "64", "--layout", flag, "--json"],
+                         capture_output=True, text=True,
                          check=True, env=dict(os.environ, KVBM_DEVICE="emulated"))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -143,6 +160,7 @@ def bench_rust(blocks, repo):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=512)
+    parser.add_argument("--layout", default="LBNHC", choices=sorted(KV_CACHE_LAYOUTS) + ["outer_first"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     repo = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -153,9 +171,9 @@ def main():
               f"{name} ({r['blocks_saved']} blocks offloaded): per step p50 {r['step_ms_p50']:.3f} ms, "
               f"p99 {r['step_ms_p99']:.3f} ms, max {r['step_ms_max']:.3f} ms (target < 1 ms)")
     # Alternate Rust and Python so that the machine's noise hits both.
-    rust_first = bench_rust(args.blocks, repo)
-    py = bench_worker(args.blocks)
-    rust_second = bench_rust(args.blocks, repo)
+    rust_first = bench_rust(args.blocks, args.layout, repo)
+    py = bench_worker(args.blocks, args.layout)
+    rust_second = bench_rust(args.blocks, args.layout, repo)
     result = {"leader": leader, "leader_aligned": aligned, "python_worker": py}
     if rust_first and rust_second:
         rust = {k: statistics.mean([rust_first[k], rust_second[k]]) for k in ("d2h_gbps", "h2d_gbps", "memcpy_gbps")}
@@ -163,7 +181,8 @@ def main():
         for d in ("d2h", "h2d"):
             ratio = py[f"{d}_gbps"] / rust[f"{d}_gbps"]
             result[f"python_vs_rust_{d}"] = ratio
-        print(f"worker copies, {args.blocks} blocks of {py['bytes_per_block']} bytes, {py['batch']} blocks per call:")
+        print(f"worker copies, {args.layout}, {args.blocks} blocks of {py['bytes_per_block']} bytes "
+              f"({py['copies_per_block']} copies each), {py['batch']} blocks per call:")
         print(f"  python  d2h {py['d2h_gbps']:.2f} GB/s  h2d {py['h2d_gbps']:.2f} GB/s")
         print(f"  rust    d2h {rust['d2h_gbps']:.2f} GB/s  h2d {rust['h2d_gbps']:.2f} GB/s  (memcpy {rust['memcpy_gbps']:.2f})")
         print(f"  python / rust: d2h {result['python_vs_rust_d2h']:.2f}x  h2d {result['python_vs_rust_h2d']:.2f}x (target >= 0.90)")

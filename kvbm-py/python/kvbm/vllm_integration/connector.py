@@ -117,13 +117,13 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             per_block = _bytes_per_block(kv_cache_config, block_size)
             host_blocks = config.host_blocks(per_block, world)
             disk_blocks = config.disk_blocks(per_block, world)
+        if host_blocks == 0:
+            # Disk blocks come back through the host tier: it must exist.
+            raise _kvbm.ConfigError(
+                "the host tier has no block: set DYN_KVBM_CPU_CACHE_GB (or "
+                "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS) above 0; the disk tier needs it too"
+            )
         if self._role == "scheduler":
-            if host_blocks == 0:
-                # Disk blocks come back through the host tier: it must exist.
-                raise _kvbm.ConfigError(
-                    "the host tier has no block: set DYN_KVBM_CPU_CACHE_GB (or "
-                    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS) above 0; the disk tier needs it too"
-                )
             self._leader = KvbmLeader(
                 block_size,
                 host_blocks,
