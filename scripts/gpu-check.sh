@@ -64,25 +64,31 @@ run discovery 60 "$BENCH" copy --device auto --gib 0.0625 --iterations 1 --json
 # 2. The pinned host pool: time to the first usable chunk and to all of it.
 run "pin-${PIN_GIB}gib" 240 "$BENCH" pin --device "$DEVICE" --gib "$PIN_GIB" --json
 
-# 3. Copies through the streams: vLLM's two per-layer layouts and a contiguous one, blocks of
-#    0.5, 2 and 8 MiB; D2H, H2D, then both at once; every byte verified.
-for layout in outer-first block-first contiguous; do
-  for mib in 0.5 2 8; do
-    run "copy-$layout-${mib}mib" 120 "$BENCH" copy --device "$DEVICE" --layout "$layout" \
-      --block-mib "$mib" --gib "$GIB" --iterations 2 --json
-  done
+# 3. Copies through the streams, GPU side placed by kvbm-core, at the Qwen3-0.6B shape (28 layers,
+#    8 KV heads of 128, bf16, 16-token blocks: 1.75 MiB): vLLM 0.33's default LBNHC (28 pieces a
+#    block), the block-outermost BLNHC kvbm asks vLLM for (1 piece), the head-major LHBNC (224
+#    pieces), the older per-layer outer-first (56 pieces) and a contiguous GPU side; then LBNHC and
+#    BLNHC with 64-token blocks (7 MiB). D2H, H2D, both at once, and a memcpy of the same bytes;
+#    every byte verified.
+for layout in lbnhc blnhc lhbnc outer-first contiguous; do
+  run "copy-$layout" 120 "$BENCH" copy --device "$DEVICE" --layout "$layout" \
+    --gib "$GIB" --iterations 2 --json
+done
+for layout in lbnhc blnhc; do
+  run "copy-$layout-64tok" 120 "$BENCH" copy --device "$DEVICE" --layout "$layout" \
+    --block-size 64 --gib "$GIB" --iterations 2 --json
 done
 
-# 4. The same copy with cuMemcpyBatchAsync off, coalescing off, and both off (2 MiB per-layer).
+# 4. The LBNHC copy with cuMemcpyBatchAsync off, coalescing off, and both off.
 for flags in "0 1" "1 0" "0 0"; do
   set -- $flags
-  run "copy-outer-first-2mib-batch$1-coalesce$2" 120 env KVBM_COPY_BATCH=$1 KVBM_COPY_COALESCE=$2 \
-    "$BENCH" copy --device "$DEVICE" --layout outer-first --block-mib 2 --gib "$GIB" --iterations 2 --json
+  run "copy-lbnhc-batch$1-coalesce$2" 120 env KVBM_COPY_BATCH=$1 KVBM_COPY_COALESCE=$2 \
+    "$BENCH" copy --device "$DEVICE" --layout lbnhc --gib "$GIB" --iterations 2 --json
 done
 
 # 5. Through the block manager (allocation, piece lists, completion, registration): Qwen3-0.6B
-#    blocks (1.75 MiB), both per-layer shapes.
-for layout in outer-first block-first; do
+#    blocks (1.75 MiB) in vLLM 0.33's LBNHC and BLNHC, and the older per-layer outer-first.
+for layout in lbnhc blnhc outer-first; do
   run "offload-$layout" 180 "$BENCH" offload --device "$DEVICE" --layout "$layout" \
     --blocks "$BLOCKS" --host-gb $(( (BLOCKS * 2 + 999) / 1000 + 1 )) --json
 done
@@ -115,7 +121,7 @@ import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 def f(x, spec=".1f"):
     return format(x, spec) if isinstance(x, (int, float)) else "-"
-print(f"{'check':44} {'rc':>3} {'D2H':>7} {'H2D':>7} {'both D2H':>9} {'both H2D':>9} {'us/blk':>7}  notes")
+print(f"{'check':36} {'rc':>3} {'pcs':>4} {'D2H':>7} {'H2D':>7} {'both D2H':>9} {'both H2D':>9} {'memcpy':>7} {'us/blk':>7}  notes")
 for row in rows:
     r = row.get("result") or {}
     notes = []
@@ -124,9 +130,10 @@ for row in rows:
                 "full_ready_s", "pin_status", "verified", "d2h_vs_memcpy", "h2d_vs_memcpy", "error"):
         if key in r and r[key] is not None:
             notes.append(f"{key}={r[key] if not isinstance(r[key], float) else round(r[key], 3)}")
-    print(f"{row['check']:44} {row['rc']:>3} {f(r.get('d2h_gbps')):>7} {f(r.get('h2d_gbps')):>7} "
-          f"{f(r.get('both_d2h_gbps')):>9} {f(r.get('both_h2d_gbps')):>9} {f(r.get('submit_us_per_block'), '.2f'):>7}  "
-          + " ".join(notes))
+    print(f"{row['check']:36} {row['rc']:>3} {f(r.get('pieces_per_block'), 'd'):>4} "
+          f"{f(r.get('d2h_gbps')):>7} {f(r.get('h2d_gbps')):>7} "
+          f"{f(r.get('both_d2h_gbps')):>9} {f(r.get('both_h2d_gbps')):>9} {f(r.get('memcpy_gbps')):>7} "
+          f"{f(r.get('submit_us_per_block'), '.2f'):>7}  " + " ".join(notes))
 failed = [row["check"] for row in rows if row["rc"] != 0]
 print("all checks passed" if not failed else f"FAILED: {', '.join(failed)}")
 PY

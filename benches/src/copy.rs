@@ -2,41 +2,53 @@
 //!
 //! `copy` moves blocks between GPU memory and pinned host memory through kvbm-cuda's copy
 //! streams: D2H alone, H2D alone, then both directions at once (D2H of one half of the blocks
-//! while the other half goes H2D). The GPU side is laid out as vLLM lays it out per layer
-//! (`outer-first`: `[2, n_blocks, ...]` per layer; `block-first`: `[n_blocks, 2, ...]`), or fully
-//! contiguous; the host side is contiguous per block. Every byte is verified after each pass.
+//! while the other half goes H2D). Blocks have a model's shape (`--layers`, `--kv-heads`,
+//! `--head-size`, `--block-size` tokens, `--dtype-bytes`; Qwen3-0.6B's by default: 1.75 MiB).
+//! The GPU side is placed by kvbm-core in one of vLLM 0.33's `KVCacheLayout`s (one buffer viewed
+//! per layer: `lbnhc`, the default, `lbhnc`, `lhbnc`, `blhnc`, `blnhc`, `bhlnc`), in an older
+//! per-layer shape (`outer-first`: `[2, n_blocks, ...]` per layer; `block-first`:
+//! `[n_blocks, 2, ...]`), or fully contiguous; the host side is the host tier's layout (one
+//! contiguous run per block behind its header room). Each block's pieces come from kvbm-core's
+//! `copy_pieces_into`, as in the block manager; the patterns are written and checked through the
+//! same pieces, and every byte is verified after each pass. The yardstick is a memcpy of the same
+//! bytes, block by block, between two prefaulted buffers, in the same run.
 //! `KVBM_COPY_BATCH` and `KVBM_COPY_COALESCE` choose the stream's paths, as everywhere.
 //!
 //! `pin` maps a host pool and reports when its first chunk and all of it are pinned.
 
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clap::{Args, ValueEnum};
+use clap::Args;
+use kvbm_core::{BlockLayout, KvLayout};
 use kvbm_cuda::{
-    BackendChoice, Completion, CopyStream, Device, Direction, GpuRegion, HostRegion,
+    BackendChoice, Completion, CopyPiece, CopyStream, Device, Direction, GpuRegion, HostRegion,
     HostRegionOptions, StreamOptions, Transfer,
 };
 
+use crate::offload::{memcpy_gbps, LayoutArg};
 use crate::stats::{fill_block, median};
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+/// The GPU side's layout: one of the block manager's, or each block one contiguous run.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum CopyLayout {
-    /// Per-layer tensors `[2, n_blocks, block, heads, head]` (vLLM, FlashAttention).
-    OuterFirst,
-    /// Per-layer tensors `[n_blocks, 2, block, heads, head]` (vLLM, FlashInfer).
-    BlockFirst,
+    /// As the block manager places a GPU tier (vLLM 0.33's views, or older per-layer tensors).
+    Gpu(LayoutArg),
     /// Each block one contiguous run.
     Contiguous,
 }
 
-impl CopyLayout {
-    fn name(self) -> &'static str {
-        match self {
-            CopyLayout::OuterFirst => "outer-first",
-            CopyLayout::BlockFirst => "block-first",
-            CopyLayout::Contiguous => "contiguous",
+impl FromStr for CopyLayout {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim().eq_ignore_ascii_case("contiguous") {
+            return Ok(Self::Contiguous);
         }
+        LayoutArg::from_str(s)
+            .map(Self::Gpu)
+            .map_err(|e| format!("{e}, contiguous"))
     }
 }
 
@@ -45,15 +57,26 @@ pub struct CopyArgs {
     /// Device back end: auto, cuda or emulated.
     #[arg(long, default_value = "auto")]
     device: String,
-    /// Block size in MiB (all layers, K and V).
-    #[arg(long, default_value_t = 2.0)]
-    block_mib: f64,
-    /// GPU layout of the blocks.
-    #[arg(long, value_enum, default_value_t = CopyLayout::OuterFirst)]
+    /// GPU layout of the blocks: vLLM 0.33's lbnhc (its default), lbhnc, lhbnc, blhnc, blnhc,
+    /// bhlnc; the older per-layer outer-first ([2, n_blocks, ...]) or block-first
+    /// ([n_blocks, 2, ...]); or contiguous (one run per block).
+    #[arg(long, default_value = "lbnhc")]
     layout: CopyLayout,
-    /// Layers (a per-layer block is 2 x layers pieces).
+    /// Attention layers.
     #[arg(long, default_value_t = 28)]
     layers: usize,
+    /// KV heads per layer.
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Head size.
+    #[arg(long, default_value_t = 128)]
+    head_size: usize,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Bytes per element (2 for bf16).
+    #[arg(long, default_value_t = 2)]
+    dtype_bytes: usize,
     /// Bytes moved per direction per pass, in GiB.
     #[arg(long, default_value_t = 2.0)]
     gib: f64,
@@ -89,52 +112,43 @@ fn open(device: &str) -> anyhow::Result<Device> {
     Device::open(choice, 0).context("opening the device")
 }
 
-/// Where the pieces of each block live.
-struct Placement {
-    layout: CopyLayout,
-    blocks: usize,
-    chunk: usize,
-    chunks: usize,
-    layer_bytes: usize,
-    host_stride: usize,
-}
-
-impl Placement {
-    fn gpu_offset(&self, block: usize, chunk: usize) -> usize {
-        let (layer, outer) = (chunk / 2, chunk % 2);
-        match self.layout {
-            CopyLayout::OuterFirst => {
-                layer * self.layer_bytes + (outer * self.blocks + block) * self.chunk
-            }
-            CopyLayout::BlockFirst => layer * self.layer_bytes + (block * 2 + outer) * self.chunk,
-            CopyLayout::Contiguous => (block * self.chunks + chunk) * self.chunk,
-        }
-    }
-
-    fn host_offset(&self, block: usize, chunk: usize) -> usize {
-        block * self.host_stride + chunk * self.chunk
-    }
-
-    fn block_bytes(&self) -> usize {
-        self.chunk * self.chunks
-    }
-}
-
 struct Pass {
     gbps: f64,
     submit_us_per_block: f64,
 }
 
-/// The memory of one run and how it is moved.
+/// The memory of one run, its placements, and how it is moved.
 struct Bench<'a> {
-    p: &'a Placement,
     gpu: &'a GpuRegion,
     host: &'a HostRegion,
+    /// The GPU side's blocks.
+    gpu_layout: &'a BlockLayout,
+    /// The host side's blocks.
+    host_layout: &'a BlockLayout,
     batch: usize,
     inflight: usize,
 }
 
 impl Bench<'_> {
+    fn block_bytes(&self) -> usize {
+        self.gpu_layout.kv().bytes_per_block()
+    }
+
+    /// Appends the pieces moving `block` in `dir` (the GPU side's block to the host side's same
+    /// block, or back).
+    fn pieces(&self, dir: Direction, block: usize, out: &mut Vec<CopyPiece>) -> anyhow::Result<()> {
+        match dir {
+            Direction::DeviceToHost => {
+                self.gpu_layout
+                    .copy_pieces_into(block, self.host_layout, block, out)
+            }
+            _ => self
+                .host_layout
+                .copy_pieces_into(block, self.gpu_layout, block, out),
+        }
+        .context("copy pieces")
+    }
+
     /// Copies `blocks` in `dir` through `stream`, `batch` blocks per transfer, `inflight` at most.
     fn pass(
         &self,
@@ -142,26 +156,23 @@ impl Bench<'_> {
         dir: Direction,
         blocks: std::ops::Range<usize>,
     ) -> anyhow::Result<Pass> {
-        let p = self.p;
         let mut pending: std::collections::VecDeque<Completion> = Default::default();
         let mut submit = Duration::ZERO;
         let n = blocks.len();
+        let mut pieces = Vec::new();
         let start = Instant::now();
         let list: Vec<usize> = blocks.collect();
         for group in list.chunks(self.batch) {
             if pending.len() >= self.inflight {
                 pending.pop_front().expect("non-empty").wait()?;
             }
-            let mut t = Transfer::with_capacity(group.len() * p.chunks);
+            pieces.clear();
             for &b in group {
-                for c in 0..p.chunks {
-                    let g = self.gpu.addr() + p.gpu_offset(b, c) as u64;
-                    let h = self.host.addr() + p.host_offset(b, c) as u64;
-                    match dir {
-                        Direction::DeviceToHost => t.push(g, h, p.chunk),
-                        _ => t.push(h, g, p.chunk),
-                    }
-                }
+                self.pieces(dir, b, &mut pieces)?;
+            }
+            let mut t = Transfer::with_capacity(pieces.len());
+            for p in &pieces {
+                t.push(p.src, p.dst, p.len);
             }
             t.keep(self.gpu.clone());
             t.keep(self.host.clone());
@@ -174,12 +185,14 @@ impl Bench<'_> {
         }
         let secs = start.elapsed().as_secs_f64();
         Ok(Pass {
-            gbps: (n * p.block_bytes()) as f64 / secs / 1e9,
+            gbps: (n * self.block_bytes()) as f64 / secs / 1e9,
             submit_us_per_block: submit.as_secs_f64() * 1e6 / n.max(1) as f64,
         })
     }
 
-    /// Writes (`check` false) or checks (`check` true) the seed pattern of `blocks` on one side.
+    /// Writes (`check` false) or checks (`check` true) the seed pattern of `blocks` on one side:
+    /// each block's bytes in canonical order, through the block's D2H pieces (GPU address, host
+    /// address, and the canonical offset the host address gives), which must cover the block.
     fn pattern(
         &self,
         check: bool,
@@ -187,14 +200,31 @@ impl Bench<'_> {
         blocks: std::ops::Range<usize>,
         seed_of: impl Fn(usize) -> u64,
     ) -> anyhow::Result<()> {
-        let p = self.p;
-        let mut data = vec![0u8; p.block_bytes()];
-        let mut got = vec![0u8; p.chunk];
+        let block_bytes = self.block_bytes();
+        let mut data = vec![0u8; block_bytes];
+        let mut got = Vec::new();
+        let mut pieces = Vec::new();
+        let side = if on_host { "host" } else { "GPU" };
         for b in blocks {
             fill_block(seed_of(b), &mut data);
-            for c in 0..p.chunks {
-                let piece = &data[c * p.chunk..(c + 1) * p.chunk];
-                let (host_at, gpu_at) = (p.host_offset(b, c), p.gpu_offset(b, c));
+            pieces.clear();
+            self.pieces(Direction::DeviceToHost, b, &mut pieces)?;
+            let host_start = self.host_layout.block_start(b);
+            let mut covered = 0usize;
+            for (i, p) in pieces.iter().enumerate() {
+                let offset = (p.dst - host_start) as usize;
+                if offset != covered {
+                    bail!(
+                        "block {b} piece {i} starts at byte {offset} of the block, not {covered}"
+                    );
+                }
+                covered += p.len;
+                let piece = &data[offset..offset + p.len];
+                let (host_at, gpu_at) = (
+                    (p.dst - self.host.addr()) as usize,
+                    (p.src - self.gpu.addr()) as usize,
+                );
+                got.resize(p.len, 0);
                 match (check, on_host) {
                     (false, true) => self.host.write(host_at, piece)?,
                     (false, false) => self.gpu.write(gpu_at, piece)?,
@@ -202,9 +232,11 @@ impl Bench<'_> {
                     (true, false) => self.gpu.read(gpu_at, &mut got)?,
                 }
                 if check && got[..] != *piece {
-                    let side = if on_host { "host" } else { "GPU" };
-                    bail!("block {b} piece {c} differs on the {side} side");
+                    bail!("block {b} piece {i} differs on the {side} side");
                 }
+            }
+            if covered != block_bytes {
+                bail!("block {b}'s pieces cover {covered} of its {block_bytes} bytes");
             }
         }
         Ok(())
@@ -212,35 +244,66 @@ impl Bench<'_> {
 }
 
 pub fn run_copy(args: CopyArgs) -> anyhow::Result<bool> {
-    if args.batch == 0 || args.inflight == 0 || args.iterations == 0 || args.layers == 0 {
-        bail!("--batch, --inflight, --iterations and --layers must be at least 1");
+    if args.batch == 0 || args.inflight == 0 || args.iterations == 0 {
+        bail!("--batch, --inflight and --iterations must be at least 1");
     }
+    if !args.gib.is_finite() || args.gib <= 0.0 {
+        bail!("--gib {} must be a positive number", args.gib);
+    }
+    let kv = KvLayout::new(
+        args.layers,
+        2,
+        args.block_size,
+        args.kv_heads * args.head_size,
+        args.dtype_bytes,
+    )
+    .context("model shape")?;
+    let block_bytes = kv.bytes_per_block();
     let device = open(&args.device)?;
-    let block_bytes = (args.block_mib * (1 << 20) as f64) as usize;
-    let chunks = match args.layout {
-        CopyLayout::Contiguous => 1,
-        _ => args.layers * 2,
-    };
-    let chunk = (block_bytes / chunks / 4096).max(1) * 4096;
-    let block_bytes = chunk * chunks;
     // Half the blocks go D2H while the other half goes H2D in the "both" pass.
     let half = ((args.gib * (1u64 << 30) as f64) as usize / block_bytes).max(1);
     let blocks = 2 * half;
-    let layer_bytes = 2 * blocks * chunk;
-    let p = Placement {
-        layout: args.layout,
-        blocks,
-        chunk,
-        chunks,
-        layer_bytes,
-        host_stride: block_bytes.div_ceil(4096) * 4096,
+    // The GPU side: one allocation holding the layout's allocations back to back.
+    let (gpu_layout, name, gpu) = match args.layout {
+        CopyLayout::Gpu(arg) => {
+            let layout = arg.gpu_layout(args.kv_heads);
+            let sizes = layout.allocation_bytes(&kv, blocks);
+            let gpu = device
+                .alloc_gpu(sizes.iter().sum())
+                .context("allocating GPU memory")?;
+            let addrs: Vec<u64> = sizes
+                .iter()
+                .scan(gpu.addr(), |at, &bytes| {
+                    let this = *at;
+                    *at += bytes as u64;
+                    Some(this)
+                })
+                .collect();
+            let placed = layout
+                .place(kv, blocks, &addrs)
+                .context("placing the GPU layout")?;
+            (placed, layout.name(), gpu)
+        }
+        CopyLayout::Contiguous => {
+            let gpu = device
+                .alloc_gpu(blocks * kv.contiguous_stride_bytes())
+                .context("allocating GPU memory")?;
+            let placed = BlockLayout::fully_contiguous(kv, blocks, gpu.addr());
+            (placed, "contiguous".to_owned(), gpu)
+        }
     };
-    let gpu = device
-        .alloc_gpu(blocks * block_bytes)
-        .context("allocating GPU memory")?;
     let host = device
-        .alloc_host(blocks * p.host_stride, HostRegionOptions::default())
+        .alloc_host(
+            blocks * kv.host_stride_bytes(),
+            HostRegionOptions::default(),
+        )
         .context("mapping host memory")?;
+    let host_layout = BlockLayout::host(kv, blocks, host.addr());
+    let pieces_per_block = {
+        let mut pieces = Vec::new();
+        gpu_layout.copy_pieces_into(0, &host_layout, 0, &mut pieces)?;
+        pieces.len()
+    };
     if !host.wait_ready(host.len(), Duration::from_secs(600)) {
         bail!("host memory not pinned after 600 s");
     }
@@ -249,9 +312,10 @@ pub fn run_copy(args: CopyArgs) -> anyhow::Result<bool> {
     let h2d = device.copy_stream_with(Direction::HostToDevice, options)?;
     let (lo, hi) = (0..half, half..blocks);
     let bench = Bench {
-        p: &p,
         gpu: &gpu,
         host: &host,
+        gpu_layout: &gpu_layout,
+        host_layout: &host_layout,
         batch: args.batch,
         inflight: args.inflight,
     };
@@ -287,35 +351,53 @@ pub fn run_copy(args: CopyArgs) -> anyhow::Result<bool> {
         both_d2h.push(down.gbps);
         both_h2d.push(up.gbps);
     }
+    let batch_copy = d2h.uses_batch_copy();
+    // Free the copy's memory before the yardstick's.
+    drop((d2h, h2d, gpu, host));
+    // The yardstick, in the same run: the bytes of one pass, block by block, with memcpy.
+    let memcpy = memcpy_gbps(half, block_bytes, args.iterations);
+    let (d2h_gbps, h2d_gbps) = (median(&d2h_runs), median(&h2d_runs));
     let result = serde_json::json!({
         "device": device.kind().as_str(),
         "description": device.description(),
         "driver_version": device.driver_version(),
-        "layout": args.layout.name(),
+        "layout": name,
+        "layers": args.layers,
+        "kv_heads": args.kv_heads,
+        "head_size": args.head_size,
+        "block_size_tokens": args.block_size,
+        "dtype_bytes": args.dtype_bytes,
         "block_bytes": block_bytes,
-        "pieces_per_block": chunks,
+        "pieces_per_block": pieces_per_block,
         "blocks_per_pass": half,
-        "batch_copy": d2h.uses_batch_copy(),
+        "batch_copy": batch_copy,
         "coalesce": options.coalesce,
-        "d2h_gbps": median(&d2h_runs),
-        "h2d_gbps": median(&h2d_runs),
+        "d2h_gbps": d2h_gbps,
+        "h2d_gbps": h2d_gbps,
         "both_d2h_gbps": median(&both_d2h),
         "both_h2d_gbps": median(&both_h2d),
+        "memcpy_gbps": memcpy,
+        "d2h_vs_memcpy": d2h_gbps / memcpy,
+        "h2d_vs_memcpy": h2d_gbps / memcpy,
         "submit_us_per_block": median(&submit),
         "verified": true,
     });
     println!(
-        "{} {} blocks of {:.2} MiB ({} pieces), batch copy {}, coalesce {}: D2H {:.2} GB/s, H2D {:.2} GB/s, both at once {:.2} + {:.2} GB/s; submit {:.2} us/block; every byte verified",
+        "{} {} {} blocks of {:.2} MiB ({} pieces), batch copy {}, coalesce {}: D2H {:.2} GB/s ({:.2}x memcpy), H2D {:.2} GB/s ({:.2}x memcpy), both at once {:.2} + {:.2} GB/s; memcpy {:.2} GB/s; submit {:.2} us/block; every byte verified",
         device.kind().as_str(),
-        args.layout.name(),
+        name,
+        half,
         block_bytes as f64 / (1 << 20) as f64,
-        chunks,
-        d2h.uses_batch_copy(),
+        pieces_per_block,
+        batch_copy,
         options.coalesce,
-        median(&d2h_runs),
-        median(&h2d_runs),
+        d2h_gbps,
+        d2h_gbps / memcpy,
+        h2d_gbps,
+        h2d_gbps / memcpy,
         median(&both_d2h),
         median(&both_h2d),
+        memcpy,
         median(&submit),
     );
     if args.json {

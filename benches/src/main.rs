@@ -65,7 +65,7 @@ enum Command {
     /// The router index on the generated workload: apply rate, find_matches latency, bytes/pair.
     Router(router::RouterArgs),
     /// The device layer alone: D2H, H2D and both at once between GPU and pinned host memory,
-    /// per-layer or contiguous layouts, every byte verified.
+    /// in vLLM's GPU layouts or a contiguous one, every byte verified, against memcpy.
     Copy(copy::CopyArgs),
     /// Map a pinned host pool and report when its first chunk and all of it are usable.
     Pin(copy::PinArgs),

@@ -5,7 +5,13 @@
 //! is timed end to end through the block manager (allocation, piece lists, copies, completion,
 //! registration). The yardstick is a single-threaded memcpy of the same bytes, block by block,
 //! between two prefaulted buffers, in the same run. Figures are medians over `--iterations`.
+//!
+//! `--layout` is the GPU tier's layout: vLLM 0.33's one backing buffer viewed per layer in one of
+//! its `KVCacheLayout`s (`lbnhc`, the default, `lbhnc`, `lhbnc`, `blhnc`, `blnhc`, `bhlnc`), or
+//! the per-layer tensors of older releases (`outer-first`, `block-first`). The pieces per block
+//! come from kvbm-core's placement of that layout, as the manager builds it.
 
+use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -14,18 +20,67 @@ use crate::stats::{fill_block, median, percentile};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_core::{
-    BlockManager, GpuMemory, ImmutableBlock, KvLayout, LayerShape, ManagerOptions, TransferLimits,
-    TransferOutcome,
+    BlockManager, GpuLayout, GpuMemory, ImmutableBlock, KvLayout, LayerShape, ManagerOptions,
+    PhysicalLayout, TransferLimits, TransferOutcome,
 };
 use kvbm_cuda::{BackendChoice, Device};
 use kvbm_events::BlockHasher;
 
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Layout {
-    /// vLLM per-layer tensors `[2, n_blocks, block, heads, head]` (FlashAttention).
-    OuterFirst,
-    /// vLLM per-layer tensors `[n_blocks, 2, block, heads, head]` (FlashInfer).
-    BlockFirst,
+/// A GPU layout on the command line: a vLLM 0.33 `KVCacheLayout` name (any case, or vLLM's
+/// aliases `nhd`/`hnd`), or an older per-layer shape (`outer-first`, `block-first`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum LayoutArg {
+    /// vLLM's per-layer tensors before 0.33.
+    LayerSeparate(LayerShape),
+    /// vLLM 0.33's views of one backing buffer.
+    Paged(PhysicalLayout),
+}
+
+impl FromStr for LayoutArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "outer-first" => Ok(Self::LayerSeparate(LayerShape::OuterFirst)),
+            "block-first" => Ok(Self::LayerSeparate(LayerShape::BlockFirst)),
+            _ => PhysicalLayout::from_str(s).map(Self::Paged).map_err(|_| {
+                format!(
+                    "unknown layout {s:?}: expected one of lbnhc, lbhnc, lhbnc, blhnc, blnhc, \
+                         bhlnc (vLLM 0.33), outer-first, block-first (older vLLM)"
+                )
+            }),
+        }
+    }
+}
+
+impl LayoutArg {
+    /// The block manager's GPU layout, with `num_heads` KV heads per layer for a paged one.
+    pub fn gpu_layout(self, num_heads: usize) -> GpuLayout {
+        match self {
+            Self::LayerSeparate(shape) => GpuLayout::LayerSeparate(shape),
+            Self::Paged(layout) => GpuLayout::Paged { layout, num_heads },
+        }
+    }
+}
+
+/// The yardstick: `blocks` blocks of `block_bytes` copied with memcpy, block by block, between
+/// two prefaulted buffers; the median GB/s over `iterations` passes.
+pub fn memcpy_gbps(blocks: usize, block_bytes: usize, iterations: usize) -> f64 {
+    let bytes = blocks * block_bytes;
+    let mut src = vec![0u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    src.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
+    dst.fill(1);
+    let mut runs = Vec::new();
+    for _ in 0..iterations {
+        let start = Instant::now();
+        for (d, s) in dst.chunks_mut(block_bytes).zip(src.chunks(block_bytes)) {
+            d.copy_from_slice(s);
+        }
+        runs.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        std::hint::black_box(&dst);
+    }
+    median(&runs)
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -59,9 +114,11 @@ pub struct OffloadArgs {
     /// MLA: one latent per layer instead of K and V.
     #[arg(long)]
     mla: bool,
-    /// GPU tensor layout.
-    #[arg(long, value_enum, default_value_t = Layout::OuterFirst)]
-    layout: Layout,
+    /// GPU layout: vLLM 0.33's lbnhc (its default), lbhnc, lhbnc, blhnc, blnhc, bhlnc (one
+    /// buffer viewed per layer, --kv-heads heads; 1 with --mla), or the older per-layer tensors
+    /// outer-first ([2, n_blocks, ...], FlashAttention) and block-first ([n_blocks, 2, ...]).
+    #[arg(long, default_value = "lbnhc")]
+    layout: LayoutArg,
     /// Host tier size in GB (10^9 bytes); must hold --blocks.
     #[arg(long, default_value_t = 2.0)]
     host_gb: f64,
@@ -181,10 +238,9 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         DeviceArg::Emulated => BackendChoice::Emulated,
     };
     let device = Device::open(choice, 0).context("opening the device")?;
-    let shape = match args.layout {
-        Layout::OuterFirst => LayerShape::OuterFirst,
-        Layout::BlockFirst => LayerShape::BlockFirst,
-    };
+    let gpu_layout = args
+        .layout
+        .gpu_layout(if args.mla { 1 } else { args.kv_heads });
     let show = !args.json || std::io::IsTerminal::is_terminal(&std::io::stderr());
     if !args.disk_gb.is_finite() || args.disk_gb < 0.0 {
         bail!(
@@ -223,7 +279,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         ManagerOptions {
             kv,
             gpu_blocks: args.blocks,
-            gpu_shape: shape,
+            gpu_layout,
             host_blocks,
             limits: TransferLimits {
                 batch_blocks_max: args.batch_size,
@@ -364,49 +420,23 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
     }
 
     // The yardstick: the same bytes, block by block, with memcpy.
-    let memcpy_gbps = {
-        let mut src = vec![0u8; bytes];
-        let mut dst = vec![0u8; bytes];
-        src.iter_mut().enumerate().for_each(|(i, b)| *b = i as u8);
-        dst.fill(1);
-        let mut runs = Vec::new();
-        for _ in 0..args.iterations {
-            let start = Instant::now();
-            for (d, s) in dst.chunks_mut(bpb).zip(src.chunks(bpb)) {
-                d.copy_from_slice(s);
-            }
-            runs.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
-            std::hint::black_box(&dst);
-        }
-        median(&runs)
-    };
+    let memcpy_gbps = memcpy_gbps(args.blocks, bpb, args.iterations);
 
+    // The copies one block takes: the runs of the manager's own GPU placement.
+    let pieces_per_block = m.gpu_layout().runs_per_block();
     let d2h_gbps = median(&d2h.gbps);
     let h2d_gbps = median(&h2d.gbps);
-    let pieces_per_block = {
-        let mut pieces = Vec::new();
-        // The same placement as the run's: per-layer tensors of `--blocks` blocks.
-        let gpu = kvbm_core::BlockLayout::layer_separate(
-            kv,
-            args.blocks,
-            shape,
-            (0..args.layers as u64).map(|l| l << 40).collect(),
-        )?;
-        let host = kvbm_core::BlockLayout::fully_contiguous(kv, 1, 1 << 50);
-        gpu.copy_pieces_into(0, &host, 0, &mut pieces)?;
-        pieces.len()
-    };
     let device_kind = m.device_kind().as_str();
     println!(
-        "kvbm offload: {} ({}), {} blocks of {:.2} MiB ({} layers, {} pieces of {} KiB per block, {:?}), host tier {:.2} GB pinned in {:.2} s ({:?})",
+        "kvbm offload: {} ({}), {} blocks of {:.2} MiB ({} layers, layout {}, {} pieces of {} KiB per block), host tier {:.2} GB pinned in {:.2} s ({:?})",
         device_kind,
         m.device().description(),
         args.blocks,
         bpb as f64 / (1 << 20) as f64,
         args.layers,
+        gpu_layout.name(),
         pieces_per_block,
         bpb / pieces_per_block / 1024,
-        args.layout,
         host.len() as f64 / 1e9,
         full_ready.unwrap_or_default().as_secs_f64(),
         host.pin_status(),
@@ -473,7 +503,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             "blocks": args.blocks,
             "bytes_per_block": bpb,
             "pieces_per_block": pieces_per_block,
-            "layout": format!("{:?}", args.layout),
+            "layout": gpu_layout.name(),
             "iterations": args.iterations,
             "host_first_ready_s": first_ready.unwrap_or_default().as_secs_f64(),
             "host_full_ready_s": full_ready.unwrap_or_default().as_secs_f64(),

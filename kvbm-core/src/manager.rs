@@ -311,6 +311,11 @@ impl BlockManager {
         &self.kv
     }
 
+    /// Where the GPU tier's blocks live (its runs per block are the copies one block takes).
+    pub fn gpu_layout(&self) -> &BlockLayout {
+        &self.engine.gpu().layout
+    }
+
     /// The event publisher of every tier.
     pub fn events(&self) -> &EventPublisher {
         &self.events
