@@ -712,10 +712,10 @@ impl BlockLayout {
         if !page.is_injective(num_blocks) {
             return Err("its strides make different elements share bytes".into());
         }
-        if page.runs().len() > RUNS_PER_BLOCK_MAX {
+        let runs = page.runs().len();
+        if runs > RUNS_PER_BLOCK_MAX {
             return Err(format!(
-                "a block's page is {} runs (at most {RUNS_PER_BLOCK_MAX})",
-                page.runs().len()
+                "a block's page is {runs} runs (at most {RUNS_PER_BLOCK_MAX})"
             ));
         }
         let outer = outer_axis.map_or(1, |a| v.shape[a]);

@@ -31,7 +31,7 @@ use parking_lot::{Condvar, Mutex};
 
 use kvbm_core::layout::{BlockLayout, KvLayout, TensorView};
 use kvbm_cuda::{
-    BackendChoice, Completion, CopyStream, Device, Direction, GpuRegion, HostRegion,
+    BackendChoice, Completion, CopyPiece, CopyStream, Device, Direction, GpuRegion, HostRegion,
     HostRegionOptions, Transfer,
 };
 use pyo3::prelude::*;
@@ -234,15 +234,10 @@ impl LoaderContext {
                     .is_ok()
             });
         let copied = planned && {
-            let mut transfer = Transfer::with_capacity(pieces.len());
-            for p in &pieces {
-                transfer.push(p.src, p.dst, p.len);
-            }
-            for r in &self.gpu_regions {
-                transfer.keep(r.clone());
-            }
-            transfer.keep(self.host.clone());
-            self.h2d.submit(transfer).and_then(|c| c.wait()).is_ok()
+            self.h2d
+                .submit(transfer_of(&pieces, &self.gpu_regions, &self.host))
+                .and_then(|c| c.wait())
+                .is_ok()
         };
         if !copied {
             failed.extend(good.iter().map(|&(_, g)| g));
@@ -604,14 +599,7 @@ impl Worker {
                     .copy_pieces_into(g as usize, &self.host_layout, h as usize, &mut pieces)
                     .map_err(layout_err)?;
             }
-            let mut transfer = Transfer::with_capacity(pieces.len());
-            for p in &pieces {
-                transfer.push(p.src, p.dst, p.len);
-            }
-            for r in &self.gpu_regions {
-                transfer.keep(r.clone());
-            }
-            transfer.keep(self.host.clone());
+            let transfer = transfer_of(&pieces, &self.gpu_regions, &self.host);
             self.bytes_saved += transfer.bytes();
             let completion = self.d2h.submit(transfer).map_err(device_err)?;
             for r in &requests {
@@ -725,14 +713,7 @@ impl Worker {
                         )
                         .map_err(layout_err)?;
                 }
-                let mut transfer = Transfer::with_capacity(pieces.len());
-                for p in &pieces {
-                    transfer.push(p.src, p.dst, p.len);
-                }
-                for r in &self.gpu_regions {
-                    transfer.keep(r.clone());
-                }
-                transfer.keep(self.host.clone());
+                let transfer = transfer_of(&pieces, &self.gpu_regions, &self.host);
                 self.bytes_loaded += transfer.bytes();
                 match self.h2d.submit(transfer) {
                     Ok(completion) => {
@@ -1092,6 +1073,19 @@ impl Worker {
             }
         }
     }
+}
+
+/// A transfer of `pieces` between the GPU regions and the host pool, keeping both alive.
+fn transfer_of(pieces: &[CopyPiece], gpu_regions: &[GpuRegion], host: &HostRegion) -> Transfer {
+    let mut transfer = Transfer::with_capacity(pieces.len());
+    for p in pieces {
+        transfer.push(p.src, p.dst, p.len);
+    }
+    for r in gpu_regions {
+        transfer.keep(r.clone());
+    }
+    transfer.keep(host.clone());
+    transfer
 }
 
 /// Byte offset of host block `h`'s payload in the host region.
