@@ -387,6 +387,24 @@ pub struct TensorView {
     pub elem_bytes: usize,
 }
 
+impl TensorView {
+    /// The address range (start, bytes) of every element the view addresses, or None when an
+    /// axis is empty or the range overflows.
+    pub fn span(&self) -> Option<(u64, usize)> {
+        if self.shape.len() != self.strides.len() || self.shape.contains(&0) || self.elem_bytes == 0
+        {
+            return None;
+        }
+        let mut last = 0usize; // offset of the last element, in elements
+        for (&size, &stride) in self.shape.iter().zip(&self.strides) {
+            last = last.checked_add((size - 1).checked_mul(stride)?)?;
+        }
+        let bytes = last.checked_add(1)?.checked_mul(self.elem_bytes)?;
+        self.addr.checked_add(bytes as u64)?;
+        Some((self.addr, bytes))
+    }
+}
+
 /// Where a region's blocks live.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LayoutKind {

@@ -310,35 +310,94 @@ fn device_err(e: impl std::fmt::Display) -> PyErr {
     DeviceError::new_err(e.to_string())
 }
 
-/// One tensor as Python describes it: (name, address, shape, strides in elements, element size).
-type ViewTuple = (String, u64, Vec<usize>, Vec<usize>, usize);
-
-fn tensor_views(views: Vec<ViewTuple>) -> Vec<TensorView> {
-    views
-        .into_iter()
-        .map(|(name, addr, shape, strides, elem_bytes)| TensorView {
-            name,
-            addr,
-            shape,
-            strides,
-            elem_bytes,
-        })
-        .collect()
+/// Reads one tensor's view from the tensor itself (`data_ptr()`, `shape`, `stride()`,
+/// `element_size()`) and checks that every byte it addresses lies inside the memory it owns
+/// (`untyped_storage()`: `data_ptr()` and `nbytes()`), so that no address or size crosses from
+/// Python unchecked.
+fn view_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorView> {
+    let bad = |what: &str, e: PyErr| {
+        LayoutError::new_err(format!("KV cache tensor {name:?}: {what}: {e}"))
+    };
+    let addr: u64 = tensor
+        .call_method0("data_ptr")
+        .and_then(|v| v.extract())
+        .map_err(|e| bad("data_ptr()", e))?;
+    let shape: Vec<usize> = tensor
+        .getattr("shape")
+        .and_then(|v| v.extract())
+        .map_err(|e| bad("shape", e))?;
+    let strides: Vec<usize> = tensor
+        .call_method0("stride")
+        .and_then(|v| v.extract())
+        .map_err(|e| bad("stride() (negative strides are not supported)", e))?;
+    let elem_bytes: usize = tensor
+        .call_method0("element_size")
+        .and_then(|v| v.extract())
+        .map_err(|e| bad("element_size()", e))?;
+    let storage = tensor.call_method0("untyped_storage").map_err(|e| {
+        bad(
+            "untyped_storage() (kvbm checks each tensor against its memory)",
+            e,
+        )
+    })?;
+    let base: u64 = storage
+        .call_method0("data_ptr")
+        .and_then(|v| v.extract())
+        .map_err(|e| bad("untyped_storage().data_ptr()", e))?;
+    let nbytes: u64 = storage
+        .call_method0("nbytes")
+        .and_then(|v| v.extract())
+        .map_err(|e| bad("untyped_storage().nbytes()", e))?;
+    let view = TensorView {
+        name: name.to_owned(),
+        addr,
+        shape,
+        strides,
+        elem_bytes,
+    };
+    match view.span() {
+        Some((start, len))
+            if start >= base
+                && base
+                    .checked_add(nbytes)
+                    .is_some_and(|end| start + len as u64 <= end) =>
+        {
+            Ok(view)
+        }
+        span => Err(LayoutError::new_err(format!(
+            "KV cache tensor {name:?} of shape {:?}, strides {:?} and {elem_bytes} bytes per \
+             element addresses {span:?} (start, bytes), outside its storage ({base:#x}, \
+             {nbytes} bytes)",
+            view.shape, view.strides
+        ))),
+    }
 }
 
-/// How kvbm addresses these tensors (`views` as for `Worker`): a dict with `layout` (vLLM's
-/// name, or "per-layer tensors"), `runs_per_block`, `bytes_per_block`, `layers` (distinct layer
-/// pages) and `block_size`. Raises `LayoutError` naming the tensor, its shape and strides when
-/// the layout cannot be addressed.
+/// The views of `kv_caches` (layer name -> tensor), in order, each checked by `view_of`.
+fn views_of(kv_caches: &Bound<'_, PyDict>) -> PyResult<(Vec<PyObject>, Vec<TensorView>)> {
+    let mut tensors = Vec::with_capacity(kv_caches.len());
+    let mut views = Vec::with_capacity(kv_caches.len());
+    for (name, tensor) in kv_caches.iter() {
+        let name = name.str()?.to_string();
+        views.push(view_of(&name, &tensor)?);
+        tensors.push(tensor.unbind());
+    }
+    Ok((tensors, views))
+}
+
+/// How kvbm addresses `kv_caches` (layer name -> tensor, as for `Worker`): a dict with `layout`
+/// (vLLM's name, or "per-layer tensors"), `runs_per_block`, `bytes_per_block`, `layers`
+/// (distinct layer pages) and `block_size`. Raises `LayoutError` naming the tensor, its shape
+/// and strides when the layout cannot be addressed or a tensor reaches outside its storage.
 #[pyfunction]
 pub(crate) fn describe_kv_caches<'py>(
     py: Python<'py>,
-    views: Vec<ViewTuple>,
+    kv_caches: &Bound<'py, PyDict>,
     num_blocks: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     guard(|| {
-        let placed =
-            BlockLayout::from_views(&tensor_views(views), num_blocks).map_err(layout_err)?;
+        let (_, views) = views_of(kv_caches)?;
+        let placed = BlockLayout::from_views(&views, num_blocks).map_err(layout_err)?;
         let d = PyDict::new(py);
         d.set_item(
             "layout",
@@ -356,8 +415,9 @@ pub(crate) fn describe_kv_caches<'py>(
 impl Worker {
     /// Registers vLLM's KV cache tensors and maps a pinned host pool of `host_blocks` blocks.
     ///
-    /// `views[i]` describes `tensors[i]`: (layer name, address of its first element, shape,
-    /// strides in elements, element size). Any layout vLLM hands over works: 0.33's `[B, H, N,
+    /// `kv_caches` maps layer names to tensors (torch tensors, or anything with `data_ptr()`,
+    /// `shape`, `stride()`, `element_size()` and `untyped_storage()`); every tensor is checked
+    /// against its storage before any byte is addressed. Any layout vLLM hands over works: 0.33's `[B, H, N,
     /// C]` views of one buffer in every `KVCacheLayout`, MLA, the older 5-D tensors; each block's
     /// runs come from the strides. `num_blocks` is vLLM's block count (a view with a multiple of
     /// it holds kernel blocks). `outer_dim` (2 for K and V, 1 for MLA) names what the content
@@ -368,12 +428,11 @@ impl Worker {
     /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk
     /// tier starts empty: what an earlier run left there is overwritten as slots are reused.
     #[new]
-    #[pyo3(signature = (tensors, views, num_blocks, host_blocks, *, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto"))]
+    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        tensors: Vec<PyObject>,
-        views: Vec<ViewTuple>,
+        kv_caches: &Bound<'_, PyDict>,
         num_blocks: usize,
         host_blocks: usize,
         outer_dim: Option<usize>,
@@ -386,20 +445,16 @@ impl Worker {
         disk_engine: &str,
     ) -> PyResult<Self> {
         guard(|| {
-            if tensors.len() != views.len() || views.is_empty() {
-                return Err(LayoutError::new_err(format!(
-                    "{} tensors and {} views: expected one view per tensor, at least one",
-                    tensors.len(),
-                    views.len()
-                )));
+            let (tensors, views) = views_of(kv_caches)?;
+            if views.is_empty() {
+                return Err(LayoutError::new_err("no KV cache tensor to register"));
             }
             if num_blocks == 0 || host_blocks == 0 {
                 return Err(LayoutError::new_err(format!(
                     "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
                 )));
             }
-            let placed =
-                BlockLayout::from_views(&tensor_views(views), num_blocks).map_err(layout_err)?;
+            let placed = BlockLayout::from_views(&views, num_blocks).map_err(layout_err)?;
             let mut kv = placed.kv;
             let mut gpu = placed.layout;
             if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
@@ -428,9 +483,9 @@ impl Worker {
             for &(addr, len) in &placed.spans {
                 #[allow(unsafe_code)]
                 // SAFETY: each span is the memory one or more of `tensors` address with their
-                // shapes and strides (computed from them by `from_views`), so it lies inside
-                // their storage; the worker keeps a reference to every tensor for as long as it
-                // (and so any copy) lives.
+                // shapes and strides (computed from them by `from_views`), and `view_of` checked
+                // that each tensor's addresses lie inside its own storage; the worker keeps a
+                // reference to every tensor for as long as it (and so any copy) lives.
                 let region =
                     unsafe { device.register_gpu(addr, len, device_index) }.map_err(device_err)?;
                 gpu_regions.push(region);

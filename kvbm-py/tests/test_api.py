@@ -174,10 +174,62 @@ def test_layouts_that_kvbm_cannot_copy_are_refused_clearly():
     with pytest.raises(kvbm.LayoutError):
         KvbmWorker(host_blocks=2).register_kv_caches({})
     with pytest.raises(kvbm.LayoutError):
-        kvbm.Worker([], [], 4, 2)
+        kvbm.Worker({}, 4, 2)
     with pytest.raises(kvbm.LayoutError, match="GPU blocks"):
-        t = make_caches("BLNHC", 1, 4, 4, 2, 8)
-        kvbm.Worker(list(t.values()), [("x", 0, [4, 2, 4, 16], [128, 64, 16, 1], 2)], 0, 2)
+        kvbm.Worker(make_caches("BLNHC", 1, 4, 4, 2, 8), 0, 2)
+
+
+class Lying(HostTensor):
+    """A tensor stand-in that reports another shape, strides or address than its memory has."""
+
+    def __init__(self, tensor, shape=None, strides=None, shift=0):
+        super().__init__(tensor.array, storage=tensor.storage)
+        self._shape, self._strides, self._shift = shape, strides, shift
+
+    @property
+    def shape(self):
+        return self._shape or self.array.shape
+
+    def stride(self):
+        return self._strides or super().stride()
+
+    def data_ptr(self):
+        return super().data_ptr() + self._shift
+
+
+def test_no_address_or_size_from_python_is_trusted():
+    """A wrong shape, stride or address would have kvbm read or write outside the tensor (a
+    segfault, or another buffer's bytes): each is refused before any byte is addressed."""
+    good = make_caches("LBNHC", 2, 4, 4, 2, 8)
+    name, t = next(iter(good.items()))
+    lies = [
+        Lying(t, shape=(16, 2, 4, 16)),  # more blocks than the whole buffer holds
+        Lying(t, strides=(2048, 16, 32, 1)),  # blocks farther apart than the buffer allows
+        Lying(t, shift=1 << 20),  # an address past the buffer
+        Lying(t, strides=(-256, 16, 32, 1)),  # a negative stride
+    ]
+    for lie in lies:
+        caches = dict(good)
+        caches[name] = lie
+        with pytest.raises(kvbm.LayoutError, match=name.replace(".", r"\.")):
+            KvbmWorker(host_blocks=2).register_kv_caches(caches)
+        with pytest.raises(kvbm.LayoutError):
+            describe_kv_caches(caches, 4)
+
+    class NoStorage:
+        shape, device = (4, 2, 4, 16), "cpu"
+
+        def data_ptr(self):
+            return 4096
+
+        def stride(self):
+            return (128, 16, 32, 1)
+
+        def element_size(self):
+            return 2
+
+    with pytest.raises(kvbm.LayoutError, match="untyped_storage"):
+        KvbmWorker(host_blocks=2).register_kv_caches({"l0": NoStorage()})
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])

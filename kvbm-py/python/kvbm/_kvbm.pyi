@@ -77,9 +77,7 @@ class Leader:
     def counts(self) -> Dict[str, int]: ...
     def registered_hashes(self, tier: str = "host") -> List[int]: ...
 
-View = Tuple[str, int, Sequence[int], Sequence[int], int]
-
-def describe_kv_caches(views: Sequence[View], num_blocks: int) -> Dict[str, Any]: ...
+def describe_kv_caches(kv_caches: Mapping[str, Any], num_blocks: int) -> Dict[str, Any]: ...
 def required_kv_cache_layout(overrides: Optional[Dict[str, str]] = None) -> Optional[str]: ...
 
 class CopyHold:
@@ -88,8 +86,7 @@ class CopyHold:
 class Worker:
     def __init__(
         self,
-        tensors: Sequence[Any],
-        views: Sequence[View],
+        kv_caches: Mapping[str, Any],
         num_blocks: int,
         host_blocks: int,
         *,

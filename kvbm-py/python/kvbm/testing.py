@@ -12,13 +12,43 @@ import mmap
 from typing import Sequence
 
 
-class HostTensor:
-    """A numpy array seen as a (CPU) tensor."""
-
-    device = "cpu"
+class HostStorage:
+    """The memory a :class:`HostTensor` lives in (torch's ``untyped_storage()``)."""
 
     def __init__(self, array) -> None:
         self.array = array
+
+    def data_ptr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+def _owner(array):
+    """The outermost numpy array that ``array`` views (through slices and ``as_strided``)."""
+    import numpy as np
+
+    owner, at = array, getattr(array, "base", None)
+    while at is not None:
+        if isinstance(at, np.ndarray):
+            owner = at
+        at = getattr(at, "base", None)
+    return owner
+
+
+class HostTensor:
+    """A numpy array seen as a (CPU) tensor. ``storage`` is the contiguous array it views
+    (found through the array's bases when not given)."""
+
+    device = "cpu"
+
+    def __init__(self, array, storage=None) -> None:
+        self.array = array
+        self.storage = storage if storage is not None else _owner(array)
+
+    def untyped_storage(self) -> HostStorage:
+        return HostStorage(self.storage)
 
     def data_ptr(self) -> int:
         return int(self.array.ctypes.data)
@@ -132,5 +162,5 @@ def allocate_kv_cache(
     for g in range(groups):
         for layer in range(num_layers):
             name = f"model.layers.{layer}.self_attn.attn" if g == 0 else f"model.layers.{layer}.g{g}.self_attn.attn"
-            caches[name] = HostTensor(view_5d[layer].view(dtype))
+            caches[name] = HostTensor(view_5d[layer].view(dtype), storage=raw)
     return caches, raw

@@ -40,23 +40,6 @@ from .metrics import Metrics, global_metrics
 
 log = logging.getLogger("kvbm")
 
-View = Tuple[str, int, List[int], List[int], int]
-
-
-def tensor_views(kv_caches: Dict[str, Any]) -> List[View]:
-    """(name, address, shape, strides in elements, element size) of each tensor, in order."""
-    return [
-        (
-            str(name),
-            int(t.data_ptr()),
-            [int(d) for d in t.shape],
-            [int(s) for s in t.stride()],
-            int(t.element_size()),
-        )
-        for name, t in kv_caches.items()
-    ]
-
-
 def _num_blocks_of(shape: Sequence[int]) -> int:
     """vLLM's block count as a tensor shows it (used when no ``kv_cache_config`` says it)."""
     if len(shape) == 5 and shape[0] == 2:
@@ -82,11 +65,11 @@ def _outer_dim(kv_cache_config: Any, shape: Sequence[int]) -> Optional[int]:
 def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: Optional[int] = None) -> Dict[str, Any]:
     """How kvbm would address these tensors: layout name, runs per block, bytes per block,
     distinct layers. Raises ``LayoutError`` (naming the tensor, its shape and strides) for a
-    layout kvbm cannot address."""
-    views = tensor_views(kv_caches)
-    if not views:
+    layout kvbm cannot address or a tensor that reaches outside its storage."""
+    if not kv_caches:
         raise LayoutError("register_kv_caches: no KV cache tensors")
-    return _kvbm.describe_kv_caches(views, num_blocks or _num_blocks_of(views[0][2]))
+    first = next(iter(kv_caches.values()))
+    return _kvbm.describe_kv_caches(dict(kv_caches), num_blocks or _num_blocks_of(tuple(first.shape)))
 
 
 def _device_of(tensor: Any) -> Tuple[str, int]:
@@ -144,10 +127,10 @@ class KvbmWorker:
             raise LayoutError("register_kv_caches: no KV cache tensors")
         names = list(kv_caches)
         tensors = [kv_caches[n] for n in names]
-        views = tensor_views(kv_caches)
+        shape = tuple(int(d) for d in tensors[0].shape)
         kcc = self._kv_cache_config
-        num_blocks = int(getattr(kcc, "num_blocks", 0) or 0) or _num_blocks_of(views[0][2])
-        described = _kvbm.describe_kv_caches(views, num_blocks)
+        num_blocks = int(getattr(kcc, "num_blocks", 0) or 0) or _num_blocks_of(shape)
+        described = _kvbm.describe_kv_caches(dict(kv_caches), num_blocks)
         bytes_per_block = int(described["bytes_per_block"])
         # Sizes given here win; otherwise they come from the configuration (the environment).
         host_blocks, disk_blocks = self._host_blocks, self._disk_blocks
@@ -167,11 +150,10 @@ class KvbmWorker:
             stream = torch.cuda.current_stream(index)
             self._sync = stream.synchronize
         self._native = _kvbm.Worker(
-            tensors,
-            views,
+            dict(kv_caches),
             num_blocks,
             int(host_blocks),
-            outer_dim=_outer_dim(kcc, views[0][2]),
+            outer_dim=_outer_dim(kcc, shape),
             device=device,
             device_index=index,
             disk_blocks=int(disk_blocks),
@@ -298,4 +280,4 @@ class KvbmWorker:
         self._bytes_reported = (saved, loaded)
 
 
-__all__: List[str] = ["KvbmWorker", "describe_kv_caches", "tensor_views"]
+__all__: List[str] = ["KvbmWorker", "describe_kv_caches"]
