@@ -110,7 +110,7 @@ pub struct KvbmConfig {
     pub metrics_port: Option<u16>,
     /// Log filter. Default "info".
     pub log_filter: String,
-    /// Directory of the disk cache files. Default: the system temp dir.
+    /// Directory of the disk cache files. Default: `kvbm-<uid>` in the system temp dir
     pub disk_dir: std::path::PathBuf,
     /// Buffered disk I/O instead of O_DIRECT. Default off.
     pub disk_disable_o_direct: bool,
@@ -183,7 +183,7 @@ impl KvbmConfig {
             }
         };
         let disk_dir = match lookup(DISK_CACHE_DIR) {
-            None => std::env::temp_dir(),
+            None => default_disk_dir(),
             Some(v) if v.trim().is_empty() => {
                 return Err(invalid(DISK_CACHE_DIR, &v, "empty path"))
             }
@@ -236,6 +236,13 @@ impl KvbmConfig {
             log_filter: lookup(LOG).unwrap_or_else(|| "info".to_owned()),
         })
     }
+}
+
+/// The disk cache's directory when `DYN_KVBM_DISK_CACHE_DIR` is unset: `kvbm-<uid>` in the
+/// system temporary directory, private to this user (created 0700; the disk store refuses it if
+/// someone else owns it or may write into it).
+pub fn default_disk_dir() -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("kvbm-{}", nix::unistd::geteuid().as_raw()))
 }
 
 /// The layout `KVBM_KV_CACHE_LAYOUT` asks for (read alone: vLLM asks for it before the tiers

@@ -49,7 +49,8 @@ fn overrides_win_and_other_settings_parse() {
     assert_eq!(c.transfers_inflight_max.get(), 8);
     assert_eq!(c.metrics_port, Some(9100));
     assert_eq!(c.log_filter, "debug");
-    assert_eq!(c.disk_dir, std::env::temp_dir());
+    assert_eq!(c.disk_dir, kvbm_core::config::default_disk_dir());
+    assert!(c.disk_dir.starts_with(std::env::temp_dir()) && c.disk_dir != std::env::temp_dir());
     assert!(!c.disk_disable_o_direct && !c.disk_offload_filter_disabled);
     let d = load(&[
         ("DYN_KVBM_DISK_CACHE_GB", "1"),

@@ -14,11 +14,16 @@ pub enum DiskError {
         /// What the OS said.
         source: std::io::Error,
     },
-    /// Another process holds the cache file's lock.
-    #[error("cache file {path} is in use by another process")]
+    /// Another process (or another open in this one) holds the cache file's lock.
+    #[error(
+        "cache file {path} is locked by another process (or another open in this one); waited \
+         {waited:?} for it to be released"
+    )]
     Locked {
         /// The file.
         path: PathBuf,
+        /// How long the lock was waited for.
+        waited: std::time::Duration,
     },
     /// Opening, sizing or locking the cache file failed.
     #[error("cache file {path}: {call}: {source}")]

@@ -2,8 +2,14 @@
 //!
 //! Invariants:
 //! - The directory is created 0700 and the file 0600 (an existing file is narrowed to 0600).
-//! - An exclusive, non-blocking `flock` is held for the file's lifetime: a second process (or a
-//!   second open in this one) gets [`DiskError::Locked`], never a shared file.
+//! - An exclusive `flock` is held for the file's lifetime: a second process (or a second open in
+//!   this one) gets [`DiskError::Locked`], never a shared file. A lock still held is waited for up
+//!   to [`CacheFileOptions::lock_wait`] (a process that just died may still hold it while the
+//!   kernel tears down its io_uring), then reported with the time waited.
+//! - Nothing here follows a planted link or uses someone else's file: the name is one plain path
+//!   component (no `/`, no `..`), the file is opened with `O_NOFOLLOW`, and it must be a regular
+//!   file owned by this user with a single link; a directory that other users may write into
+//!   without the sticky bit is refused (they could swap the file).
 //! - The file is preallocated with `fallocate`; where the file system refuses it, the file is sized
 //!   with `set_len` instead (sparse), with one warning.
 //! - O_DIRECT unless disabled; when the file system refuses it (EINVAL), the file is opened
@@ -33,11 +39,96 @@ pub enum IoMode {
     Buffered,
 }
 
+/// How long a lock held by another process is waited for by default.
+pub const LOCK_WAIT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(3);
+/// How often a held lock is tried again while waiting.
+const LOCK_RETRY_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// How to open a cache file.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct CacheFileOptions {
     /// Never use O_DIRECT (`DYN_KVBM_DISK_DISABLE_O_DIRECT`).
     pub disable_o_direct: bool,
+    /// How long to wait for a lock another process holds before reporting
+    /// [`DiskError::Locked`]. Default [`LOCK_WAIT_DEFAULT`].
+    pub lock_wait: std::time::Duration,
+}
+
+impl Default for CacheFileOptions {
+    fn default() -> Self {
+        Self {
+            disable_o_direct: false,
+            lock_wait: LOCK_WAIT_DEFAULT,
+        }
+    }
+}
+
+/// Checks that `name` is one plain path component, so that the file stays in its directory.
+pub fn check_file_name(name: &str) -> Result<(), DiskError> {
+    let plain = !name.is_empty()
+        && name != "."
+        && name != ".."
+        && !name.contains('/')
+        && !name.contains('\0');
+    if plain {
+        Ok(())
+    } else {
+        Err(DiskError::Invalid(format!(
+            "cache file name {name:?}: must be a plain file name inside the cache directory"
+        )))
+    }
+}
+
+/// Checks an open file: a regular file, owned by this user, with one link (not someone else's
+/// file, not a hard link to another of ours).
+pub(crate) fn check_private(file: &File, path: &Path) -> Result<(), DiskError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = file.metadata().map_err(|source| DiskError::File {
+        path: path.to_owned(),
+        call: "fstat",
+        source,
+    })?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if !meta.file_type().is_file() || meta.uid() != euid || meta.nlink() != 1 {
+        return Err(DiskError::Invalid(format!(
+            "cache file {}: not a regular file of this user (uid {euid}) with one link (uid {}, \
+             {} links); refusing to use it",
+            path.display(),
+            meta.uid(),
+            meta.nlink()
+        )));
+    }
+    Ok(())
+}
+
+/// Checks that other users cannot replace files in `dir`: owned by this user or root, and not
+/// writable by group or others unless the sticky bit keeps them from touching our files (as in
+/// `/tmp`).
+fn check_dir(dir: &Path) -> Result<(), DiskError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(|source| DiskError::Directory {
+        path: dir.to_owned(),
+        source,
+    })?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != euid && meta.uid() != 0 {
+        return Err(DiskError::Invalid(format!(
+            "cache directory {}: owned by uid {}, not this user (uid {euid}) or root, who could \
+             replace the cache file",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode();
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Err(DiskError::Invalid(format!(
+            "cache directory {}: mode {:o} lets other users replace the cache file; use a \
+             directory only this user can write to (kvbm creates its own 0700)",
+            dir.display(),
+            mode & 0o7777
+        )));
+    }
+    Ok(())
 }
 
 /// An open, locked, sized cache file.
@@ -65,6 +156,31 @@ fn open_direct_or_buffered<F>(
     }
 }
 
+/// One try at something that may be busy.
+enum Attempt<T> {
+    Busy,
+    Done(T),
+}
+
+/// Tries `attempt` until it is done or `wait` has passed (at least once), sleeping `interval`
+/// between tries; None if it stayed busy.
+fn retry_while_busy<T>(
+    wait: std::time::Duration,
+    interval: std::time::Duration,
+    mut attempt: impl FnMut() -> Attempt<T>,
+) -> Option<T> {
+    let started = std::time::Instant::now();
+    loop {
+        if let Attempt::Done(value) = attempt() {
+            return Some(value);
+        }
+        if started.elapsed() >= wait {
+            return None;
+        }
+        std::thread::sleep(interval.min(wait.saturating_sub(started.elapsed())));
+    }
+}
+
 static O_DIRECT_REFUSED_WARNED: AtomicBool = AtomicBool::new(false);
 static FALLOCATE_REFUSED_WARNED: AtomicBool = AtomicBool::new(false);
 
@@ -76,6 +192,7 @@ impl CacheFile {
         len_bytes: u64,
         options: CacheFileOptions,
     ) -> Result<Self, DiskError> {
+        check_file_name(name)?;
         let dir_error = |source| DiskError::Directory {
             path: dir.to_owned(),
             source,
@@ -90,6 +207,7 @@ impl CacheFile {
             nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
         )
         .map_err(|errno| dir_error(errno.into()))?;
+        check_dir(dir)?;
 
         let path = dir.join(name);
         let file_error = |call, source| DiskError::File {
@@ -98,7 +216,7 @@ impl CacheFile {
             source,
         };
         let open = |direct: bool| {
-            let mut flags = libc::O_CLOEXEC;
+            let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
             if direct {
                 flags |= libc::O_DIRECT;
             }
@@ -111,18 +229,45 @@ impl CacheFile {
                 .custom_flags(flags)
                 .open(&path)
         };
-        let (file, mode) =
-            open_direct_or_buffered(options, open).map_err(|e| file_error("open", e))?;
+        let (file, mode) = open_direct_or_buffered(options, open).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                DiskError::Invalid(format!(
+                    "cache file {}: is a symbolic link; refusing to follow it",
+                    path.display()
+                ))
+            } else {
+                file_error("open", e)
+            }
+        })?;
+        check_private(&file, &path)?;
         if mode == IoMode::Buffered
             && !options.disable_o_direct
             && !O_DIRECT_REFUSED_WARNED.swap(true, Ordering::Relaxed)
         {
             tracing::warn!(path = %path.display(), "the file system refuses O_DIRECT; using buffered disk I/O");
         }
-        let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(locked) => locked,
-            Err((_, nix::errno::Errno::EWOULDBLOCK)) => return Err(DiskError::Locked { path }),
-            Err((_, errno)) => return Err(file_error("flock", errno.into())),
+        let started = std::time::Instant::now();
+        let mut unlocked = Some(file);
+        let locked = retry_while_busy(options.lock_wait, LOCK_RETRY_INTERVAL, || {
+            let file = unlocked.take().expect("tried again only while unlocked");
+            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(locked) => Attempt::Done(Ok(locked)),
+                Err((back, nix::errno::Errno::EWOULDBLOCK)) => {
+                    unlocked = Some(back);
+                    Attempt::Busy
+                }
+                Err((_, errno)) => Attempt::Done(Err(errno)),
+            }
+        });
+        let file = match locked {
+            Some(Ok(file)) => file,
+            Some(Err(errno)) => return Err(file_error("flock", errno.into())),
+            None => {
+                return Err(DiskError::Locked {
+                    path,
+                    waited: started.elapsed(),
+                })
+            }
         };
         file.set_permissions(Permissions::from_mode(CACHE_FILE_MODE))
             .map_err(|e| file_error("fchmod", e))?;
@@ -207,6 +352,30 @@ mod tests {
     }
 
     #[test]
+    fn a_busy_lock_is_tried_again_until_it_is_free_or_the_wait_is_over() {
+        let long = std::time::Duration::from_secs(600);
+        let tick = std::time::Duration::from_millis(1);
+        // Free on the fourth try: taken, after three more tries.
+        let mut tries = 0;
+        let got = retry_while_busy(long, tick, || {
+            tries += 1;
+            if tries < 4 {
+                Attempt::Busy
+            } else {
+                Attempt::Done(tries)
+            }
+        });
+        assert_eq!(got, Some(4));
+        // Never free: one try with no wait, then given up.
+        let mut tries = 0;
+        let got: Option<()> = retry_while_busy(std::time::Duration::ZERO, tick, || {
+            tries += 1;
+            Attempt::Busy
+        });
+        assert_eq!((got, tries), (None, 1));
+    }
+
+    #[test]
     fn o_direct_refused_with_einval_falls_back_to_buffered() {
         let got = open_direct_or_buffered(CacheFileOptions::default(), refusing).unwrap();
         assert_eq!(got, ("buffered file", IoMode::Buffered));
@@ -217,6 +386,7 @@ mod tests {
         );
         let disabled = CacheFileOptions {
             disable_o_direct: true,
+            ..Default::default()
         };
         assert_eq!(
             open_direct_or_buffered(disabled, accepting).unwrap(),

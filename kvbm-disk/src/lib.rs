@@ -26,7 +26,10 @@ pub use engine::{
     IoTicket, OpKind, ENGINE_ENV, JOBS_QUEUED_MAX, QUEUE_DEPTH_MAX, REGISTERED_BUFFER_BYTES_MAX,
 };
 pub use error::DiskError;
-pub use file::{CacheFile, CacheFileOptions, IoMode, CACHE_DIR_MODE, CACHE_FILE_MODE};
+pub use file::{
+    check_file_name, CacheFile, CacheFileOptions, IoMode, CACHE_DIR_MODE, CACHE_FILE_MODE,
+    LOCK_WAIT_DEFAULT,
+};
 pub use store::{
     DiskStore, Lookup, Miss, ReadRequest, Recovered, RecoveredBlock, StoreOptions, StoreStats,
     WriteOutcome, WriteRequest, CHECKPOINT_SUFFIX, SCAN_SLOTS_PER_JOB,

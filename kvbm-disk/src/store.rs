@@ -855,7 +855,7 @@ impl DiskStore {
 
     /// (slot, what it holds) from a valid checkpoint of this file's layout and epoch.
     fn load_checkpoint(&self) -> Option<Vec<(u32, SlotMeta)>> {
-        let bytes = std::fs::read(&self.checkpoint_path).ok()?;
+        let bytes = read_private(&self.checkpoint_path)?;
         let body_len = bytes.len().checked_sub(8)?;
         let (body, sum) = bytes.split_at(body_len);
         let u64_at = |at: usize| {
@@ -918,6 +918,21 @@ fn read_superblock(engine: &IoEngine) -> Result<(AlignedBuf, Option<Superblock>)
     Ok((buf, found))
 }
 
+/// The contents of `path` if it is a regular file of this user (not followed through a link).
+fn read_private(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    crate::file::check_private(&file, path).ok()?;
+    let mut bytes = Vec::new();
+    file.read_to_end(&mut bytes).ok()?;
+    Some(bytes)
+}
+
 /// Writes `bytes` to `path` atomically (a 0600 temporary file renamed over it).
 fn write_private(path: &Path, bytes: &[u8]) -> Result<(), DiskError> {
     use std::io::Write;
@@ -928,11 +943,14 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), DiskError> {
         call,
         source,
     };
+    // A fresh file: whatever sits at the temporary name (a planted link included) is unlinked,
+    // never written through.
+    let _ = std::fs::remove_file(&tmp);
     let mut file = std::fs::OpenOptions::new()
         .write(true)
-        .create(true)
-        .truncate(true)
+        .create_new(true)
         .mode(crate::CACHE_FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(&tmp)
         .map_err(|e| file_error("open", e))?;
     file.write_all(bytes).map_err(|e| file_error("write", e))?;

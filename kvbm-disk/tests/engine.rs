@@ -195,8 +195,12 @@ fn files_are_private_preallocated_and_locked() {
     );
     assert_eq!(file.io_mode(), IoMode::Direct, "ext4 and xfs take O_DIRECT");
     // A second opener (another process, or this one) is refused while the first holds it.
-    match CacheFile::open(&dir, "cache.kvbm", 1 << 20, CacheFileOptions::default()) {
-        Err(DiskError::Locked { path }) => assert_eq!(path, file.path()),
+    let no_wait = CacheFileOptions {
+        lock_wait: std::time::Duration::ZERO,
+        ..Default::default()
+    };
+    match CacheFile::open(&dir, "cache.kvbm", 1 << 20, no_wait) {
+        Err(DiskError::Locked { path, .. }) => assert_eq!(path, file.path()),
         other => panic!("expected Locked, got {other:?}"),
     }
     drop(file);
@@ -212,6 +216,7 @@ fn files_are_private_preallocated_and_locked() {
         1 << 19,
         CacheFileOptions {
             disable_o_direct: true,
+            ..Default::default()
         },
     )
     .unwrap();
@@ -326,4 +331,62 @@ fn a_lead_segment_and_its_payload_move_as_one_contiguous_range() {
             Err(DiskError::Invalid(_))
         ));
     }
+}
+
+/// Opens `name` in `dir` with default options, small.
+fn open_small(dir: &std::path::Path, name: &str) -> Result<CacheFile, DiskError> {
+    CacheFile::open(dir, name, 1 << 16, CacheFileOptions::default())
+}
+
+#[test]
+fn a_planted_symlink_is_not_followed_and_its_target_is_untouched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let victim = tmp.path().join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::os::unix::fs::symlink(&victim, dir.join("kvbm-rank0.cache")).unwrap();
+    let err = open_small(&dir, "kvbm-rank0.cache").unwrap_err();
+    assert!(err.to_string().contains("symbolic link"), "{err}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    let mode = std::fs::metadata(&victim).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o644, "the target's mode is untouched");
+    // A hard link to another file of ours is refused too (it would overwrite that file).
+    std::fs::remove_file(dir.join("kvbm-rank0.cache")).unwrap();
+    std::fs::hard_link(&victim, dir.join("kvbm-rank0.cache")).unwrap();
+    let err = open_small(&dir, "kvbm-rank0.cache").unwrap_err();
+    assert!(err.to_string().contains("one link"), "{err}");
+    assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+}
+
+#[test]
+fn file_names_stay_inside_the_cache_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cache");
+    for name in ["../x", "a/b", "..", ".", "", "/etc/passwd"] {
+        match open_small(&dir, name) {
+            Err(DiskError::Invalid(msg)) => assert!(msg.contains("plain file name"), "{msg}"),
+            other => panic!("{name:?} accepted: {other:?}"),
+        }
+    }
+    assert!(
+        !tmp.path().join("x").exists(),
+        "nothing was created outside"
+    );
+}
+
+#[test]
+fn a_directory_others_can_write_to_is_refused_unless_sticky() {
+    let tmp = tempfile::tempdir().unwrap();
+    let open = tmp.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let err = open_small(&open, "c.cache").unwrap_err();
+    assert!(err.to_string().contains("other users"), "{err}");
+    assert!(!open.join("c.cache").exists());
+    // With the sticky bit (as /tmp has) others cannot replace our file: accepted.
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    open_small(&open, "c.cache").unwrap();
 }

@@ -504,7 +504,8 @@ impl Worker {
                 .map_err(device_err)?;
             let host_layout = BlockLayout::host(kv, host_blocks, host.addr());
             let disk = if disk_blocks > 0 {
-                let dir = disk_dir.unwrap_or_else(|| std::env::temp_dir().display().to_string());
+                let dir = disk_dir
+                    .unwrap_or_else(|| kvbm_core::config::default_disk_dir().display().to_string());
                 let file = disk_file.unwrap_or_else(|| format!("kvbm-rank{device_index}.cache"));
                 let engine: EngineChoice = disk_engine
                     .parse()
@@ -517,6 +518,7 @@ impl Worker {
                     engine,
                     file: CacheFileOptions {
                         disable_o_direct: disk_disable_o_direct,
+                        ..Default::default()
                     },
                     write_failures_max: 8,
                 };

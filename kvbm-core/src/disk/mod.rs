@@ -252,6 +252,7 @@ impl DiskTier {
             engine: options.engine,
             file: CacheFileOptions {
                 disable_o_direct: options.disable_o_direct,
+                ..Default::default()
             },
             write_failures_max: 8,
         };
