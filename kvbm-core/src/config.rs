@@ -238,6 +238,108 @@ impl KvbmConfig {
     }
 }
 
+impl KvbmConfig {
+    /// Checks that the tiers fit this machine before anything is allocated: `world_size` ranks'
+    /// host blocks of `host_block_bytes` within its memory, and their disk slots of
+    /// `disk_slot_bytes` within the free space of the disk directory (or of its nearest existing
+    /// parent). The error names the variable and the value that asked for too much.
+    pub fn check_fits(
+        &self,
+        host_block_bytes: usize,
+        disk_slot_bytes: usize,
+        world_size: usize,
+    ) -> Result<(), ConfigError> {
+        self.check_fits_within(
+            host_block_bytes,
+            disk_slot_bytes,
+            world_size,
+            machine_memory_bytes(),
+            free_disk_bytes(&self.disk_dir),
+        )
+    }
+
+    /// [`Self::check_fits`] against given limits.
+    pub fn check_fits_within(
+        &self,
+        host_block_bytes: usize,
+        disk_slot_bytes: usize,
+        world_size: usize,
+        memory_bytes: u64,
+        disk_free_bytes: u64,
+    ) -> Result<(), ConfigError> {
+        let tiers = [
+            (
+                self.host,
+                host_block_bytes,
+                memory_bytes,
+                "this machine's memory",
+                CPU_CACHE_GB,
+                CPU_CACHE_OVERRIDE_NUM_BLOCKS,
+            ),
+            (
+                self.disk,
+                disk_slot_bytes,
+                disk_free_bytes,
+                "the free space of the disk cache directory",
+                DISK_CACHE_GB,
+                DISK_CACHE_OVERRIDE_NUM_BLOCKS,
+            ),
+        ];
+        for (size, per_block, limit, what, gb_var, blocks_var) in tiers {
+            let blocks = size.blocks(per_block, world_size) as u64;
+            let total = blocks
+                .checked_mul(per_block as u64)
+                .and_then(|b| b.checked_mul(world_size.max(1) as u64));
+            if total.is_none_or(|t| t > limit) {
+                let (variable, value) = match size {
+                    TierSize::Blocks(n) => (blocks_var, n.to_string()),
+                    TierSize::Bytes(b) => (gb_var, format!("{}", b as f64 / BYTES_PER_GB)),
+                };
+                return Err(invalid(
+                    variable,
+                    &value,
+                    format!(
+                        "{blocks} blocks of {per_block} bytes on each of {} ranks do not fit {what} \
+                         ({:.1} GB)",
+                        world_size.max(1),
+                        limit as f64 / BYTES_PER_GB
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes the disk cache may use in `dir`: the free space for this user (in `dir`, or in its
+/// nearest existing parent; unknown: unlimited) plus what kvbm's own cache files there
+/// (`kvbm-rank*.cache`) already take, since a restart reuses them.
+pub fn free_disk_bytes(dir: &std::path::Path) -> u64 {
+    let mut at = Some(dir);
+    let mut free = u64::MAX;
+    while let Some(path) = at {
+        if let Ok(stat) = nix::sys::statvfs::statvfs(path) {
+            free = (stat.blocks_available() as u64).saturating_mul(stat.fragment_size() as u64);
+            break;
+        }
+        at = path.parent();
+    }
+    let ours: u64 = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            name.starts_with("kvbm-rank") && name.ends_with(".cache")
+        })
+        .filter_map(|e| e.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum();
+    free.saturating_add(ours)
+}
+
 /// The disk cache's directory when `DYN_KVBM_DISK_CACHE_DIR` is unset: `kvbm-<uid>` in the
 /// system temporary directory, private to this user (created 0700; the disk store refuses it if
 /// someone else owns it or may write into it).

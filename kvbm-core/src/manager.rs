@@ -97,7 +97,7 @@ impl ManagerOptions {
         world_size: usize,
         rank: usize,
     ) -> Self {
-        let slot_bytes = self.kv.contiguous_stride_bytes() + kvbm_disk::format::HEADER_BYTES;
+        let slot_bytes = crate::disk::slot_bytes(&self.kv);
         let blocks = config.disk.blocks(slot_bytes, world_size);
         self.disk = (blocks > 0).then(|| DiskOptions {
             dir: config.disk_dir.clone(),

@@ -160,3 +160,66 @@ fn every_bad_value_names_the_variable_and_the_value() {
         assert!(text.contains(variable) && text.contains(value), "{text}");
     }
 }
+
+#[test]
+fn tiers_that_do_not_fit_the_machine_are_refused_naming_the_variable() {
+    let check = |vars: &[(&str, &str)], world: usize| {
+        let c = load(vars).unwrap();
+        // 10 GB of memory, 20 GB of free disk; 1 MB host blocks, 2 MB disk slots.
+        c.check_fits_within(1 << 20, 2 << 20, world, 10_000_000_000, 20_000_000_000)
+    };
+    let refused =
+        |vars: &[(&str, &str)], world: usize, variable: &str, value: &str| match check(vars, world)
+        {
+            Err(ConfigError::Invalid {
+                variable: v,
+                value: got,
+                reason,
+            }) => {
+                assert_eq!((v, got.as_str()), (variable, value), "{reason}");
+                assert!(reason.contains("do not fit"), "{reason}");
+            }
+            other => panic!("{vars:?} on {world} ranks: {other:?}"),
+        };
+    check(&[("DYN_KVBM_CPU_CACHE_GB", "8")], 1).unwrap();
+    check(&[("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "9000")], 1).unwrap();
+    refused(
+        &[("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "20000")],
+        1,
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+        "20000",
+    );
+    // The override is per rank: four ranks of 5000 blocks need 20 GB.
+    refused(
+        &[("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "5000")],
+        4,
+        "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+        "5000",
+    );
+    check(
+        &[
+            ("DYN_KVBM_CPU_CACHE_GB", "1"),
+            ("DYN_KVBM_DISK_CACHE_GB", "19"),
+        ],
+        2,
+    )
+    .unwrap();
+    refused(
+        &[
+            ("DYN_KVBM_CPU_CACHE_GB", "1"),
+            ("DYN_KVBM_DISK_CACHE_GB", "50"),
+        ],
+        1,
+        "DYN_KVBM_DISK_CACHE_GB",
+        "50",
+    );
+    refused(
+        &[
+            ("DYN_KVBM_CPU_CACHE_GB", "1"),
+            ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "100000000000000"),
+        ],
+        1,
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
+        "100000000000000",
+    );
+}

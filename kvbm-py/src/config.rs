@@ -43,6 +43,23 @@ impl Config {
         })
     }
 
+    /// Raises `ConfigError`, naming the variable and its value, when `world_size` ranks' host
+    /// blocks of `host_block_bytes` exceed this machine's memory or their disk slots of
+    /// `disk_slot_bytes` the free space of the disk directory.
+    #[pyo3(signature = (host_block_bytes, disk_slot_bytes, world_size=1))]
+    fn check_fits(
+        &self,
+        host_block_bytes: usize,
+        disk_slot_bytes: usize,
+        world_size: usize,
+    ) -> PyResult<()> {
+        guard(|| {
+            self.inner
+                .check_fits(host_block_bytes, disk_slot_bytes, world_size)
+                .map_err(|e| ConfigError::new_err(e.to_string()))
+        })
+    }
+
     /// Host blocks for one of `world_size` ranks, with blocks of `bytes_per_block` per rank
     /// (`DYN_KVBM_CPU_CACHE_GB` is the total over the ranks).
     #[pyo3(signature = (bytes_per_block, world_size=1))]

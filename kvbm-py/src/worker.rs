@@ -405,6 +405,8 @@ pub(crate) fn describe_kv_caches<'py>(
         )?;
         d.set_item("runs_per_block", placed.layout.runs_per_block())?;
         d.set_item("bytes_per_block", placed.kv.bytes_per_block())?;
+        d.set_item("host_block_bytes", placed.kv.host_stride_bytes())?;
+        d.set_item("disk_slot_bytes", kvbm_core::disk::slot_bytes(&placed.kv))?;
         d.set_item("layers", placed.kv.num_layers)?;
         d.set_item("block_size", placed.kv.block_size_tokens)?;
         Ok(d)

@@ -417,3 +417,21 @@ def test_an_asynchronous_load_holds_its_blocks_until_released():
     assert leader.release("req") is True
     assert leader.counts()["held"] == 0
     assert leader.release("req") is False
+
+
+@pytest.mark.parametrize(
+    "variable,value",
+    [
+        ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "1000000000000"),
+        ("DYN_KVBM_DISK_CACHE_GB", "1000000000"),
+        ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "100000000000000"),
+    ],
+)
+def test_sizes_that_do_not_fit_the_machine_name_the_variable(tmp_path, variable, value):
+    """Huge sizes used to pass validation and fail later in mmap or the disk store with no
+    variable named."""
+    env = {"DYN_KVBM_CPU_CACHE_GB": "0.01", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path), variable: value}
+    config = kvbm.Config.from_env(env)
+    with pytest.raises(kvbm.ConfigError, match=f"{variable}=.{value}.*do not fit"):
+        KvbmWorker(config=config).register_kv_caches(make_caches("BLNHC", 2, 4, 4, 2, 8))
+    assert list(tmp_path.iterdir()) == [], "nothing was created"

@@ -40,6 +40,11 @@ pub const ADMISSION_ENTRIES_MAX: usize = 1 << 20;
 /// Write batches queued for the disk writer at most.
 pub const DISK_QUEUE_MAX: usize = 256;
 
+/// Bytes one block of `kv` takes on disk: its contiguous stride plus the block header.
+pub fn slot_bytes(kv: &KvLayout) -> usize {
+    kv.contiguous_stride_bytes() + kvbm_disk::format::HEADER_BYTES
+}
+
 /// Fingerprint of a KV layout and of the canonical order of a block's bytes (the GPU layout's
 /// [`BlockLayout::geometry_id`]), stored with the disk cache: a file written for another layout
 /// is discarded on open.

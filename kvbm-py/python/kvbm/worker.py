@@ -141,6 +141,9 @@ class KvbmWorker:
             host_blocks = config.host_blocks(bytes_per_block, self._world_size)
         if disk_blocks is None:
             disk_blocks = config.disk_blocks(bytes_per_block, self._world_size) if config else 0
+        if config is not None:
+            # Sizes that do not fit the machine are named now, not met as an allocation failure.
+            config.check_fits(described["host_block_bytes"], described["disk_slot_bytes"], self._world_size)
         device, index = _device_of(tensors[0])
         if self._device is not None:
             device = self._device
