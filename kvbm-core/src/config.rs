@@ -319,7 +319,8 @@ pub fn free_disk_bytes(dir: &std::path::Path) -> u64 {
     let mut free = u64::MAX;
     while let Some(path) = at {
         if let Ok(stat) = nix::sys::statvfs::statvfs(path) {
-            free = (stat.blocks_available() as u64).saturating_mul(stat.fragment_size() as u64);
+            free =
+                u64::from(stat.blocks_available()).saturating_mul(u64::from(stat.fragment_size()));
             break;
         }
         at = path.parent();
