@@ -319,8 +319,8 @@ pub fn free_disk_bytes(dir: &std::path::Path) -> u64 {
     let mut free = u64::MAX;
     while let Some(path) = at {
         if let Ok(stat) = nix::sys::statvfs::statvfs(path) {
-            free =
-                u64::from(stat.blocks_available()).saturating_mul(u64::from(stat.fragment_size()));
+            // fsblkcnt_t and c_ulong are u64 on the 64-bit targets kvbm builds for.
+            free = stat.blocks_available().saturating_mul(stat.fragment_size());
             break;
         }
         at = path.parent();
