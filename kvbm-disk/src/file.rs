@@ -156,6 +156,41 @@ fn open_direct_or_buffered<F>(
     }
 }
 
+/// Takes `lock` (a non-blocking flock) on `file`, trying again while another holder has it for
+/// up to `wait`; then [`DiskError::Locked`] with the time waited.
+fn lock_waiting(
+    file: File,
+    lock: FlockArg,
+    wait: std::time::Duration,
+    path: &Path,
+) -> Result<Flock<File>, DiskError> {
+    let started = std::time::Instant::now();
+    let mut unlocked = Some(file);
+    let locked = retry_while_busy(wait, LOCK_RETRY_INTERVAL, || {
+        let file = unlocked.take().expect("tried again only while unlocked");
+        match Flock::lock(file, lock) {
+            Ok(locked) => Attempt::Done(Ok(locked)),
+            Err((back, nix::errno::Errno::EWOULDBLOCK)) => {
+                unlocked = Some(back);
+                Attempt::Busy
+            }
+            Err((_, errno)) => Attempt::Done(Err(errno)),
+        }
+    });
+    match locked {
+        Some(Ok(file)) => Ok(file),
+        Some(Err(errno)) => Err(DiskError::File {
+            path: path.to_owned(),
+            call: "flock",
+            source: errno.into(),
+        }),
+        None => Err(DiskError::Locked {
+            path: path.to_owned(),
+            waited: started.elapsed(),
+        }),
+    }
+}
+
 /// One try at something that may be busy.
 enum Attempt<T> {
     Busy,
@@ -246,29 +281,12 @@ impl CacheFile {
         {
             tracing::warn!(path = %path.display(), "the file system refuses O_DIRECT; using buffered disk I/O");
         }
-        let started = std::time::Instant::now();
-        let mut unlocked = Some(file);
-        let locked = retry_while_busy(options.lock_wait, LOCK_RETRY_INTERVAL, || {
-            let file = unlocked.take().expect("tried again only while unlocked");
-            match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-                Ok(locked) => Attempt::Done(Ok(locked)),
-                Err((back, nix::errno::Errno::EWOULDBLOCK)) => {
-                    unlocked = Some(back);
-                    Attempt::Busy
-                }
-                Err((_, errno)) => Attempt::Done(Err(errno)),
-            }
-        });
-        let file = match locked {
-            Some(Ok(file)) => file,
-            Some(Err(errno)) => return Err(file_error("flock", errno.into())),
-            None => {
-                return Err(DiskError::Locked {
-                    path,
-                    waited: started.elapsed(),
-                })
-            }
-        };
+        let file = lock_waiting(
+            file,
+            FlockArg::LockExclusiveNonblock,
+            options.lock_wait,
+            &path,
+        )?;
         file.set_permissions(Permissions::from_mode(CACHE_FILE_MODE))
             .map_err(|e| file_error("fchmod", e))?;
 
@@ -300,6 +318,53 @@ impl CacheFile {
             file,
             path,
             len: len_bytes,
+            mode,
+        })
+    }
+
+    /// Opens the existing `dir/name` read-only, for inspection: no directory is created, the
+    /// file is neither created, sized nor narrowed, and a *shared* lock keeps kvbm (which takes
+    /// it exclusively) out while it is open, and it out while kvbm runs.
+    pub fn open_read_only(
+        dir: &Path,
+        name: &str,
+        options: CacheFileOptions,
+    ) -> Result<Self, DiskError> {
+        check_file_name(name)?;
+        check_dir(dir)?;
+        let path = dir.join(name);
+        let file_error = |call, source| DiskError::File {
+            path: path.clone(),
+            call,
+            source,
+        };
+        let open = |direct: bool| {
+            let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
+            if direct {
+                flags |= libc::O_DIRECT;
+            }
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(flags)
+                .open(&path)
+        };
+        let (file, mode) = open_direct_or_buffered(options, open).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                DiskError::Invalid(format!(
+                    "cache file {}: is a symbolic link; refusing to follow it",
+                    path.display()
+                ))
+            } else {
+                file_error("open", e)
+            }
+        })?;
+        check_private(&file, &path)?;
+        let file = lock_waiting(file, FlockArg::LockSharedNonblock, options.lock_wait, &path)?;
+        let len = file.metadata().map_err(|e| file_error("fstat", e))?.len();
+        Ok(Self {
+            file,
+            path,
+            len,
             mode,
         })
     }

@@ -197,6 +197,8 @@ pub struct DiskStore {
     epoch: u64,
     block_fingerprint: u64,
     write_failures_max: u32,
+    /// Opened by [`DiskStore::inspect`]: nothing is ever written to the file or the checkpoint.
+    read_only: bool,
     state: Mutex<StoreState>,
     counters: Counters,
 }
@@ -275,6 +277,7 @@ impl DiskStore {
             epoch: 0,
             block_fingerprint: 0,
             write_failures_max: options.write_failures_max.max(1),
+            read_only: false,
             state: Mutex::new(StoreState {
                 slots: vec![SlotMeta::default(); options.slots],
                 consecutive_failures: 0,
@@ -295,6 +298,69 @@ impl DiskStore {
                     initialised: true,
                 }
             }
+        };
+        Ok((store, recovered))
+    }
+
+    /// Opens the existing `dir/name` read-only and reports what kvbm would recover from it for
+    /// `options`' layout, changing nothing: no file or directory is created, sized or
+    /// re-initialised, the checkpoint is read but neither consumed nor written, and writes are
+    /// refused. `Recovered::initialised` then means "does not hold this layout" (kvbm would start
+    /// it afresh). A shared lock keeps kvbm out meanwhile.
+    pub fn inspect(
+        dir: &Path,
+        name: &str,
+        options: StoreOptions,
+    ) -> Result<(Self, Recovered), DiskError> {
+        if options.payload_bytes == 0 || options.slots == 0 || options.slots > u32::MAX as usize {
+            return Err(DiskError::Invalid(format!(
+                "a store of {} slots of {} bytes",
+                options.slots, options.payload_bytes
+            )));
+        }
+        let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;
+        let file = Arc::new(CacheFile::open_read_only(dir, name, options.file)?);
+        let engine = crate::open_engine(options.engine, file.clone(), options.queue_depth)?;
+        let mut store = Self {
+            engine,
+            file,
+            checkpoint_path: dir.join(format!("{name}{CHECKPOINT_SUFFIX}")),
+            payload_bytes: options.payload_bytes,
+            payload_area,
+            slot_count: options.slots,
+            layout_fingerprint: options.layout_fingerprint,
+            epoch: 0,
+            block_fingerprint: 0,
+            write_failures_max: options.write_failures_max.max(1),
+            read_only: true,
+            state: Mutex::new(StoreState {
+                slots: vec![SlotMeta::default(); options.slots],
+                consecutive_failures: 0,
+                degraded: false,
+            }),
+            counters: Counters::default(),
+        };
+        let expected = slot_bytes(payload_area) * options.slots as u64 + HEADER_BYTES as u64;
+        let found = if store.file.len() == expected {
+            read_superblock(&store.engine)?.1
+        } else {
+            None
+        };
+        let matches = found.filter(|sb| {
+            sb.fingerprint == options.layout_fingerprint
+                && sb.slot_payload_bytes == payload_area as u64
+                && sb.slot_count == options.slots as u64
+        });
+        let recovered = match matches {
+            Some(sb) => {
+                store.set_epoch(sb.epoch);
+                store.recover()?
+            }
+            None => Recovered {
+                blocks: Vec::new(),
+                from_checkpoint: false,
+                initialised: true,
+            },
         };
         Ok((store, recovered))
     }
@@ -349,7 +415,9 @@ impl DiskStore {
             }
         };
         // A checkpoint describes one clean shutdown only: never reuse it after a later crash.
-        let _ = std::fs::remove_file(&self.checkpoint_path);
+        if !self.read_only {
+            let _ = std::fs::remove_file(&self.checkpoint_path);
+        }
         let state = self.state.lock();
         let blocks = state
             .slots
@@ -546,6 +614,12 @@ impl DiskStore {
         writes: &[WriteRequest<'_>],
         keep: Box<dyn Any + Send>,
     ) -> Result<Vec<WriteOutcome>, DiskError> {
+        if self.read_only {
+            return Err(DiskError::Invalid(format!(
+                "{} was opened read-only for inspection",
+                self.file.path().display()
+            )));
+        }
         self.check_slots(writes.iter().map(|w| w.slot))?;
         if let Some(w) = writes
             .iter()
@@ -826,6 +900,9 @@ impl DiskStore {
     /// next open consumes it (a crash after further writes then falls back to a scan only if
     /// this was not called again after them).
     pub fn checkpoint(&self) -> Result<(), DiskError> {
+        if self.read_only {
+            return Ok(()); // inspection changes nothing, the checkpoint it read included
+        }
         self.file.sync_data()?;
         let state = self.state.lock();
         let entries: Vec<_> = state

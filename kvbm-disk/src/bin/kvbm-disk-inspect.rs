@@ -1,11 +1,13 @@
-//! `kvbm-disk-inspect`: opens a disk cache the way kvbm does and reports what it recovers.
+//! `kvbm-disk-inspect`: reports what kvbm would recover from a disk cache, changing nothing.
 //!
-//! Usage: `kvbm-disk-inspect DIR NAME FINGERPRINT PAYLOAD_BYTES SLOTS [--hold]`
+//! Usage: `kvbm-disk-inspect DIR NAME FINGERPRINT PAYLOAD_BYTES SLOTS [--hold] [--write]`
 //!
-//! Prints one line: `initialised=<bool> from_checkpoint=<bool> blocks=<n> engine=<io_uring|psync>
-//! io_mode=<Direct|Buffered>`, or `error: ...` (exit 1). With `--hold` it then keeps the cache
-//! file open (and locked) until its standard input closes, then closes the store cleanly.
-//! Opening re-initialises a file written for another fingerprint or geometry, as kvbm would.
+//! Prints one line: `layout_matches=<bool> from_checkpoint=<bool> blocks=<n>
+//! engine=<io_uring|psync> io_mode=<Direct|Buffered>`, or `error: ...` (exit 1). By default the
+//! cache is opened read-only under a shared lock: nothing is created, sized, re-initialised or
+//! checkpointed. `--write` opens it as kvbm does instead (a file of another layout is
+//! re-initialised, the checkpoint consumed and rewritten on close). With `--hold` it keeps the
+//! file open (and locked) until its standard input closes.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -15,11 +17,13 @@ use kvbm_disk::{DiskStore, EngineChoice, StoreOptions};
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let hold = args.iter().any(|a| a == "--hold");
+    let write = args.iter().any(|a| a == "--write");
     let positional: Vec<&String> = args.iter().filter(|a| !a.starts_with("--")).collect();
     let parsed = (|| -> Result<_, String> {
         let [dir, name, fingerprint, payload, slots] = positional.as_slice() else {
             return Err(
-                "usage: kvbm-disk-inspect DIR NAME FINGERPRINT PAYLOAD_BYTES SLOTS [--hold]".into(),
+                "usage: kvbm-disk-inspect DIR NAME FINGERPRINT PAYLOAD_BYTES SLOTS [--hold] [--write]"
+                    .into(),
             );
         };
         let number = |what: &str, v: &str| {
@@ -50,11 +54,16 @@ fn main() -> std::process::ExitCode {
         file: Default::default(),
         write_failures_max: 8,
     };
-    match DiskStore::open(&dir, &name, options) {
+    let opened = if write {
+        DiskStore::open(&dir, &name, options)
+    } else {
+        DiskStore::inspect(&dir, &name, options)
+    };
+    match opened {
         Ok((store, recovered)) => {
             println!(
-                "initialised={} from_checkpoint={} blocks={} engine={} io_mode={:?}",
-                recovered.initialised,
+                "layout_matches={} from_checkpoint={} blocks={} engine={} io_mode={:?}",
+                !recovered.initialised,
                 recovered.from_checkpoint,
                 recovered.blocks.len(),
                 store.engine().kind().as_str(),
