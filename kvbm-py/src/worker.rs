@@ -643,6 +643,21 @@ impl Worker {
                 return Ok(());
             }
             self.check(&pairs.iter().map(|&(g, h)| (h, g)).collect::<Vec<_>>())?;
+            // A GPU block whose load failed in this step holds no valid bytes: it is not saved,
+            // and its host block is marked bad, so no later load serves it.
+            let (unloaded, pairs): (Pairs, Pairs) = pairs
+                .into_iter()
+                .partition(|(g, _)| self.failed.contains(g));
+            self.bad_host.extend(unloaded.iter().map(|&(_, h)| h));
+            if pairs.is_empty() {
+                // Nothing to copy: the requests are done with this save at once.
+                for r in requests {
+                    if !self.save_pending.contains_key(&r) {
+                        self.save_done.push(r);
+                    }
+                }
+                return Ok(());
+            }
             self.wait_blocks_ready(py, pairs.iter().map(|&(_, h)| h))?;
             if let Some(disk) = &self.disk {
                 // A disk write still reading one of these host blocks finishes first.

@@ -50,6 +50,7 @@ class _Request:
         "lora",
         "salt",
         "finished",
+        "unbacked_from",
     )
 
     def __init__(self, request: Any) -> None:
@@ -65,6 +66,10 @@ class _Request:
         self.lora = getattr(lora, "lora_name", None) if lora is not None else None
         self.salt = getattr(request, "cache_salt", None)
         self.finished = False
+        # The first block vLLM counts as computed that the leader could not back (a load error):
+        # its GPU bytes are garbage until vLLM recomputes it, so nothing from it on is saved
+        # while vLLM still counts it computed.
+        self.unbacked_from: Optional[int] = None
 
 
 def _tokens(request: Any):
@@ -196,6 +201,7 @@ class KvbmLeader:
         if got < wanted:
             # Evicted since they were counted: vLLM must recompute these.
             self._load_errors.extend(ids[start + got : start + wanted])
+            st.unbacked_from = start + got
         if is_async:
             # Reported in finished_recving even when nothing could be held (then all failed).
             self._async_loads.append((rid, disk, pairs))
@@ -239,6 +245,11 @@ class KvbmLeader:
                 continue
             tokens = _tokens(st.request)
             full = min((st.computed + scheduled) // b, len(st.block_ids), len(tokens) // b)
+            if st.unbacked_from is not None:
+                if st.computed > st.unbacked_from * b:
+                    full = min(full, st.unbacked_from)  # vLLM has not rolled back yet
+                else:
+                    st.unbacked_from = None  # recomputed from there on: saved as it fills
             first = st.saved_blocks
             if full > first:
                 work.append((rid, st, first, full, tokens[first * b : full * b]))
