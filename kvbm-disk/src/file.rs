@@ -191,6 +191,46 @@ fn lock_waiting(
     }
 }
 
+/// Opens `path` (created 0600 when `write`) without following a link, with O_DIRECT unless
+/// refused or disabled, and checks it is a private file of this user.
+fn open_private(
+    path: &Path,
+    options: CacheFileOptions,
+    write: bool,
+) -> Result<(File, IoMode), DiskError> {
+    let open = |direct: bool| {
+        let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
+        if direct {
+            flags |= libc::O_DIRECT;
+        }
+        let mut o = OpenOptions::new();
+        o.read(true).custom_flags(flags);
+        if write {
+            o.write(true)
+                .create(true)
+                .truncate(false)
+                .mode(CACHE_FILE_MODE);
+        }
+        o.open(path)
+    };
+    let (file, mode) = open_direct_or_buffered(options, open).map_err(|e| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            DiskError::Invalid(format!(
+                "cache file {}: is a symbolic link; refusing to follow it",
+                path.display()
+            ))
+        } else {
+            DiskError::File {
+                path: path.to_owned(),
+                call: "open",
+                source: e,
+            }
+        }
+    })?;
+    check_private(&file, path)?;
+    Ok((file, mode))
+}
+
 /// One try at something that may be busy.
 enum Attempt<T> {
     Busy,
@@ -250,31 +290,7 @@ impl CacheFile {
             call,
             source,
         };
-        let open = |direct: bool| {
-            let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
-            if direct {
-                flags |= libc::O_DIRECT;
-            }
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(CACHE_FILE_MODE)
-                .custom_flags(flags)
-                .open(&path)
-        };
-        let (file, mode) = open_direct_or_buffered(options, open).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                DiskError::Invalid(format!(
-                    "cache file {}: is a symbolic link; refusing to follow it",
-                    path.display()
-                ))
-            } else {
-                file_error("open", e)
-            }
-        })?;
-        check_private(&file, &path)?;
+        let (file, mode) = open_private(&path, options, true)?;
         if mode == IoMode::Buffered
             && !options.disable_o_direct
             && !O_DIRECT_REFUSED_WARNED.swap(true, Ordering::Relaxed)
@@ -338,27 +354,7 @@ impl CacheFile {
             call,
             source,
         };
-        let open = |direct: bool| {
-            let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
-            if direct {
-                flags |= libc::O_DIRECT;
-            }
-            OpenOptions::new()
-                .read(true)
-                .custom_flags(flags)
-                .open(&path)
-        };
-        let (file, mode) = open_direct_or_buffered(options, open).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                DiskError::Invalid(format!(
-                    "cache file {}: is a symbolic link; refusing to follow it",
-                    path.display()
-                ))
-            } else {
-                file_error("open", e)
-            }
-        })?;
-        check_private(&file, &path)?;
+        let (file, mode) = open_private(&path, options, false)?;
         let file = lock_waiting(file, FlockArg::LockSharedNonblock, options.lock_wait, &path)?;
         let len = file.metadata().map_err(|e| file_error("fstat", e))?.len();
         Ok(Self {

@@ -258,33 +258,13 @@ impl DiskStore {
         let engine = unsafe {
             open_engine_with_buffers(options.engine, file.clone(), options.queue_depth, buffers)
         }?;
-        let checkpoint_path = dir.join(format!("{name}{CHECKPOINT_SUFFIX}"));
-
         let (superblock_buf, found) = read_superblock(&engine)?;
         let geometry_matches = found.is_some_and(|sb| {
             sb.fingerprint == options.layout_fingerprint
                 && sb.slot_payload_bytes == payload_area as u64
                 && sb.slot_count == options.slots as u64
         });
-        let mut store = Self {
-            engine,
-            file,
-            checkpoint_path,
-            payload_bytes: options.payload_bytes,
-            payload_area,
-            slot_count: options.slots,
-            layout_fingerprint: options.layout_fingerprint,
-            epoch: 0,
-            block_fingerprint: 0,
-            write_failures_max: options.write_failures_max.max(1),
-            read_only: false,
-            state: Mutex::new(StoreState {
-                slots: vec![SlotMeta::default(); options.slots],
-                consecutive_failures: 0,
-                degraded: false,
-            }),
-            counters: Counters::default(),
-        };
+        let mut store = Self::unrecovered(engine, file, dir, name, &options, false);
         let recovered = match found.filter(|_| geometry_matches) {
             Some(sb) => {
                 store.set_epoch(sb.epoch);
@@ -321,25 +301,7 @@ impl DiskStore {
         let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;
         let file = Arc::new(CacheFile::open_read_only(dir, name, options.file)?);
         let engine = crate::open_engine(options.engine, file.clone(), options.queue_depth)?;
-        let mut store = Self {
-            engine,
-            file,
-            checkpoint_path: dir.join(format!("{name}{CHECKPOINT_SUFFIX}")),
-            payload_bytes: options.payload_bytes,
-            payload_area,
-            slot_count: options.slots,
-            layout_fingerprint: options.layout_fingerprint,
-            epoch: 0,
-            block_fingerprint: 0,
-            write_failures_max: options.write_failures_max.max(1),
-            read_only: true,
-            state: Mutex::new(StoreState {
-                slots: vec![SlotMeta::default(); options.slots],
-                consecutive_failures: 0,
-                degraded: false,
-            }),
-            counters: Counters::default(),
-        };
+        let mut store = Self::unrecovered(engine, file, dir, name, &options, true);
         let expected = slot_bytes(payload_area) * options.slots as u64 + HEADER_BYTES as u64;
         let found = if store.file.len() == expected {
             read_superblock(&store.engine)?.1
@@ -363,6 +325,36 @@ impl DiskStore {
             },
         };
         Ok((store, recovered))
+    }
+
+    /// A store over `file` that knows nothing of its slots yet.
+    fn unrecovered(
+        engine: IoEngine,
+        file: Arc<CacheFile>,
+        dir: &Path,
+        name: &str,
+        options: &StoreOptions,
+        read_only: bool,
+    ) -> Self {
+        Self {
+            engine,
+            file,
+            checkpoint_path: dir.join(format!("{name}{CHECKPOINT_SUFFIX}")),
+            payload_bytes: options.payload_bytes,
+            payload_area: options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES,
+            slot_count: options.slots,
+            layout_fingerprint: options.layout_fingerprint,
+            epoch: 0,
+            block_fingerprint: 0,
+            write_failures_max: options.write_failures_max.max(1),
+            read_only,
+            state: Mutex::new(StoreState {
+                slots: vec![SlotMeta::default(); options.slots],
+                consecutive_failures: 0,
+                degraded: false,
+            }),
+            counters: Counters::default(),
+        }
     }
 
     fn set_epoch(&mut self, epoch: u64) {

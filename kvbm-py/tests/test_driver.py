@@ -33,6 +33,7 @@ import pytest
 
 from conftest import LAYOUTS_033
 from kvbm.leader import KvbmLeader
+from vllm_objects import Blocks, CachedRequestData, ConnectorOutput, NewRequestData, SchedulerOutput
 
 BLOCK = 4
 LAYERS = 3
@@ -171,47 +172,6 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
-
-
-class Blocks:
-    def __init__(self, ids):
-        self.ids = list(ids)
-
-    def get_block_ids(self):
-        return (list(self.ids),)
-
-
-@dataclass
-class NewRequestData:
-    req_id: str
-    prompt_token_ids: List[int]
-    block_ids: tuple
-    num_computed_tokens: int
-
-
-@dataclass
-class CachedRequestData:
-    req_ids: List[str] = field(default_factory=list)
-    resumed_req_ids: Set[str] = field(default_factory=set)
-    new_block_ids: list = field(default_factory=list)
-    num_computed_tokens: List[int] = field(default_factory=list)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled_new_reqs: list
-    scheduled_cached_reqs: CachedRequestData
-    num_scheduled_tokens: Dict[str, int]
-    finished_req_ids: Set[str]
-    preempted_req_ids: Set[str]
-    has_sync_kv_loads: bool = False
-
-
-@dataclass
-class ConnectorOutput:
-    finished_sending: Set[str]
-    finished_recving: Set[str]
-    invalid_block_ids: Set[int]
 
 
 def next_token(tokens: List[int]) -> int:

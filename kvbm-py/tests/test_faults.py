@@ -12,7 +12,7 @@ match and the allocation.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Set
+from typing import List, Set
 
 import numpy as np
 
@@ -20,6 +20,10 @@ import kvbm
 from kvbm.leader import KvbmLeader
 from kvbm.testing import allocate_kv_cache
 from kvbm.worker import KvbmWorker
+from vllm_objects import Blocks, ConnectorOutput
+from vllm_objects import CachedRequestData as Cached
+from vllm_objects import NewRequestData as New
+from vllm_objects import SchedulerOutput as Out
 
 BLOCK = 4
 LAYERS = 2
@@ -41,47 +45,6 @@ class Request:
     @property
     def num_tokens(self):
         return len(self.all_token_ids)
-
-
-class Blocks:
-    def __init__(self, ids):
-        self.ids = list(ids)
-
-    def get_block_ids(self):
-        return (list(self.ids),)
-
-
-@dataclass
-class New:
-    req_id: str
-    prompt_token_ids: List[int]
-    block_ids: tuple
-    num_computed_tokens: int
-
-
-@dataclass
-class Cached:
-    req_ids: List[str] = field(default_factory=list)
-    resumed_req_ids: Set[str] = field(default_factory=set)
-    new_block_ids: list = field(default_factory=list)
-    num_computed_tokens: List[int] = field(default_factory=list)
-
-
-@dataclass
-class Out:
-    scheduled_new_reqs: list
-    scheduled_cached_reqs: Cached
-    num_scheduled_tokens: Dict[str, int]
-    finished_req_ids: Set[str]
-    preempted_req_ids: Set[str] = field(default_factory=set)
-    has_sync_kv_loads: bool = False
-
-
-@dataclass
-class ConnectorOutput:
-    finished_sending: Set[str]
-    finished_recving: Set[str]
-    invalid_block_ids: Set[int]
 
 
 class Engine:
