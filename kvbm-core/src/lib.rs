@@ -15,6 +15,7 @@ pub mod disk;
 mod error;
 pub mod eviction;
 pub mod layout;
+pub mod leader;
 pub mod manager;
 pub mod metrics;
 pub mod pool;
@@ -30,6 +31,9 @@ pub use eviction::{EvictionPolicy, LruPriority};
 pub use layout::{
     BlockLayout, GpuLayout, KvLayout, LayerShape, LayoutKind, PagedShape, PhysicalLayout, Run,
     TensorView, ViewsLayout, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES, RUNS_PER_BLOCK_MAX,
+};
+pub use leader::{
+    DiskRead, DiskWrite, Leader, LeaderCounts, LoadPlan, OffloadBlock, Offloaded, TokenRun,
 };
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};

@@ -1,0 +1,536 @@
+//! The leader: the logical half of a split engine (vLLM's scheduler side). It owns the pools of
+//! block *ids* of the host and disk tiers, their registry, holds, LRU eviction, disk admission
+//! and the tiers' events; the bytes live with the workers, which the leader tells what to copy.
+//!
+//! Invariants:
+//! - Block ids handed to workers (loads and saves) stay held for [`HOLD_STEPS`] more steps
+//!   ([`Leader::end_step`]), so that no block a worker may still be copying is evicted and handed
+//!   out again meanwhile; an asynchronous load's blocks stay held until [`Leader::release`].
+//! - A block is findable (and announced) as soon as its save is planned: workers order their
+//!   copies so that nothing reads a host block before the save into it completed, and a save that
+//!   could not run leaves its host block unreadable (never served).
+//! - Events come from the pools (one `BlockStored` per run of chained blocks, `BlockRemoved` on
+//!   eviction) through a bounded subscription ([`EVENT_QUEUE_MAX`]); what overflows is counted.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
+
+use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
+use crate::pool::{
+    clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
+};
+use crate::CoreError;
+
+/// Events queued for [`Leader::take_events`] at most (beyond it they are dropped and counted).
+pub const EVENT_QUEUE_MAX: usize = 1 << 20;
+
+/// Steps a block handed to workers stays held.
+pub const HOLD_STEPS: u64 = 2;
+
+/// One block to offload: its sequence hash, its parent's, and its tokens.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OffloadBlock {
+    /// Sequence hash.
+    pub hash: u64,
+    /// The previous block's sequence hash.
+    pub parent: Option<u64>,
+    /// The block's tokens (exactly one block).
+    pub tokens: Vec<u32>,
+}
+
+/// One request's newly complete blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenRun {
+    /// Their tokens (whole blocks).
+    pub tokens: Vec<u32>,
+    /// The sequence hash of the block before them.
+    pub parent: Option<u64>,
+    /// LoRA adapter name.
+    pub lora_name: Option<String>,
+    /// Cache salt.
+    pub salt: Option<String>,
+}
+
+/// What [`Leader::offload_tokens`] decided for one request's run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offloaded {
+    /// The blocks' sequence hashes.
+    pub hashes: Vec<u64>,
+    /// Per block, the host block to save it into, or None (there already, a duplicate, or no
+    /// block to spare).
+    pub host: Vec<Option<u32>>,
+}
+
+/// A disk read of a load: a disk block into a staging host block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskRead {
+    /// The disk block (slot).
+    pub disk: u32,
+    /// The host block to read it into.
+    pub host: u32,
+    /// The block's key (its sequence hash).
+    pub key: u64,
+}
+
+/// A disk write: a host block into a disk block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskWrite {
+    /// The host block.
+    pub host: u32,
+    /// The disk block (slot).
+    pub disk: u32,
+    /// The block's key (its sequence hash).
+    pub key: u64,
+    /// The block's identity for its disk header ([`encode_identity`]).
+    pub identity: Vec<u8>,
+}
+
+/// What a load needs: the host blocks of its host part, then the disk reads of the rest.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadPlan {
+    /// Host blocks holding the first blocks, in order.
+    pub host: Vec<u32>,
+    /// Disk reads for the blocks after them, in order.
+    pub disk_reads: Vec<DiskRead>,
+}
+
+/// The counts of both tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaderCounts {
+    /// The host tier's.
+    pub host: PoolCounts,
+    /// The disk tier's, if any.
+    pub disk: Option<PoolCounts>,
+    /// Events dropped because nobody took them in time.
+    pub events_lost: u64,
+}
+
+/// A block about to be registered in the host tier.
+struct Planned {
+    hash: u64,
+    parent: Option<u64>,
+    tokens: Arc<[u32]>,
+    lora: Option<Arc<str>>,
+}
+
+/// The logical host and disk tiers of a split engine.
+pub struct Leader {
+    block_size: usize,
+    host: BlockPool,
+    disk: Option<BlockPool>,
+    admission: Admission,
+    /// Host blocks admitted to disk, waiting for `take_disk_writes`.
+    admitted: Vec<ImmutableBlock>,
+    /// Staging host blocks of disk loads (never registered), with their step.
+    staging: VecDeque<(u64, Vec<MutableBlock>)>,
+    /// What an asynchronous load holds, by request, until `release`.
+    pinned: HashMap<String, (Vec<ImmutableBlock>, Vec<MutableBlock>)>,
+    _publisher: EventPublisher,
+    events: EventSubscriber,
+    events_lost: u64,
+    /// Blocks handed out, with the step they were handed out in.
+    held: VecDeque<(u64, Vec<ImmutableBlock>)>,
+    step: u64,
+}
+
+impl std::fmt::Debug for Leader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Leader")
+            .field("block_size", &self.block_size)
+            .field("host", &self.host.counts())
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+fn hashes(v: &[u64]) -> Vec<SequenceHash> {
+    v.iter().copied().map(SequenceHash).collect()
+}
+
+impl Leader {
+    /// A host tier of `host_blocks` blocks of `block_size` tokens, and a disk tier of
+    /// `disk_blocks` (0: none). Host blocks go to disk when seen twice (registered, then matched
+    /// again) within about ten minutes, or at once with `disk_filter_disabled`.
+    pub fn new(
+        block_size: usize,
+        host_blocks: usize,
+        disk_blocks: usize,
+        disk_filter_disabled: bool,
+    ) -> Result<Self, CoreError> {
+        if block_size == 0 {
+            return Err(CoreError::InvalidArgument(
+                "block_size must be at least 1".into(),
+            ));
+        }
+        if host_blocks.max(disk_blocks) >= u32::MAX as usize {
+            return Err(CoreError::InvalidArgument(format!(
+                "{host_blocks} host / {disk_blocks} disk blocks: block ids are 32-bit"
+            )));
+        }
+        let publisher = EventPublisher::new();
+        let events = publisher.subscribe(EVENT_QUEUE_MAX);
+        let host = BlockPool::new(Tier::Host, host_blocks, block_size, Some(publisher.clone()));
+        let disk = (disk_blocks > 0)
+            .then(|| BlockPool::new(Tier::Disk, disk_blocks, block_size, Some(publisher.clone())));
+        Ok(Self {
+            block_size,
+            host,
+            disk,
+            admission: Admission::new(disk_filter_disabled, ADMISSION_HALF_LIFE),
+            admitted: Vec::new(),
+            staging: VecDeque::new(),
+            pinned: HashMap::new(),
+            _publisher: publisher,
+            events,
+            events_lost: 0,
+            held: VecDeque::new(),
+            step: 0,
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The current step (incremented by [`Self::end_step`]).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// How many of `hashes`, from the first, the host tier holds (no side effects).
+    pub fn count_prefix(&self, hashes_: &[u64]) -> usize {
+        self.host.count_prefix(&hashes(hashes_))
+    }
+
+    /// How many of `hashes`, from the first, the host tier holds, then how many more continue
+    /// on disk and can be loaded now (each needs a free or evictable host block to stage it).
+    /// No side effects.
+    pub fn count_prefix_tiers(&self, hashes_: &[u64]) -> (usize, usize) {
+        let h = hashes(hashes_);
+        let host = self.host.count_prefix(&h);
+        let disk = self.disk.as_ref().map_or(0, |d| d.count_prefix(&h[host..]));
+        let counts = self.host.counts();
+        let staging = counts.free + counts.idle;
+        // The host blocks of the host part are idle now but get held for the load.
+        let staging = staging.saturating_sub(host.min(counts.idle));
+        (host, disk.min(staging))
+    }
+
+    /// Holds what a load of `hashes` needs: the host blocks of the held prefix, then for the
+    /// blocks continuing it on disk, the disk block, a staging host block to read it into, and
+    /// its key. Shorter than asked when blocks were evicted since they were counted or no
+    /// staging block is free. Host hits count as sightings for disk admission.
+    ///
+    /// The blocks stay held [`HOLD_STEPS`] steps, or, with `request_id` (an asynchronous load,
+    /// which may take longer), until [`Self::release`].
+    pub fn plan_load(&mut self, hashes_: &[u64], request_id: Option<&str>) -> LoadPlan {
+        let mut held_blocks = Vec::new();
+        let mut staged = Vec::new();
+        let h = hashes(hashes_);
+        let held = self.host.hold_prefix(&h);
+        let host_ids: Vec<u32> = held.blocks().iter().map(|(id, _)| id.0).collect();
+        let host_blocks = held.into_blocks();
+        let now = Instant::now();
+        for b in &host_blocks {
+            self.sight(b, now);
+        }
+        held_blocks.extend(host_blocks);
+        let mut reads = Vec::new();
+        if let Some(disk) = &self.disk {
+            let rest = &h[host_ids.len()..];
+            if !rest.is_empty() {
+                let on_disk = disk.hold_prefix(rest);
+                let staging = self.host.allocate_up_to(on_disk.len());
+                for ((id, hash), stage) in on_disk.blocks().iter().zip(&staging) {
+                    reads.push(DiskRead {
+                        disk: id.0,
+                        host: stage.id().0,
+                        key: hash.0,
+                    });
+                }
+                held_blocks.extend(on_disk.into_blocks());
+                staged = staging;
+            }
+        }
+        match request_id {
+            Some(rid) => {
+                let entry = self.pinned.entry(rid.to_owned()).or_default();
+                entry.0.extend(held_blocks);
+                entry.1.extend(staged);
+            }
+            None => {
+                self.keep(held_blocks);
+                if !staged.is_empty() {
+                    self.staging.push_back((self.step, staged));
+                }
+            }
+        }
+        LoadPlan {
+            host: host_ids,
+            disk_reads: reads,
+        }
+    }
+
+    /// Releases what an asynchronous load of `request_id` held (when its load finished); false
+    /// for a request that holds nothing.
+    pub fn release(&mut self, request_id: &str) -> bool {
+        self.pinned.remove(request_id).is_some()
+    }
+
+    /// The disk writes of the blocks admitted since the last call: each gets a disk block,
+    /// registered (and announced) now; the workers write it from its host block.
+    pub fn take_disk_writes(&mut self) -> Result<Vec<DiskWrite>, CoreError> {
+        let admitted = std::mem::take(&mut self.admitted);
+        let Some(disk) = &self.disk else {
+            return Ok(Vec::new());
+        };
+        let fresh = disk.allocate_up_to(admitted.len());
+        let mut completed = Vec::with_capacity(fresh.len());
+        let mut sources = Vec::with_capacity(fresh.len());
+        for (slot, host_block) in fresh.into_iter().zip(admitted) {
+            completed.push(slot.complete(host_block.identity()));
+            sources.push(host_block);
+        }
+        let registered = disk
+            .register_all(completed)
+            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))?;
+        let mut writes = Vec::with_capacity(registered.len());
+        let mut seen = HashSet::with_capacity(registered.len());
+        for (d, h) in registered.iter().zip(&sources) {
+            if seen.insert(d.id().0) {
+                writes.push(DiskWrite {
+                    host: h.id().0,
+                    disk: d.id().0,
+                    key: h.sequence_hash().0,
+                    identity: encode_identity(&h.identity()),
+                });
+            }
+        }
+        // Both ends stay held while the workers copy.
+        self.keep(registered);
+        self.keep(sources);
+        Ok(writes)
+    }
+
+    /// Registers the blocks not in the host tier yet and returns, per block, the host block id to
+    /// save it into (None when it is there already or the tier has no block to spare).
+    pub fn offload(
+        &mut self,
+        blocks: Vec<OffloadBlock>,
+        lora_name: Option<&str>,
+    ) -> Result<Vec<Option<u32>>, CoreError> {
+        let lora: Option<Arc<str>> = lora_name.map(Arc::from);
+        let planned = blocks
+            .into_iter()
+            .map(|b| Planned {
+                hash: b.hash,
+                parent: b.parent,
+                tokens: Arc::from(b.tokens),
+                lora: lora.clone(),
+            })
+            .collect();
+        self.register_blocks(planned)
+    }
+
+    /// The sequence hashes of each run's blocks (no side effects; for callers that hash without
+    /// holding the leader).
+    pub fn hash_runs(block_size: usize, runs: &[TokenRun]) -> Result<Vec<Vec<u64>>, CoreError> {
+        if let Some(run) = runs.iter().find(|r| r.tokens.len() % block_size != 0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} tokens are not whole blocks of {block_size}",
+                run.tokens.len()
+            )));
+        }
+        Ok(runs
+            .iter()
+            .map(|run| {
+                BlockHasher::new(block_size, run.lora_name.as_deref(), run.salt.as_deref())
+                    .sequence_hashes(run.parent.map(SequenceHash), &run.tokens)
+                    .into_iter()
+                    .map(|h| h.0)
+                    .collect()
+            })
+            .collect())
+    }
+
+    /// The whole offload of a step in one call: per request, the run of its blocks that became
+    /// complete, with `hashed` its blocks' sequence hashes ([`Self::hash_runs`]). Registers the
+    /// blocks not in the host tier yet and returns per request the hashes and, per block, the host
+    /// block to save it into or None.
+    pub fn offload_runs(
+        &mut self,
+        runs: &[TokenRun],
+        hashed: Vec<Vec<u64>>,
+    ) -> Result<Vec<Offloaded>, CoreError> {
+        let b = self.block_size;
+        if runs.len() != hashed.len()
+            || runs
+                .iter()
+                .zip(&hashed)
+                .any(|(r, h)| r.tokens.len() != h.len() * b)
+        {
+            return Err(CoreError::InvalidArgument(
+                "one sequence hash per block of each run".into(),
+            ));
+        }
+        let mut planned = Vec::with_capacity(hashed.iter().map(Vec::len).sum());
+        for (run, hashes) in runs.iter().zip(&hashed) {
+            let lora: Option<Arc<str>> = run.lora_name.as_deref().map(Arc::from);
+            let mut prev = run.parent;
+            for (hash, block) in hashes.iter().zip(run.tokens.chunks_exact(b)) {
+                planned.push(Planned {
+                    hash: *hash,
+                    parent: prev,
+                    tokens: Arc::from(block),
+                    lora: lora.clone(),
+                });
+                prev = Some(*hash);
+            }
+        }
+        let mut ids = self.register_blocks(planned)?.into_iter();
+        Ok(hashed
+            .into_iter()
+            .map(|hashes| {
+                let host = ids.by_ref().take(hashes.len()).collect();
+                Offloaded { hashes, host }
+            })
+            .collect())
+    }
+
+    /// Ends a step: blocks handed out [`HOLD_STEPS`] steps ago become evictable again.
+    pub fn end_step(&mut self) {
+        self.step += 1;
+        while self
+            .held
+            .front()
+            .is_some_and(|(s, _)| s + HOLD_STEPS <= self.step)
+        {
+            self.held.pop_front();
+        }
+        while self
+            .staging
+            .front()
+            .is_some_and(|(s, _)| s + HOLD_STEPS <= self.step)
+        {
+            self.staging.pop_front();
+        }
+    }
+
+    /// Drops every held block and clears the tiers' registries (one `AllBlocksCleared`).
+    /// Asynchronous loads in flight keep their blocks: the reset is then refused (busy).
+    pub fn reset(&mut self) -> Result<(), CoreError> {
+        self.held.clear();
+        self.staging.clear();
+        self.admitted.clear();
+        let mut pools = vec![&self.host];
+        pools.extend(self.disk.as_ref());
+        clear_across(&pools)
+    }
+
+    /// The events since the last call (host and disk tiers, in order).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        while let Some(d) = self.events.try_recv() {
+            self.events_lost += d.missed_before;
+            out.push(d.record.event.clone());
+        }
+        out
+    }
+
+    /// Both tiers' counts.
+    pub fn counts(&self) -> LeaderCounts {
+        LeaderCounts {
+            host: self.host.counts(),
+            disk: self.disk.as_ref().map(BlockPool::counts),
+            events_lost: self.events_lost,
+        }
+    }
+
+    /// The hashes a tier holds (for checks); empty for a tier the leader does not have.
+    pub fn registered_hashes(&self, tier: Tier) -> Vec<u64> {
+        let pool = match tier {
+            Tier::Host => Some(&self.host),
+            Tier::Disk => self.disk.as_ref(),
+            Tier::Gpu => None,
+        };
+        pool.map_or(Vec::new(), |p| {
+            p.registered_hashes().into_iter().map(|h| h.0).collect()
+        })
+    }
+
+    /// Registers the planned blocks not in the host tier yet; per block, the host block to save
+    /// it into, or None (already there, a duplicate in the list, or no block to spare).
+    fn register_blocks(&mut self, blocks: Vec<Planned>) -> Result<Vec<Option<u32>>, CoreError> {
+        if let Some(b) = blocks.iter().find(|b| b.tokens.len() != self.block_size) {
+            return Err(CoreError::InvalidArgument(format!(
+                "block {:#x} has {} tokens, blocks have {}",
+                b.hash,
+                b.tokens.len(),
+                self.block_size
+            )));
+        }
+        let mut out = vec![None; blocks.len()];
+        let missing: Vec<usize> = (0..blocks.len())
+            .filter(|&i| !self.host.contains(SequenceHash(blocks[i].hash)))
+            .collect();
+        let mut completed = Vec::with_capacity(missing.len());
+        let mut positions = Vec::with_capacity(missing.len());
+        let fresh = self.host.allocate_up_to(missing.len());
+        for (block, &i) in fresh.into_iter().zip(&missing) {
+            let planned = &blocks[i];
+            completed.push(block.complete(BlockIdentity {
+                sequence_hash: SequenceHash(planned.hash),
+                parent: planned.parent.map(SequenceHash),
+                tokens: planned.tokens.clone(),
+                lora_name: planned.lora.clone(),
+            }));
+            positions.push(i);
+        }
+        let registered = self
+            .host
+            .register_all(completed)
+            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))?;
+        let mut kept = Vec::with_capacity(registered.len());
+        let mut seen = HashSet::with_capacity(registered.len());
+        let now = Instant::now();
+        for (block, i) in registered.into_iter().zip(positions) {
+            // A duplicate within this list resolves to the block registered first: save once.
+            if seen.insert(block.id().0) {
+                out[i] = Some(block.id().0);
+                self.sight(&block, now);
+            }
+            kept.push(block);
+        }
+        self.keep(kept);
+        Ok(out)
+    }
+
+    /// A sighting of a host block for disk admission; admitted blocks not on disk yet queue for
+    /// `take_disk_writes` (held meanwhile).
+    fn sight(&mut self, block: &ImmutableBlock, now: Instant) {
+        let Some(disk) = &self.disk else {
+            return;
+        };
+        let hash = block.sequence_hash();
+        if self.admission.observe(hash, now)
+            && !disk.contains(hash)
+            && !self.admitted.iter().any(|b| b.sequence_hash() == hash)
+        {
+            self.admitted.push(block.clone());
+        }
+    }
+
+    fn keep(&mut self, blocks: Vec<ImmutableBlock>) {
+        if blocks.is_empty() {
+            return;
+        }
+        match self.held.back_mut() {
+            Some((s, v)) if *s == self.step => v.extend(blocks),
+            _ => self.held.push_back((self.step, blocks)),
+        }
+    }
+}
