@@ -138,7 +138,11 @@ fn admitted_blocks_go_to_disk_and_come_back_through_staging_blocks() {
         leader.end_step();
     }
     let disk = leader.counts().disk.unwrap();
-    assert_eq!((disk.registered, disk.idle), (7, 4), "the load's 3 stay held");
+    assert_eq!(
+        (disk.registered, disk.idle),
+        (7, 4),
+        "the load's 3 stay held"
+    );
     assert!(leader.release("r"));
     assert!(!leader.release("r"));
     assert_eq!(leader.counts().disk.unwrap().idle, 7);

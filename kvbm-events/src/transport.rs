@@ -442,13 +442,16 @@ struct Subscribed {
     next_seq: Option<u64>,
 }
 
+/// Worker additions and removals queued for the subscriber thread at most (callers wait).
+pub const SUBSCRIBER_COMMANDS_MAX: usize = 256;
+
 impl ZmqSubscriber {
     /// Connects to every worker and starts reporting to `sink`.
     pub fn start(
         workers: Vec<WorkerEndpoint>,
         sink: Sender<SubscriberEvent>,
     ) -> Result<Self, TransportError> {
-        let (commands, command_rx) = crossbeam_channel::unbounded();
+        let (commands, command_rx) = crossbeam_channel::bounded(SUBSCRIBER_COMMANDS_MAX);
         let stop = Arc::new(AtomicBool::new(false));
         let thread_stop = stop.clone();
         let thread = std::thread::Builder::new()

@@ -42,6 +42,12 @@ use crate::{guard, DeviceError, DiskError, LayoutError};
 /// Block pairs: (gpu, host) for saves, (host, gpu) for loads.
 type Pairs = Vec<(u32, u32)>;
 
+/// Disk writes queued for the writer thread at most; a step with more waits (without the GIL)
+/// for the writer to catch up.
+const DISK_WRITES_QUEUED_MAX: usize = 1024;
+/// Asynchronous loads queued for the loader thread at most; more wait (without the GIL).
+const ASYNC_LOADS_QUEUED_MAX: usize = 256;
+
 /// How long a copy may wait for its host memory to be pinned.
 const HOST_READY_TIMEOUT: Duration = Duration::from_secs(300);
 
@@ -875,14 +881,18 @@ impl Worker {
                     *p.by_slot.entry(*d).or_insert(0) += 1;
                 }
             }
-            let jobs = disk.jobs.as_ref().expect("open while the worker lives");
-            for w in writes {
-                let (h, d) = (w.0, w.1);
-                if jobs.send(w).is_err() {
-                    disk.pending.0.lock().done(h, d, false);
-                    disk.pending.1.notify_all();
+            let jobs = disk.jobs.clone().expect("open while the worker lives");
+            let pending = disk.pending.clone();
+            // A full queue is backpressure: wait for the writer, without the GIL.
+            py.allow_threads(move || {
+                for w in writes {
+                    let (h, d) = (w.0, w.1);
+                    if jobs.send(w).is_err() {
+                        pending.0.lock().done(h, d, false);
+                        pending.1.notify_all();
+                    }
                 }
-            }
+            });
             Ok(())
         })
     }
@@ -963,15 +973,14 @@ impl Worker {
             self.wait_saves_touching(py, &hosts);
             let loader = self.loader.as_ref().expect("present until dropped");
             *loader.busy.0.lock() += 1;
-            let sent = loader
-                .jobs
-                .as_ref()
-                .expect("open while the worker lives")
-                .send(AsyncLoad {
-                    request,
-                    reads,
-                    pairs,
-                });
+            let jobs = loader.jobs.clone().expect("open while the worker lives");
+            let job = AsyncLoad {
+                request,
+                reads,
+                pairs,
+            };
+            // A full queue is backpressure: wait for the loader, without the GIL.
+            let sent = py.allow_threads(move || jobs.send(job));
             if sent.is_err() {
                 *loader.busy.0.lock() -= 1;
                 return Err(DeviceError::new_err("the asynchronous loader has stopped"));
@@ -1174,7 +1183,7 @@ fn start_disk(
     layout: BlockLayout,
     kv: KvLayout,
 ) -> PyResult<DiskSide> {
-    let (jobs, receiver) = crossbeam_channel::unbounded::<DiskWrite>();
+    let (jobs, receiver) = crossbeam_channel::bounded::<DiskWrite>(DISK_WRITES_QUEUED_MAX);
     let pending: Arc<(Mutex<DiskPending>, Condvar)> = Arc::default();
     let (thread_store, thread_pending) = (store.clone(), pending.clone());
     let thread = std::thread::Builder::new()
@@ -1212,7 +1221,7 @@ fn start_disk(
 
 /// Starts the thread that runs asynchronous loads.
 fn start_loader(context: LoaderContext) -> PyResult<AsyncLoader> {
-    let (jobs, receiver) = crossbeam_channel::unbounded::<AsyncLoad>();
+    let (jobs, receiver) = crossbeam_channel::bounded::<AsyncLoad>(ASYNC_LOADS_QUEUED_MAX);
     let done: Arc<Mutex<Vec<LoadDone>>> = Arc::default();
     let busy: Arc<(Mutex<usize>, Condvar)> = Arc::default();
     let (thread_done, thread_busy) = (done.clone(), busy.clone());

@@ -32,6 +32,9 @@ use serde::Serialize;
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
 
+/// Subscriber reports (event batches, gaps, restarts) queued for the pump at most.
+pub const ROUTER_EVENT_QUEUE_MAX: usize = 1 << 16;
+
 /// What is known of one registered worker.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerInfo {
@@ -207,7 +210,9 @@ impl Router {
             rng: Mutex::new(StdRng::from_entropy()),
             config,
         });
-        let (sink, events) = crossbeam_channel::unbounded();
+        // Bounded: when the pump lags, the subscriber waits and ZMQ's own buffers fill; batches
+        // they drop show up as sequence gaps, filled by replay.
+        let (sink, events) = crossbeam_channel::bounded(ROUTER_EVENT_QUEUE_MAX);
         let subscriber = ZmqSubscriber::start(Vec::new(), sink)?;
         let pump_shared = shared.clone();
         let pump = std::thread::Builder::new()
