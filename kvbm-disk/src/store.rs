@@ -215,6 +215,22 @@ impl std::fmt::Debug for DiskStore {
     }
 }
 
+/// (payload area per slot, file length) of a store of `options`, or why there is none.
+fn file_geometry(options: &StoreOptions) -> Result<(usize, u64), DiskError> {
+    if options.payload_bytes == 0 || options.slots == 0 || options.slots > u32::MAX as usize {
+        return Err(DiskError::Invalid(format!(
+            "a store of {} slots of {} bytes",
+            options.slots, options.payload_bytes
+        )));
+    }
+    let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;
+    let len = slot_bytes(payload_area)
+        .checked_mul(options.slots as u64)
+        .and_then(|n| n.checked_add(HEADER_BYTES as u64))
+        .ok_or_else(|| DiskError::Invalid("the cache file size overflows".into()))?;
+    Ok((payload_area, len))
+}
+
 fn slot_bytes(payload_area: usize) -> u64 {
     (HEADER_BYTES + payload_area) as u64
 }
@@ -242,17 +258,7 @@ impl DiskStore {
         options: StoreOptions,
         buffers: &[(u64, usize)],
     ) -> Result<(Self, Recovered), DiskError> {
-        if options.payload_bytes == 0 || options.slots == 0 || options.slots > u32::MAX as usize {
-            return Err(DiskError::Invalid(format!(
-                "a store of {} slots of {} bytes",
-                options.slots, options.payload_bytes
-            )));
-        }
-        let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;
-        let len = slot_bytes(payload_area)
-            .checked_mul(options.slots as u64)
-            .and_then(|n| n.checked_add(HEADER_BYTES as u64))
-            .ok_or_else(|| DiskError::Invalid("the cache file size overflows".into()))?;
+        let (payload_area, len) = file_geometry(&options)?;
         let file = Arc::new(CacheFile::open(dir, name, len, options.file)?);
         // SAFETY: the caller guarantees the registered ranges outlive the store and its engine.
         let engine = unsafe {
@@ -292,17 +298,10 @@ impl DiskStore {
         name: &str,
         options: StoreOptions,
     ) -> Result<(Self, Recovered), DiskError> {
-        if options.payload_bytes == 0 || options.slots == 0 || options.slots > u32::MAX as usize {
-            return Err(DiskError::Invalid(format!(
-                "a store of {} slots of {} bytes",
-                options.slots, options.payload_bytes
-            )));
-        }
-        let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;
+        let (payload_area, expected) = file_geometry(&options)?;
         let file = Arc::new(CacheFile::open_read_only(dir, name, options.file)?);
         let engine = crate::open_engine(options.engine, file.clone(), options.queue_depth)?;
         let mut store = Self::unrecovered(engine, file, dir, name, &options, true);
-        let expected = slot_bytes(payload_area) * options.slots as u64 + HEADER_BYTES as u64;
         let found = if store.file.len() == expected {
             read_superblock(&store.engine)?.1
         } else {
