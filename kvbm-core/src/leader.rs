@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 
+pub use crate::plan::{DiskRead, DiskWrite};
 use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
 use crate::pool::{
     clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
@@ -62,30 +63,6 @@ pub struct Offloaded {
     /// Per block, the host block to save it into, or None (there already, a duplicate, or no
     /// block to spare).
     pub host: Vec<Option<u32>>,
-}
-
-/// A disk read of a load: a disk block into a staging host block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DiskRead {
-    /// The disk block (slot).
-    pub disk: u32,
-    /// The host block to read it into.
-    pub host: u32,
-    /// The block's key (its sequence hash).
-    pub key: u64,
-}
-
-/// A disk write: a host block into a disk block.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DiskWrite {
-    /// The host block.
-    pub host: u32,
-    /// The disk block (slot).
-    pub disk: u32,
-    /// The block's key (its sequence hash).
-    pub key: u64,
-    /// The block's identity for its disk header ([`encode_identity`]).
-    pub identity: Vec<u8>,
 }
 
 /// What a load needs: the host blocks of its host part, then the disk reads of the rest.

@@ -11,6 +11,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod copy;
 pub mod disk;
 mod error;
 pub mod eviction;
@@ -18,6 +19,7 @@ pub mod layout;
 pub mod leader;
 pub mod manager;
 pub mod metrics;
+pub mod plan;
 pub mod pool;
 pub mod transfer;
 
@@ -37,6 +39,7 @@ pub use leader::{
 };
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
+pub use plan::{AsyncOnboard, Offload, Onboard, StepPlan, StepReport};
 pub use pool::{
     clear_across, match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock,
     HeldBlocks, ImmutableBlock, MutableBlock, PoolCounts, Rejected,

@@ -1,4 +1,7 @@
-//! The offload/onboard engine: moves blocks between the GPU and host tiers in bounded batches.
+//! The offload/onboard engine of the block manager: the logical side of moving blocks between
+//! the GPU and host tiers (which blocks, de-duplication, allocation of targets, registration once
+//! copied). The bytes move through the [`CopyEngine`] (batches, stream slots, bounded queue),
+//! the same engine the split engine's worker uses.
 //!
 //! Invariants:
 //! - A target block stays a `MutableBlock` (not findable) until its copy's completion was seen;
@@ -7,19 +10,20 @@
 //! - Source blocks are held (`ImmutableBlock`) until the copy completed, so they are never evicted
 //!   or reused under a copy; target blocks are `MutableBlock`s, so they are never handed out twice.
 //! - At most `inflight_max` batches are on the streams, at most `pending_max` wait behind them;
-//!   offloads beyond that are skipped and counted (`Throttled`), never queued without bound.
-//! - The engine lock is never held while waiting for a copy; the progress thread waits on the
-//!   oldest completion with no lock held. Lock order: engine, then pools (gpu before host).
+//!   offloads beyond that are skipped and counted, never queued without bound.
+//! - The engine lock is never held while waiting for a copy; batches are registered by the copy
+//!   engine's callbacks, which run with no copy-engine lock held. Lock order: engine, then pools
+//!   (gpu before host).
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kvbm_cuda::{Completion, CopyStream, Direction, HostRegion, Region, Transfer};
+use kvbm_cuda::{CopyStream, Direction, HostRegion, Region};
 use kvbm_events::{SequenceHash, Tier};
 use parking_lot::{Condvar, Mutex};
 
+use crate::copy::{BatchDone, CopyEngine, CopyJob, CopySide};
 use crate::layout::BlockLayout;
 use crate::metrics::{add, Metrics};
 use crate::pool::{BlockPool, ImmutableBlock, MutableBlock};
@@ -205,24 +209,8 @@ impl TransferTicket {
     }
 }
 
-struct Batch {
-    direction: Direction,
-    sources: Vec<ImmutableBlock>,
-    targets: Vec<MutableBlock>,
-    ticket: TransferTicket,
-    first_slot: usize,
-}
-
-struct InFlight {
-    batch: Batch,
-    completion: Completion,
-    started: Instant,
-}
-
 #[derive(Default)]
 struct EngineState {
-    pending: VecDeque<Batch>,
-    inflight: VecDeque<InFlight>,
     /// Hashes on their way to the host tier (offload de-duplication).
     offloading: HashSet<SequenceHash>,
     shutdown: bool,
@@ -231,34 +219,27 @@ struct EngineState {
 struct EngineShared {
     gpu: TierStorage,
     host: TierStorage,
-    d2h: CopyStream,
-    h2d: CopyStream,
-    limits: TransferLimits,
     metrics: Arc<Metrics>,
     host_stored: Option<HostStoredHook>,
     state: Mutex<EngineState>,
-    work_cv: Condvar,
-    idle_cv: Condvar,
 }
 
 /// Moves blocks between the GPU and host tiers.
 pub struct TransferEngine {
     shared: Arc<EngineShared>,
-    worker: Option<JoinHandle<()>>,
+    copies: CopyEngine,
 }
 
 impl std::fmt::Debug for TransferEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = self.shared.state.lock();
         f.debug_struct("TransferEngine")
-            .field("pending", &state.pending.len())
-            .field("inflight", &state.inflight.len())
+            .field("copies", &self.copies)
             .finish()
     }
 }
 
 impl TransferEngine {
-    /// An engine over the two tiers and their streams; starts its progress thread.
+    /// An engine over the two tiers and their streams.
     pub fn new(
         gpu: TierStorage,
         host: TierStorage,
@@ -268,37 +249,20 @@ impl TransferEngine {
         metrics: Arc<Metrics>,
         host_stored: Option<HostStoredHook>,
     ) -> Result<Self, CoreError> {
-        if limits.batch_blocks_max == 0 || limits.inflight_max == 0 {
-            return Err(CoreError::InvalidArgument(format!(
-                "transfer limits {limits:?}"
-            )));
-        }
-        let limits = TransferLimits {
-            inflight_max: limits.inflight_max.min(kvbm_cuda::STREAM_QUEUE_MAX),
-            ..limits
+        let side = |t: &TierStorage| CopySide {
+            layout: t.layout.clone(),
+            regions: t.regions.clone(),
         };
-        let shared = Arc::new(EngineShared {
-            gpu,
-            host,
-            d2h,
-            h2d,
-            limits,
-            metrics,
-            host_stored,
-            state: Mutex::new(EngineState::default()),
-            work_cv: Condvar::new(),
-            idle_cv: Condvar::new(),
-        });
-        let worker_shared = shared.clone();
-        let worker = std::thread::Builder::new()
-            .name("kvbm-transfer".into())
-            .spawn(move || progress_loop(&worker_shared))
-            .map_err(|e| {
-                CoreError::InvalidArgument(format!("cannot start the transfer thread: {e}"))
-            })?;
+        let copies = CopyEngine::new(side(&gpu), side(&host), d2h, h2d, limits, metrics.clone())?;
         Ok(Self {
-            shared,
-            worker: Some(worker),
+            shared: Arc::new(EngineShared {
+                gpu,
+                host,
+                metrics,
+                host_stored,
+                state: Mutex::new(EngineState::default()),
+            }),
+            copies,
         })
     }
 
@@ -314,7 +278,12 @@ impl TransferEngine {
 
     /// The engine's limits.
     pub fn limits(&self) -> TransferLimits {
-        self.shared.limits
+        self.copies.limits()
+    }
+
+    /// The copy engine underneath.
+    pub fn copies(&self) -> &CopyEngine {
+        &self.copies
     }
 
     /// Copies registered GPU blocks to the host tier (write-through). Blocks the host tier holds
@@ -343,11 +312,12 @@ impl TransferEngine {
                 sources.push(block.clone());
             }
         }
-        let room_batches = shared
-            .limits
-            .pending_max
-            .saturating_sub(state.pending.len());
-        let room_blocks = room_batches.saturating_mul(shared.limits.batch_blocks_max);
+        // Only this engine submits to its copy engine, under this lock: the room seen here can
+        // only grow before the submission below.
+        let room_blocks = self
+            .copies
+            .room()
+            .saturating_mul(self.copies.limits().batch_blocks_max);
         let targets = shared
             .host
             .pool
@@ -365,14 +335,14 @@ impl TransferEngine {
             hook(&resident);
         }
         drop(resident);
-        let request = Request {
-            direction: Direction::DeviceToHost,
+        self.start(
+            &mut state,
+            Direction::DeviceToHost,
             sources,
             targets,
             deduplicated,
             skipped,
-        };
-        Ok(start(shared, &mut state, request))
+        )
     }
 
     /// Copies held host blocks into GPU blocks allocated for them (one target per source, in
@@ -397,14 +367,7 @@ impl TransferEngine {
             ));
         }
         let mut state = self.lock_open()?;
-        let request = Request {
-            direction: Direction::HostToDevice,
-            sources,
-            targets,
-            deduplicated: 0,
-            skipped: 0,
-        };
-        Ok(start(&self.shared, &mut state, request))
+        self.start(&mut state, Direction::HostToDevice, sources, targets, 0, 0)
     }
 
     /// The engine state, unless the engine has shut down.
@@ -416,208 +379,128 @@ impl TransferEngine {
         Ok(state)
     }
 
-    /// Waits until no batch is pending or in flight.
+    /// Waits until no batch is queued or in flight.
     pub fn wait_idle(&self) {
-        let mut state = self.shared.state.lock();
-        while !(state.pending.is_empty() && state.inflight.is_empty()) {
-            self.shared.idle_cv.wait(&mut state);
-        }
+        self.copies.wait_idle();
     }
 
-    /// (pending, in flight) batches now.
+    /// (queued, in flight) batches now.
     pub fn queue_depths(&self) -> (usize, usize) {
-        let state = self.shared.state.lock();
-        (state.pending.len(), state.inflight.len())
+        self.copies.queue_depths()
+    }
+
+    /// Hands `sources` -> `targets` to the copy engine; each finished batch registers its
+    /// targets (or frees them, if it failed) before the ticket counts it.
+    fn start(
+        &self,
+        state: &mut EngineState,
+        direction: Direction,
+        sources: Vec<ImmutableBlock>,
+        targets: Vec<MutableBlock>,
+        deduplicated: usize,
+        skipped: usize,
+    ) -> Result<TransferTicket, CoreError> {
+        let keep_blocks = direction == Direction::HostToDevice;
+        let total = sources.len();
+        let ticket = TransferTicket::new(
+            self.copies.batches_of(total),
+            keep_blocks,
+            total,
+            deduplicated,
+            skipped,
+        );
+        if total == 0 {
+            return Ok(ticket);
+        }
+        let hashes: Vec<SequenceHash> = match direction {
+            Direction::DeviceToHost => sources.iter().map(ImmutableBlock::sequence_hash).collect(),
+            Direction::HostToDevice => Vec::new(),
+        };
+        let pairs = sources
+            .iter()
+            .zip(&targets)
+            .map(|(s, t)| (s.id().0, t.id().0))
+            .collect();
+        let slots: Vec<Mutex<Option<(ImmutableBlock, MutableBlock)>>> = sources
+            .into_iter()
+            .zip(targets)
+            .map(|p| Mutex::new(Some(p)))
+            .collect();
+        let job = CopyJob {
+            direction,
+            pairs,
+            stage: None,
+        };
+        let shared = self.shared.clone();
+        let batch_ticket = TransferTicket {
+            shared: ticket.shared.clone(),
+        };
+        let on_batch = Box::new(move |done: BatchDone| {
+            let taken: Vec<(ImmutableBlock, MutableBlock)> = slots[done.range.clone()]
+                .iter()
+                .filter_map(|s| s.lock().take())
+                .collect();
+            finish_batch(&shared, direction, done, taken, &batch_ticket);
+        });
+        match self.copies.submit(job, Some(on_batch), false) {
+            Ok(_) => Ok(ticket),
+            Err(err) => {
+                // Nothing was queued: the blocks return to their pools (dropped with the
+                // callback), the hashes may be offloaded again.
+                for hash in &hashes {
+                    state.offloading.remove(hash);
+                }
+                Err(err)
+            }
+        }
     }
 }
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
         self.shared.state.lock().shutdown = true;
-        self.shared.work_cv.notify_all();
-        if let Some(worker) = self.worker.take() {
-            let _ = worker.join();
-        }
+        self.copies.wait_idle();
     }
 }
 
-/// One offload or onboard request, before it is split into batches.
-struct Request {
-    direction: Direction,
-    sources: Vec<ImmutableBlock>,
-    targets: Vec<MutableBlock>,
-    deduplicated: usize,
-    skipped: usize,
-}
-
-/// Splits a request into batches, queues them, starts what the limits allow, and wakes the
-/// progress thread. Onboards keep their registered blocks for the caller; offloads let the host
-/// copies go idle.
-fn start(shared: &EngineShared, state: &mut EngineState, request: Request) -> TransferTicket {
-    let Request {
-        direction,
-        mut sources,
-        mut targets,
-        deduplicated,
-        skipped,
-    } = request;
-    let keep_blocks = direction == Direction::HostToDevice;
-    let per_batch = shared.limits.batch_blocks_max;
-    let total = sources.len();
-    let ticket = TransferTicket::new(
-        total.div_ceil(per_batch),
-        keep_blocks,
-        total,
-        deduplicated,
-        skipped,
-    );
-    let mut first_slot = 0;
-    while !sources.is_empty() {
-        let n = per_batch.min(sources.len());
-        let rest_sources = sources.split_off(n);
-        let rest_targets = targets.split_off(n);
-        state.pending.push_back(Batch {
-            direction,
-            sources: std::mem::replace(&mut sources, rest_sources),
-            targets: std::mem::replace(&mut targets, rest_targets),
-            ticket: TransferTicket {
-                shared: ticket.shared.clone(),
-            },
-            first_slot,
-        });
-        first_slot += n;
-    }
-    launch_ready(shared, state);
-    shared.work_cv.notify_one();
-    ticket
-}
-
-/// Submits pending batches while stream slots are free.
-fn launch_ready(shared: &EngineShared, state: &mut EngineState) {
-    while state.inflight.len() < shared.limits.inflight_max {
-        let Some(batch) = state.pending.pop_front() else {
-            break;
-        };
-        let (src, dst, stream) = match batch.direction {
-            Direction::DeviceToHost => (&shared.gpu, &shared.host, &shared.d2h),
-            Direction::HostToDevice => (&shared.host, &shared.gpu, &shared.h2d),
-        };
-        let submitted = build_transfer(src, dst, &batch)
-            .and_then(|t| stream.submit(t).map_err(CoreError::from));
-        match submitted {
-            Ok(completion) => state.inflight.push_back(InFlight {
-                batch,
-                completion,
-                started: Instant::now(),
-            }),
-            Err(err) => fail_batch(shared, state, batch, Duration::ZERO, err),
-        }
-    }
-}
-
-fn build_transfer(
-    src: &TierStorage,
-    dst: &TierStorage,
-    batch: &Batch,
-) -> Result<Transfer, CoreError> {
-    let chunks = src.layout.runs_per_block().max(dst.layout.runs_per_block());
-    let mut transfer = Transfer::with_capacity(batch.sources.len() * chunks);
-    let mut pieces = Vec::with_capacity(batch.sources.len() * chunks);
-    for (s, t) in batch.sources.iter().zip(&batch.targets) {
-        src.layout
-            .copy_pieces_into(s.id().index(), &dst.layout, t.id().index(), &mut pieces)?;
-    }
-    for p in pieces {
-        transfer.push(p.src, p.dst, p.len);
-    }
-    for region in src.regions.iter().chain(&dst.regions) {
-        transfer.keep(region.clone());
-    }
-    Ok(transfer)
-}
-
-fn fail_batch(
+/// Registers the targets of a finished batch under their sources' identities (or returns them
+/// to `Free` if the batch failed), then counts the batch on its ticket.
+fn finish_batch(
     shared: &EngineShared,
-    state: &mut EngineState,
-    batch: Batch,
-    latency: Duration,
-    err: CoreError,
+    direction: Direction,
+    done: BatchDone,
+    pairs: Vec<(ImmutableBlock, MutableBlock)>,
+    ticket: &TransferTicket,
 ) {
-    tracing::warn!(direction = batch.direction.as_str(), blocks = batch.sources.len(), error = %err, "transfer failed");
-    add(&shared.metrics.transfer_errors, 1);
-    if batch.direction == Direction::DeviceToHost {
-        for s in &batch.sources {
+    let n = pairs.len();
+    let latency = BatchLatency {
+        blocks: n,
+        latency: done.latency,
+    };
+    let first_slot = done.range.start;
+    let (sources, targets): (Vec<ImmutableBlock>, Vec<MutableBlock>) = pairs.into_iter().unzip();
+    if direction == Direction::DeviceToHost {
+        let mut state = shared.state.lock();
+        for s in &sources {
             state.offloading.remove(&s.sequence_hash());
         }
     }
-    let Batch {
-        sources,
-        targets,
-        ticket,
-        first_slot,
-        ..
-    } = batch;
-    let blocks = sources.len();
-    drop(targets); // back to Free, never registered
-    drop(sources);
-    ticket.finish_batch(
-        first_slot,
-        Vec::new(),
-        BatchLatency { blocks, latency },
-        Some(CoreError::TransferFailed(err.to_string())),
-    );
-}
-
-/// Registers the targets of a finished batch under their sources' identities.
-fn finish_batch(
-    shared: &EngineShared,
-    state: &mut EngineState,
-    done: InFlight,
-    result: Result<(), CoreError>,
-) {
-    let latency = done.started.elapsed();
-    let batch = done.batch;
-    if let Err(err) = result {
-        return fail_batch(shared, state, batch, latency, err);
+    if let Some(err) = done.error {
+        drop(targets); // back to Free, never registered
+        drop(sources);
+        ticket.finish_batch(first_slot, Vec::new(), latency, Some(err));
+        return;
     }
-    let (dst, histogram, blocks_counter, bytes_counter) = match batch.direction {
-        Direction::DeviceToHost => (
-            &shared.host,
-            &shared.metrics.latency_d2h,
-            &shared.metrics.offload_blocks_d2h,
-            &shared.metrics.bytes_d2h,
-        ),
-        Direction::HostToDevice => (
-            &shared.gpu,
-            &shared.metrics.latency_h2d,
-            &shared.metrics.onboard_blocks_h2d,
-            &shared.metrics.bytes_h2d,
-        ),
+    let (dst, blocks_counter) = match direction {
+        Direction::DeviceToHost => (&shared.host, &shared.metrics.offload_blocks_d2h),
+        Direction::HostToDevice => (&shared.gpu, &shared.metrics.onboard_blocks_h2d),
     };
-    let n = batch.sources.len();
-    histogram.observe(latency);
     add(blocks_counter, n as u64);
-    add(
-        bytes_counter,
-        (n * dst.layout.kv().bytes_per_block()) as u64,
-    );
-    let Batch {
-        direction,
-        sources,
-        targets,
-        ticket,
-        first_slot,
-    } = batch;
     let complete: Vec<_> = sources
         .iter()
         .zip(targets)
         .map(|(s, t)| t.complete(s.identity()))
         .collect();
-    if direction == Direction::DeviceToHost {
-        for s in &sources {
-            state.offloading.remove(&s.sequence_hash());
-        }
-    }
     drop(sources);
     let registered = dst.pool.register_all(complete).unwrap_or_else(|rejected| {
         panic!(
@@ -628,52 +511,5 @@ fn finish_batch(
     if let (Some(hook), Direction::DeviceToHost) = (&shared.host_stored, direction) {
         hook(&registered);
     }
-    ticket.finish_batch(
-        first_slot,
-        registered,
-        BatchLatency { blocks: n, latency },
-        None,
-    );
-}
-
-fn progress_loop(shared: &EngineShared) {
-    loop {
-        let oldest = {
-            let mut state = shared.state.lock();
-            loop {
-                if let Some(front) = state.inflight.front() {
-                    break front.completion.clone();
-                }
-                if !state.pending.is_empty() {
-                    launch_ready(shared, &mut state);
-                    continue;
-                }
-                shared.idle_cv.notify_all();
-                if state.shutdown {
-                    return;
-                }
-                shared.work_cv.wait(&mut state);
-            }
-        };
-        // No lock held while the copy runs.
-        let _ = oldest.wait();
-        let mut state = shared.state.lock();
-        let mut i = 0;
-        while i < state.inflight.len() {
-            let result = match state.inflight[i].completion.poll() {
-                Ok(false) => {
-                    i += 1;
-                    continue;
-                }
-                Ok(true) => Ok(()),
-                Err(e) => Err(CoreError::from(e)),
-            };
-            let done = state.inflight.remove(i).expect("index in range");
-            finish_batch(shared, &mut state, done, result);
-        }
-        launch_ready(shared, &mut state);
-        if state.pending.is_empty() && state.inflight.is_empty() {
-            shared.idle_cv.notify_all();
-        }
-    }
+    ticket.finish_batch(first_slot, registered, latency, None);
 }

@@ -1,4 +1,9 @@
-//! The one `unsafe` room of kvbm-core: handing the memory of held host blocks to kvbm-disk.
+//! The one `unsafe` room of kvbm-core's disk tier: handing the memory of host blocks to kvbm-disk
+//! (zero-copy: io_uring reads and writes the pinned host pool in place, with registered buffers
+//! once the pool is registered).
+//!
+//! Two callers, one mechanism: the block manager's disk tier (blocks from pools) and the split
+//! engine's worker (block ids from a leader's plan; [`write_host_ids`], [`read_host_ids`]).
 //!
 //! Why it is sound: a block's address comes from the host tier's layout, so it lies inside the
 //! host region, behind [`HEADER_ROOM_BYTES`] of header room that belongs to that block alone
@@ -8,7 +13,10 @@
 //! block states keep everyone else off those bytes: a write's source is an `ImmutableBlock`
 //! (registered, never written, never evicted while held; its header room is written only by the
 //! one disk write of that hash at a time), and a read's target is a `MutableBlock` (owned by this
-//! read alone). Both calls wait for their I/O before returning.
+//! read alone). The worker's ordering rules (see `crate::worker`) give the same exclusivity to the
+//! block ids of a plan: a host block is never written by a copy or a disk read while a disk write
+//! reads it, nor read while a disk read writes it. Every id is checked against the host layout and
+//! the store before any address is formed. All calls wait for their I/O before returning.
 #![allow(unsafe_code)]
 
 use kvbm_cuda::HostRegion;
@@ -34,14 +42,63 @@ pub(crate) fn write_host_blocks(
     host_region: &HostRegion,
     items: &[(&ImmutableBlock, u32, Vec<u8>)],
 ) -> Result<Vec<WriteOutcome>, DiskError> {
-    check(store, host_layout);
-    let requests: Vec<WriteRequest> = items
+    let ids: Vec<HostWrite<'_>> = items
         .iter()
-        .map(|(block, slot, metadata)| WriteRequest {
+        .map(|(block, slot, metadata)| HostWrite {
+            host: block.id().0,
             slot: *slot,
             key: block.sequence_hash().0,
-            addr: host_layout.block_start(block.id().index()),
             metadata,
+        })
+        .collect();
+    write_host_ids(store, host_layout, host_region, &ids)
+}
+
+/// A disk write of host block `host` into disk slot `slot`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct HostWrite<'a> {
+    pub host: u32,
+    pub slot: u32,
+    pub key: u64,
+    pub metadata: &'a [u8],
+}
+
+/// Checks a host block id and a slot against the host layout and the store.
+fn check_ids(
+    store: &DiskStore,
+    host_layout: &BlockLayout,
+    host: u32,
+    slot: u32,
+) -> Result<(), DiskError> {
+    if host as usize >= host_layout.num_blocks() || slot as usize >= store.slots() {
+        return Err(DiskError::Invalid(format!(
+            "host block {host} / disk block {slot} outside {} host / {} disk blocks",
+            host_layout.num_blocks(),
+            store.slots()
+        )));
+    }
+    Ok(())
+}
+
+/// Writes host blocks into disk slots, by id (the caller keeps copies off them meanwhile; see
+/// the module header). An id outside the pools refuses the whole call.
+pub(crate) fn write_host_ids(
+    store: &DiskStore,
+    host_layout: &BlockLayout,
+    host_region: &HostRegion,
+    items: &[HostWrite<'_>],
+) -> Result<Vec<WriteOutcome>, DiskError> {
+    check(store, host_layout);
+    for w in items {
+        check_ids(store, host_layout, w.host, w.slot)?;
+    }
+    let requests: Vec<WriteRequest> = items
+        .iter()
+        .map(|w| WriteRequest {
+            slot: w.slot,
+            key: w.key,
+            addr: host_layout.block_start(w.host as usize),
+            metadata: w.metadata,
             framed: true,
         })
         .collect();
@@ -58,13 +115,32 @@ pub(crate) fn read_into_host_blocks(
     host_region: &HostRegion,
     items: &[(u32, u64, &MutableBlock)],
 ) -> Result<Vec<Lookup>, DiskError> {
+    let ids: Vec<(u32, u64, u32)> = items
+        .iter()
+        .map(|(slot, key, target)| (*slot, *key, target.id().0))
+        .collect();
+    read_host_ids(store, host_layout, host_region, &ids)
+}
+
+/// Reads disk slots into host blocks, by id: `(disk slot, key, host block)` (the caller keeps
+/// every other copy off those host blocks meanwhile; see the module header). An id outside the
+/// pools refuses the whole call.
+pub(crate) fn read_host_ids(
+    store: &DiskStore,
+    host_layout: &BlockLayout,
+    host_region: &HostRegion,
+    items: &[(u32, u64, u32)],
+) -> Result<Vec<Lookup>, DiskError> {
     check(store, host_layout);
+    for &(slot, _, host) in items {
+        check_ids(store, host_layout, host, slot)?;
+    }
     let reads: Vec<ReadRequest> = items
         .iter()
-        .map(|(slot, key, target)| ReadRequest {
-            slot: *slot,
-            key: *key,
-            addr: host_layout.block_start(target.id().index()),
+        .map(|&(slot, key, host)| ReadRequest {
+            slot,
+            key,
+            addr: host_layout.block_start(host as usize),
             framed: true,
         })
         .collect();

@@ -1,0 +1,563 @@
+//! The copy engine: the one place where blocks move between the GPU and the host pool. Both the
+//! block manager's transfer engine (blocks from pools) and the split engine's worker (block ids
+//! from a leader's plan) submit their copies here.
+//!
+//! A job is a list of block pairs in one direction, cut into batches of at most
+//! `batch_blocks_max` blocks; at most `inflight_max` batches are on the copy streams at once and
+//! at most `pending_max` wait behind them. A progress thread waits on the oldest batch with no
+//! lock held, then reports each finished batch to the job's callback (outside the engine's lock)
+//! and to its ticket.
+//!
+//! Invariants:
+//! - Batches launch in submission order, each direction on its own stream, so that on one stream
+//!   a later batch never overtakes an earlier one (the worker's load stages rely on it).
+//! - A batch's callback runs before its ticket counts it done: whoever waits on a ticket sees
+//!   what the callback did (the transfer engine registers blocks there).
+//! - Every transfer keeps both sides' regions alive until the stream is done with it.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvbm_cuda::{Completion, CopyStream, Direction, Region, Transfer};
+use parking_lot::{Condvar, Mutex};
+
+use crate::layout::BlockLayout;
+use crate::metrics::{add, Metrics};
+use crate::transfer::TransferLimits;
+use crate::CoreError;
+
+/// One side of the copies: where its blocks live and the memory that holds them.
+#[derive(Debug, Clone)]
+pub struct CopySide {
+    /// Where block `i` lives.
+    pub layout: BlockLayout,
+    /// The memory the layout points into (kept alive by every transfer).
+    pub regions: Vec<Region>,
+}
+
+/// A finished batch, as its job's callback sees it.
+#[derive(Debug)]
+pub struct BatchDone {
+    /// The batch's positions in the job's pairs.
+    pub range: Range<usize>,
+    /// From submission to the stream until its completion was seen.
+    pub latency: Duration,
+    /// Bytes the batch copied (or was to copy).
+    pub bytes: u64,
+    /// Whether it failed.
+    pub error: Option<CoreError>,
+}
+
+/// Called with every finished batch of a job, on the progress thread, with no engine lock held.
+pub type OnBatch = Box<dyn Fn(BatchDone) + Send + Sync>;
+
+/// Copies for the engine: block pairs `(source, target)` in `direction` (source blocks are GPU
+/// blocks for device-to-host, host blocks for host-to-device).
+#[derive(Debug, Clone)]
+pub struct CopyJob {
+    /// Which way.
+    pub direction: Direction,
+    /// `(source block, target block)`.
+    pub pairs: Vec<(u32, u32)>,
+    /// Copy only the runs whose last layer is this one (a load stage, see
+    /// [`BlockLayout::ready_after`]); `None` copies whole blocks.
+    pub stage: Option<u32>,
+}
+
+#[derive(Debug, Default)]
+struct TicketState {
+    remaining: usize,
+    failed: Vec<Range<usize>>,
+    error: Option<CoreError>,
+    bytes: u64,
+}
+
+/// A job's handle: poll it, wait for it, or drop it (the copies go on).
+#[derive(Debug, Clone)]
+pub struct CopyTicket {
+    shared: Arc<(Mutex<TicketState>, Condvar)>,
+}
+
+/// What a finished job did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CopyOutcome {
+    /// Positions (in the job's pairs) of the batches that failed.
+    pub failed: Vec<Range<usize>>,
+    /// The first failure.
+    pub error: Option<CoreError>,
+    /// Bytes copied by the batches that succeeded.
+    pub bytes: u64,
+}
+
+impl CopyOutcome {
+    /// True when every batch succeeded.
+    pub fn is_ok(&self) -> bool {
+        self.error.is_none()
+    }
+}
+
+impl CopyTicket {
+    fn new(batches: usize) -> Self {
+        Self {
+            shared: Arc::new((
+                Mutex::new(TicketState {
+                    remaining: batches,
+                    ..Default::default()
+                }),
+                Condvar::new(),
+            )),
+        }
+    }
+
+    /// A ticket for a job that had nothing to copy.
+    pub fn done() -> Self {
+        Self::new(0)
+    }
+
+    /// True when every batch finished.
+    pub fn is_done(&self) -> bool {
+        self.shared.0.lock().remaining == 0
+    }
+
+    /// Waits for every batch.
+    pub fn wait(&self) -> CopyOutcome {
+        let (lock, cv) = &*self.shared;
+        let mut s = lock.lock();
+        while s.remaining > 0 {
+            cv.wait(&mut s);
+        }
+        CopyOutcome {
+            failed: s.failed.clone(),
+            error: s.error.clone(),
+            bytes: s.bytes,
+        }
+    }
+
+    fn finish(&self, done: &BatchDone) {
+        let (lock, cv) = &*self.shared;
+        let mut s = lock.lock();
+        match &done.error {
+            Some(e) => {
+                s.failed.push(done.range.clone());
+                if s.error.is_none() {
+                    s.error = Some(e.clone());
+                }
+            }
+            None => s.bytes += done.bytes,
+        }
+        s.remaining -= 1;
+        if s.remaining == 0 {
+            cv.notify_all();
+        }
+    }
+}
+
+struct Batch {
+    direction: Direction,
+    pairs: Vec<(u32, u32)>,
+    stage: Option<u32>,
+    range: Range<usize>,
+    ticket: CopyTicket,
+    on_batch: Option<Arc<OnBatch>>,
+}
+
+struct InFlight {
+    batch: Batch,
+    completion: Completion,
+    bytes: u64,
+    started: Instant,
+}
+
+#[derive(Default)]
+struct EngineState {
+    pending: VecDeque<Batch>,
+    inflight: VecDeque<InFlight>,
+    /// Batches that failed to launch from a submitting thread, for the progress thread to
+    /// settle (a submitter may hold locks the callbacks take).
+    failed: Vec<(Batch, BatchDone)>,
+    /// Batches failed or finished whose callbacks have not run yet.
+    settling: usize,
+    shutdown: bool,
+}
+
+struct Shared {
+    gpu: CopySide,
+    host: CopySide,
+    d2h: CopyStream,
+    h2d: CopyStream,
+    limits: TransferLimits,
+    metrics: Arc<Metrics>,
+    state: Mutex<EngineState>,
+    work_cv: Condvar,
+    /// Signalled when batches finish (room, idleness).
+    done_cv: Condvar,
+}
+
+/// Moves blocks between the GPU and the host pool, in bounded batches.
+pub struct CopyEngine {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for CopyEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (pending, inflight) = self.queue_depths();
+        f.debug_struct("CopyEngine")
+            .field("limits", &self.shared.limits)
+            .field("pending", &pending)
+            .field("inflight", &inflight)
+            .finish()
+    }
+}
+
+impl CopyEngine {
+    /// An engine between `gpu` and `host` on the two streams; starts its progress thread.
+    pub fn new(
+        gpu: CopySide,
+        host: CopySide,
+        d2h: CopyStream,
+        h2d: CopyStream,
+        limits: TransferLimits,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, CoreError> {
+        if limits.batch_blocks_max == 0 || limits.inflight_max == 0 || limits.pending_max == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "transfer limits {limits:?}: each must be at least 1"
+            )));
+        }
+        if d2h.direction() != Direction::DeviceToHost || h2d.direction() != Direction::HostToDevice
+        {
+            return Err(CoreError::InvalidArgument(
+                "copy streams given in the wrong directions".into(),
+            ));
+        }
+        let limits = TransferLimits {
+            inflight_max: limits.inflight_max.min(kvbm_cuda::STREAM_QUEUE_MAX),
+            ..limits
+        };
+        let shared = Arc::new(Shared {
+            gpu,
+            host,
+            d2h,
+            h2d,
+            limits,
+            metrics,
+            state: Mutex::new(EngineState::default()),
+            work_cv: Condvar::new(),
+            done_cv: Condvar::new(),
+        });
+        let thread_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("kvbm-copy".into())
+            .spawn(move || progress_loop(&thread_shared))
+            .map_err(|e| CoreError::InvalidArgument(format!("cannot start the copy thread: {e}")))?;
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The engine's limits.
+    pub fn limits(&self) -> TransferLimits {
+        self.shared.limits
+    }
+
+    /// The GPU side.
+    pub fn gpu(&self) -> &CopySide {
+        &self.shared.gpu
+    }
+
+    /// The host side.
+    pub fn host(&self) -> &CopySide {
+        &self.shared.host
+    }
+
+    /// The stream of `direction`.
+    pub fn stream(&self, direction: Direction) -> &CopyStream {
+        match direction {
+            Direction::DeviceToHost => &self.shared.d2h,
+            Direction::HostToDevice => &self.shared.h2d,
+        }
+    }
+
+    /// Batches a job of `pairs` blocks takes.
+    pub fn batches_of(&self, pairs: usize) -> usize {
+        pairs.div_ceil(self.shared.limits.batch_blocks_max)
+    }
+
+    /// Batches that can be queued now without waiting.
+    pub fn room(&self) -> usize {
+        let state = self.shared.state.lock();
+        self.shared
+            .limits
+            .pending_max
+            .saturating_sub(state.pending.len())
+    }
+
+    /// Queues `job`. Every pair is checked against both sides' block counts first (an
+    /// `InvalidArgument` queues nothing). With `wait_for_room`, waits (at most `pending_max`
+    /// batches queue) for room; without, a job that does not fit is `Busy`.
+    pub fn submit(
+        &self,
+        job: CopyJob,
+        on_batch: Option<OnBatch>,
+        wait_for_room: bool,
+    ) -> Result<CopyTicket, CoreError> {
+        let shared = &self.shared;
+        let (src, dst) = match job.direction {
+            Direction::DeviceToHost => (&shared.gpu, &shared.host),
+            Direction::HostToDevice => (&shared.host, &shared.gpu),
+        };
+        let (ns, nd) = (src.layout.num_blocks(), dst.layout.num_blocks());
+        if let Some(&(s, d)) = job
+            .pairs
+            .iter()
+            .find(|&&(s, d)| s as usize >= ns || d as usize >= nd)
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} copy of block {s} into block {d}: outside {ns} source / {nd} target blocks",
+                job.direction.as_str()
+            )));
+        }
+        let per = shared.limits.batch_blocks_max;
+        let batches = job.pairs.len().div_ceil(per);
+        let ticket = CopyTicket::new(batches);
+        if batches == 0 {
+            return Ok(ticket);
+        }
+        let mut state = shared.state.lock();
+        loop {
+            if state.shutdown {
+                return Err(CoreError::EngineClosed);
+            }
+            let room = shared.limits.pending_max.saturating_sub(state.pending.len());
+            // A job larger than the whole queue goes in once the queue is empty.
+            if room >= batches || (state.pending.is_empty() && wait_for_room) {
+                break;
+            }
+            if !wait_for_room {
+                return Err(CoreError::Busy(format!(
+                    "{batches} copy batches queued against room for {room}"
+                )));
+            }
+            shared.done_cv.wait(&mut state);
+        }
+        let on_batch = on_batch.map(Arc::new);
+        for (i, chunk) in job.pairs.chunks(per).enumerate() {
+            state.pending.push_back(Batch {
+                direction: job.direction,
+                pairs: chunk.to_vec(),
+                stage: job.stage,
+                range: i * per..i * per + chunk.len(),
+                ticket: ticket.clone(),
+                on_batch: on_batch.clone(),
+            });
+        }
+        let failed = launch_ready(shared, &mut state);
+        state.failed.extend(failed);
+        shared.work_cv.notify_one();
+        Ok(ticket)
+    }
+
+    /// Waits until no batch is queued, in flight or settling.
+    pub fn wait_idle(&self) {
+        let mut state = self.shared.state.lock();
+        while !(state.pending.is_empty()
+            && state.inflight.is_empty()
+            && state.failed.is_empty()
+            && state.settling == 0)
+        {
+            self.shared.done_cv.wait(&mut state);
+        }
+    }
+
+    /// (queued, in flight) batches now.
+    pub fn queue_depths(&self) -> (usize, usize) {
+        let state = self.shared.state.lock();
+        (state.pending.len(), state.inflight.len())
+    }
+}
+
+impl Drop for CopyEngine {
+    fn drop(&mut self) {
+        // Queued batches still run: their callbacks release what they hold.
+        self.wait_idle();
+        self.shared.state.lock().shutdown = true;
+        self.shared.work_cv.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The transfer of one batch: its pairs' pieces, keeping both sides' regions alive.
+fn build_transfer(src: &CopySide, dst: &CopySide, batch: &Batch) -> Result<Transfer, CoreError> {
+    let runs = src.layout.runs_per_block().max(dst.layout.runs_per_block());
+    let mut pieces = Vec::with_capacity(batch.pairs.len() * runs);
+    for &(s, d) in &batch.pairs {
+        match batch.stage {
+            None => src
+                .layout
+                .copy_pieces_into(s as usize, &dst.layout, d as usize, &mut pieces)?,
+            Some(stage) => src.layout.copy_runs_into(
+                s as usize,
+                &dst.layout,
+                d as usize,
+                |(_, last)| last == stage,
+                &mut pieces,
+            )?,
+        }
+    }
+    let mut transfer = Transfer::with_capacity(pieces.len());
+    for p in pieces {
+        transfer.push(p.src, p.dst, p.len);
+    }
+    for region in src.regions.iter().chain(&dst.regions) {
+        transfer.keep(region.clone());
+    }
+    Ok(transfer)
+}
+
+/// Submits queued batches while stream slots are free; returns the batches that failed to
+/// submit (to settle once the lock is released).
+fn launch_ready(shared: &Shared, state: &mut EngineState) -> Vec<(Batch, BatchDone)> {
+    let mut failed = Vec::new();
+    while state.inflight.len() < shared.limits.inflight_max {
+        let Some(batch) = state.pending.pop_front() else {
+            break;
+        };
+        let (src, dst, stream) = match batch.direction {
+            Direction::DeviceToHost => (&shared.gpu, &shared.host, &shared.d2h),
+            Direction::HostToDevice => (&shared.host, &shared.gpu, &shared.h2d),
+        };
+        let submitted = build_transfer(src, dst, &batch).and_then(|t| {
+            let bytes = t.bytes();
+            stream
+                .submit(t)
+                .map(|c| (c, bytes))
+                .map_err(CoreError::from)
+        });
+        match submitted {
+            Ok((completion, bytes)) => state.inflight.push_back(InFlight {
+                batch,
+                completion,
+                bytes,
+                started: Instant::now(),
+            }),
+            Err(err) => {
+                state.settling += 1;
+                let done = BatchDone {
+                    range: batch.range.clone(),
+                    latency: Duration::ZERO,
+                    bytes: 0,
+                    error: Some(CoreError::TransferFailed(err.to_string())),
+                };
+                failed.push((batch, done));
+            }
+        }
+    }
+    failed
+}
+
+/// Reports finished batches (no engine lock held): metrics, callback, then ticket.
+fn settle(shared: &Shared, finished: Vec<(Batch, BatchDone)>) {
+    if finished.is_empty() {
+        return;
+    }
+    let n = finished.len();
+    for (batch, done) in finished {
+        let m = &shared.metrics;
+        match (&done.error, batch.direction) {
+            (Some(err), d) => {
+                tracing::warn!(direction = d.as_str(), blocks = batch.pairs.len(), error = %err, "copy batch failed");
+                add(&m.transfer_errors, 1);
+            }
+            (None, Direction::DeviceToHost) => {
+                m.latency_d2h.observe(done.latency);
+                add(&m.bytes_d2h, done.bytes);
+            }
+            (None, Direction::HostToDevice) => {
+                m.latency_h2d.observe(done.latency);
+                add(&m.bytes_h2d, done.bytes);
+            }
+        }
+        if let Some(cb) = &batch.on_batch {
+            cb(BatchDone {
+                range: done.range.clone(),
+                latency: done.latency,
+                bytes: done.bytes,
+                error: done.error.clone(),
+            });
+        }
+        batch.ticket.finish(&done);
+    }
+    let mut state = shared.state.lock();
+    state.settling -= n;
+    shared.done_cv.notify_all();
+}
+
+fn progress_loop(shared: &Shared) {
+    loop {
+        let oldest = {
+            let mut state = shared.state.lock();
+            loop {
+                if !state.failed.is_empty() {
+                    let failed = std::mem::take(&mut state.failed);
+                    drop(state);
+                    settle(shared, failed);
+                    state = shared.state.lock();
+                    continue;
+                }
+                if let Some(front) = state.inflight.front() {
+                    break front.completion.clone();
+                }
+                if !state.pending.is_empty() {
+                    let failed = launch_ready(shared, &mut state);
+                    if !failed.is_empty() {
+                        drop(state);
+                        settle(shared, failed);
+                        state = shared.state.lock();
+                    }
+                    continue;
+                }
+                shared.done_cv.notify_all();
+                if state.shutdown {
+                    return;
+                }
+                shared.work_cv.wait(&mut state);
+            }
+        };
+        // No lock held while the copy runs.
+        let _ = oldest.wait();
+        let mut finished = Vec::new();
+        {
+            let mut state = shared.state.lock();
+            let mut i = 0;
+            while i < state.inflight.len() {
+                let error = match state.inflight[i].completion.poll() {
+                    Ok(false) => {
+                        i += 1;
+                        continue;
+                    }
+                    Ok(true) => None,
+                    Err(e) => Some(CoreError::TransferFailed(e.to_string())),
+                };
+                let f = state.inflight.remove(i).expect("index in range");
+                state.settling += 1;
+                let done = BatchDone {
+                    range: f.batch.range.clone(),
+                    latency: f.started.elapsed(),
+                    bytes: f.bytes,
+                    error,
+                };
+                finished.push((f.batch, done));
+            }
+            let failed = launch_ready(shared, &mut state);
+            finished.extend(failed);
+        }
+        settle(shared, finished);
+    }
+}
