@@ -19,6 +19,7 @@ use std::time::Instant;
 use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 
 pub use crate::plan::{DiskRead, DiskWrite};
+use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
 use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
 use crate::pool::{
     clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
@@ -111,6 +112,8 @@ pub struct Leader {
     /// Blocks handed out, with the step they were handed out in.
     held: VecDeque<(u64, Vec<ImmutableBlock>)>,
     step: u64,
+    /// The plan being built for the current step ([`Self::take_plan`]).
+    plan: StepPlan,
 }
 
 impl std::fmt::Debug for Leader {
@@ -165,6 +168,7 @@ impl Leader {
             events_lost: 0,
             held: VecDeque::new(),
             step: 0,
+            plan: StepPlan::default(),
         })
     }
 
@@ -376,6 +380,99 @@ impl Leader {
                 Offloaded { hashes, host }
             })
             .collect())
+    }
+
+    /// Plans the onboard of a request's matched blocks into the GPU blocks vLLM allocated for
+    /// them (`gpu`, one per hash): holds what [`Self::plan_load`] holds, pairs host blocks (and
+    /// staging blocks of disk reads) with GPU blocks, and adds it to the step's plan, as an
+    /// asynchronous onboard when `asynchronous` (reported in `finished_recving` even when
+    /// nothing could be held). GPU blocks that could not be backed (evicted since matched) go to
+    /// the plan's load errors. Returns how many blocks, from the first, are backed.
+    pub fn plan_onboard(
+        &mut self,
+        request: &str,
+        hashes_: &[u64],
+        gpu: &[u32],
+        asynchronous: bool,
+    ) -> Result<usize, CoreError> {
+        if gpu.len() != hashes_.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} GPU blocks for {} hashes",
+                gpu.len(),
+                hashes_.len()
+            )));
+        }
+        let plan = self.plan_load(hashes_, asynchronous.then_some(request));
+        let got = plan.host.len() + plan.disk_reads.len();
+        let pairs: Vec<(u32, u32)> = plan
+            .host
+            .iter()
+            .copied()
+            .chain(plan.disk_reads.iter().map(|r| r.host))
+            .zip(gpu.iter().copied())
+            .collect();
+        self.plan.load_errors.extend_from_slice(&gpu[got..]);
+        if asynchronous {
+            self.plan.async_onboards.push(AsyncOnboard {
+                request: request.to_owned(),
+                disk_reads: plan.disk_reads,
+                pairs,
+            });
+        } else if !pairs.is_empty() {
+            self.plan.disk_reads.extend(plan.disk_reads);
+            self.plan.onboards.push(Onboard {
+                request: request.to_owned(),
+                pairs,
+            });
+        }
+        Ok(got)
+    }
+
+    /// The whole offload of a step: per request, the run of its blocks that became complete and
+    /// the GPU blocks holding them (one per block). Hashes the runs, registers the blocks not in
+    /// the host tier yet and adds their offloads to the step's plan; returns per run its blocks'
+    /// sequence hashes and how many blocks the plan offloads.
+    pub fn plan_offloads(
+        &mut self,
+        runs: Vec<(String, TokenRun, Vec<u32>)>,
+    ) -> Result<Vec<(Vec<u64>, usize)>, CoreError> {
+        let b = self.block_size;
+        if let Some((r, run, gpu)) = runs.iter().find(|(_, run, gpu)| run.tokens.len() != gpu.len() * b) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {r}: {} tokens for {} GPU blocks of {b}",
+                run.tokens.len(),
+                gpu.len()
+            )));
+        }
+        let token_runs: Vec<TokenRun> = runs.iter().map(|(_, run, _)| run.clone()).collect();
+        let hashed = Self::hash_runs(b, &token_runs)?;
+        let offloaded = self.offload_runs(&token_runs, hashed)?;
+        let mut out = Vec::with_capacity(runs.len());
+        for ((request, _, gpu), o) in runs.into_iter().zip(offloaded) {
+            let pairs: Vec<(u32, u32)> = gpu
+                .iter()
+                .zip(&o.host)
+                .filter_map(|(&g, h)| h.map(|h| (g, h)))
+                .collect();
+            let n = pairs.len();
+            if n > 0 {
+                self.plan.offloads.push(Offload { request, pairs });
+            }
+            out.push((o.hashes, n));
+        }
+        Ok(out)
+    }
+
+    /// Closes the step: its plan (with the disk writes of the blocks admitted meanwhile and the
+    /// requests vLLM preempted), then [`Self::end_step`].
+    pub fn take_plan(&mut self, preempted: Vec<String>) -> Result<StepPlan, CoreError> {
+        let disk_writes = self.take_disk_writes()?;
+        let mut plan = std::mem::take(&mut self.plan);
+        plan.step = self.step;
+        plan.disk_writes = disk_writes;
+        plan.preempted = preempted;
+        self.end_step();
+        Ok(plan)
     }
 
     /// Ends a step: blocks handed out [`HOLD_STEPS`] steps ago become evictable again.

@@ -6,8 +6,9 @@
 //! configuration from Dynamo's environment variables ([`config`]) and counters ([`metrics`]).
 //! Does not own: moving bytes (kvbm-cuda), hashing and events (kvbm-events).
 //!
-//! Invariant: no `unsafe` in this crate but `disk::handoff`, which hands held host blocks' memory
-//! to kvbm-disk (see its header for why that is sound).
+//! Invariant: no `unsafe` in this crate but `disk::handoff`, which hands host blocks' memory to
+//! kvbm-disk (see its header for why that is sound), and `Worker::register_spans`, which
+//! registers the engine's GPU memory under its caller's contract.
 #![deny(unsafe_code)]
 
 pub mod config;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod plan;
 pub mod pool;
 pub mod transfer;
+pub mod worker;
 
 pub use config::{ConfigError, KvbmConfig, TierSize};
 pub use disk::{
@@ -44,6 +46,7 @@ pub use pool::{
     clear_across, match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock,
     HeldBlocks, ImmutableBlock, MutableBlock, PoolCounts, Rejected,
 };
+pub use worker::{check_view_within, open_device, Worker, WorkerOptions, WorkerStats};
 pub use transfer::{
     BatchLatency, HostStoredHook, TierStorage, TransferEngine, TransferLimits, TransferOutcome,
     TransferTicket,

@@ -75,6 +75,10 @@ pub struct Metrics {
     pub offload_deduplicated_blocks: AtomicU64,
     /// `kvbm_transfer_errors`: transfer batches that failed.
     pub transfer_errors: AtomicU64,
+    /// `kvbm_disk_write_failures`: host blocks whose disk write failed or was refused.
+    pub disk_write_failures: AtomicU64,
+    /// `kvbm_load_errors`: GPU blocks reported to the engine as failed onboards (recomputed).
+    pub load_errors: AtomicU64,
     /// `kvbm_transfer_latency_d2h`: per batch, submit to completion.
     pub latency_d2h: LatencyHistogram,
     /// `kvbm_transfer_latency_h2d`: per batch, submit to completion.
@@ -108,6 +112,10 @@ pub struct MetricsSnapshot {
     pub offload_deduplicated_blocks: u64,
     /// See [`Metrics::transfer_errors`].
     pub transfer_errors: u64,
+    /// See [`Metrics::disk_write_failures`].
+    pub disk_write_failures: u64,
+    /// See [`Metrics::load_errors`].
+    pub load_errors: u64,
     /// `kvbm_host_pinned_bytes_ready`: host tier bytes pinned so far.
     pub host_pinned_bytes_ready: u64,
 }
@@ -136,6 +144,8 @@ impl Metrics {
             offload_skipped_blocks: get(&self.offload_skipped_blocks),
             offload_deduplicated_blocks: get(&self.offload_deduplicated_blocks),
             transfer_errors: get(&self.transfer_errors),
+            disk_write_failures: get(&self.disk_write_failures),
+            load_errors: get(&self.load_errors),
             host_pinned_bytes_ready: 0,
         }
     }

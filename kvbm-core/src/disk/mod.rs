@@ -11,7 +11,7 @@
 //! - A load that misses (a corrupt or vanished disk block) discards that disk block from the
 //!   registry (`BlockRemoved`) and ends the loaded prefix there.
 
-mod handoff;
+pub(crate) mod handoff;
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -179,6 +179,22 @@ pub fn decode_identity(hash: SequenceHash, bytes: &[u8]) -> Option<BlockIdentity
     })
 }
 
+/// The store options of a disk tier for blocks of `kv` in the order `geometry_id` names.
+pub(crate) fn store_options(options: &DiskOptions, kv: KvLayout, geometry_id: u64) -> StoreOptions {
+    StoreOptions {
+        layout_fingerprint: layout_fingerprint(&kv, geometry_id),
+        payload_bytes: kv.bytes_per_block(),
+        slots: options.blocks,
+        queue_depth: options.queue_depth,
+        engine: options.engine,
+        file: CacheFileOptions {
+            disable_o_direct: options.disable_o_direct,
+            ..Default::default()
+        },
+        write_failures_max: 8,
+    }
+}
+
 /// Where and how the disk tier lives.
 #[derive(Debug, Clone)]
 pub struct DiskOptions {
@@ -249,18 +265,7 @@ impl DiskTier {
         host_region: HostRegion,
         metrics: Arc<Metrics>,
     ) -> Result<Self, CoreError> {
-        let store_options = StoreOptions {
-            layout_fingerprint: layout_fingerprint(&kv, geometry_id),
-            payload_bytes: kv.bytes_per_block(),
-            slots: options.blocks,
-            queue_depth: options.queue_depth,
-            engine: options.engine,
-            file: CacheFileOptions {
-                disable_o_direct: options.disable_o_direct,
-                ..Default::default()
-            },
-            write_failures_max: 8,
-        };
+        let store_options = store_options(options, kv, geometry_id);
         let (store, recovered) = DiskStore::open(&options.dir, &options.file_name, store_options)
             .map_err(|e| CoreError::Disk(e.to_string()))?;
         // Announce what survived: claim each recovered slot and register it under its identity.

@@ -1,0 +1,1249 @@
+//! The worker: the physical half of the split engine (vLLM's GPU worker side). It owns one
+//! rank's bytes: the engine's GPU memory (registered views), its shard of the pinned host pool,
+//! its disk cache file, and the copy streams. It executes the leader's [`StepPlan`] through the
+//! [`CopyEngine`] (batches, bounded in-flight limits) and the zero-copy host<->disk hand-off
+//! (io_uring on the pinned host pool), and reports what finished and what failed.
+//!
+//! Ordering rules (what makes a plan's block ids safe to act on; ARCHITECTURE.md has the why):
+//! - A host block is read (by an onboard or a disk write) or overwritten (by a disk read) only
+//!   after every offload into it completed ([`Worker::wait_offloads_touching`]).
+//! - A host block is overwritten (by an offload or a disk read) only after every queued disk
+//!   write reading it finished, and a disk slot is read only after every queued write into it.
+//! - The GPU blocks an offload reads are not overwritten while it runs: vLLM frees a request's
+//!   blocks only after `finished_sending` (reported once its offloads completed) or, on
+//!   preemption, right after `handle_preemptions`, which waits for the preempted requests'
+//!   offloads.
+//! - A block whose onboard fails, or whose host copy is bad (its offload or disk read failed),
+//!   is reported as failed and never served; a GPU block whose onboard failed in this step is
+//!   not offloaded (its host block is marked bad instead).
+//! - Every queue has a bound: copy batches (`TransferLimits`), disk writes
+//!   ([`DISK_WRITES_QUEUED_MAX`]), asynchronous onboards ([`ASYNC_ONBOARDS_QUEUED_MAX`]).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::Sender;
+use kvbm_cuda::{
+    BackendChoice, Device, Direction, GpuRegion, HostRegion, HostRegionOptions, Region,
+};
+use kvbm_disk::{DiskStore, Lookup, WriteOutcome};
+use parking_lot::{Condvar, Mutex};
+
+use crate::copy::{CopyEngine, CopyJob, CopySide, CopyTicket};
+use crate::disk::{handoff, store_options, DiskOptions};
+use crate::layout::{BlockLayout, KvLayout, TensorView};
+use crate::metrics::{add, Metrics};
+use crate::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan};
+use crate::transfer::TransferLimits;
+use crate::CoreError;
+
+/// Disk writes queued for the writer at most; a step with more waits for it to catch up.
+pub const DISK_WRITES_QUEUED_MAX: usize = 1024;
+/// Asynchronous onboards queued at most; more wait for a loader.
+pub const ASYNC_ONBOARDS_QUEUED_MAX: usize = 256;
+
+/// What a worker holds besides the engine's GPU memory.
+#[derive(Debug, Clone)]
+pub struct WorkerOptions {
+    /// Blocks of this rank's shard of the host pool (at least 1).
+    pub host_blocks: usize,
+    /// Copy batching and concurrency (`DYN_KVBM_MAX_TRANSFER_BATCH_SIZE`,
+    /// `DYN_KVBM_MAX_CONCURRENT_TRANSFERS`).
+    pub limits: TransferLimits,
+    /// Asynchronous onboards running at once (each its own disk reads and copies).
+    pub async_onboards_max: usize,
+    /// This rank's disk tier, if any (the file starts empty: the leader knows of no block in
+    /// it).
+    pub disk: Option<DiskOptions>,
+    /// How long a copy may wait for its host memory to be pinned.
+    pub host_ready_timeout: Duration,
+}
+
+impl Default for WorkerOptions {
+    fn default() -> Self {
+        Self {
+            host_blocks: 1,
+            limits: TransferLimits::default(),
+            async_onboards_max: 4,
+            disk: None,
+            host_ready_timeout: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Checks that every byte `view` addresses lies inside `[base, base + bytes)`, the memory the
+/// tensor owns (its storage), so that no address or size from the engine is used unchecked.
+pub fn check_view_within(view: &TensorView, base: u64, bytes: u64) -> Result<(), CoreError> {
+    match view.span() {
+        Some((start, len))
+            if start >= base
+                && base
+                    .checked_add(bytes)
+                    .is_some_and(|end| start + len as u64 <= end) =>
+        {
+            Ok(())
+        }
+        span => Err(CoreError::InvalidLayout(format!(
+            "KV cache tensor {:?} of shape {:?}, strides {:?} and {} bytes per element addresses \
+             {span:?} (start, bytes), outside its storage ({base:#x}, {bytes} bytes)",
+            view.name, view.shape, view.strides, view.elem_bytes
+        ))),
+    }
+}
+
+struct PendingOffload {
+    ticket: CopyTicket,
+    pairs: Vec<(u32, u32)>,
+    requests: Vec<String>,
+    host_blocks: HashSet<u32>,
+}
+
+struct PendingOnboard {
+    ticket: CopyTicket,
+    gpu_blocks: Vec<u32>,
+}
+
+/// Disk writes queued or running, by the host block they read and the slot they write.
+#[derive(Default)]
+struct DiskPending {
+    by_host: HashMap<u32, usize>,
+    by_slot: HashMap<u32, usize>,
+}
+
+impl DiskPending {
+    fn busy(&self, host: Option<u32>, slot: Option<u32>) -> bool {
+        host.is_some_and(|h| self.by_host.contains_key(&h))
+            || slot.is_some_and(|d| self.by_slot.contains_key(&d))
+    }
+
+    fn add(&mut self, host: u32, slot: u32) {
+        *self.by_host.entry(host).or_insert(0) += 1;
+        *self.by_slot.entry(slot).or_insert(0) += 1;
+    }
+
+    fn done(&mut self, host: u32, slot: u32) {
+        for (map, k) in [(&mut self.by_host, host), (&mut self.by_slot, slot)] {
+            if let Some(n) = map.get_mut(&k) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(&k);
+                }
+            }
+        }
+    }
+}
+
+/// The disk side, shared with the writer and the loaders. Declares `store` before
+/// `host_region`: the store (and its registration of the region) drops first.
+struct DiskShared {
+    store: DiskStore,
+    host_layout: BlockLayout,
+    host_region: HostRegion,
+    pending: Mutex<DiskPending>,
+    pending_cv: Condvar,
+    metrics: Arc<Metrics>,
+    registered: Mutex<Option<bool>>,
+}
+
+impl DiskShared {
+    fn wait_for_writes(&self, host: Option<u32>, slot: Option<u32>) {
+        let mut p = self.pending.lock();
+        while p.busy(host, slot) {
+            self.pending_cv.wait(&mut p);
+        }
+    }
+
+    /// Reads disk blocks into host blocks, zero-copy, each after the queued writes of its slot
+    /// or from its host block; returns the host blocks that missed (a block that fails its
+    /// checks, another key, an I/O error).
+    fn read_into_host(&self, reads: &[DiskRead]) -> Vec<u32> {
+        for r in reads {
+            self.wait_for_writes(Some(r.host), Some(r.disk));
+        }
+        let items: Vec<(u32, u64, u32)> = reads.iter().map(|r| (r.disk, r.key, r.host)).collect();
+        add(&self.metrics.disk_lookup_blocks, reads.len() as u64);
+        let missed: Vec<u32> =
+            match handoff::read_host_ids(&self.store, &self.host_layout, &self.host_region, &items)
+            {
+                Ok(lookups) => reads
+                    .iter()
+                    .zip(lookups)
+                    .filter(|(_, l)| !matches!(l, Lookup::Hit))
+                    .map(|(r, _)| r.host)
+                    .collect(),
+                Err(err) => {
+                    tracing::warn!(error = %err, blocks = reads.len(), "disk read failed");
+                    reads.iter().map(|r| r.host).collect()
+                }
+            };
+        add(
+            &self.metrics.disk_hit_blocks,
+            (reads.len() - missed.len()) as u64,
+        );
+        missed
+    }
+
+    /// Writes host blocks to disk, zero-copy; a host block written twice in one batch goes in
+    /// two calls (its header room is written by one write at a time).
+    fn write_batch(&self, writes: Vec<DiskWrite>) {
+        let mut rest = writes;
+        while !rest.is_empty() {
+            let mut seen = HashSet::new();
+            let (now, later): (Vec<DiskWrite>, Vec<DiskWrite>) =
+                rest.into_iter().partition(|w| seen.insert(w.host));
+            rest = later;
+            let items: Vec<handoff::HostWrite<'_>> = now
+                .iter()
+                .map(|w| handoff::HostWrite {
+                    host: w.host,
+                    slot: w.disk,
+                    key: w.key,
+                    metadata: &w.identity,
+                })
+                .collect();
+            let stored = match handoff::write_host_ids(
+                &self.store,
+                &self.host_layout,
+                &self.host_region,
+                &items,
+            ) {
+                Ok(outcomes) => outcomes
+                    .iter()
+                    .filter(|o| matches!(o, WriteOutcome::Stored))
+                    .count(),
+                Err(err) => {
+                    tracing::warn!(error = %err, blocks = items.len(), "disk write refused");
+                    0
+                }
+            };
+            add(&self.metrics.offload_blocks_h2d, stored as u64);
+            add(
+                &self.metrics.disk_write_failures,
+                (items.len() - stored) as u64,
+            );
+            let mut p = self.pending.lock();
+            for w in &now {
+                p.done(w.host, w.disk);
+            }
+            drop(p);
+            self.pending_cv.notify_all();
+        }
+    }
+}
+
+struct DiskSide {
+    shared: Arc<DiskShared>,
+    jobs: Option<Sender<Vec<DiskWrite>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for DiskSide {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A finished asynchronous onboard: (request, GPU blocks that failed).
+type OnboardDone = (String, Vec<u32>);
+
+/// What a loader needs of the worker.
+struct LoaderContext {
+    copies: Arc<CopyEngine>,
+    host: HostRegion,
+    host_stride: usize,
+    ready_timeout: Duration,
+    disk: Option<Arc<DiskShared>>,
+    bad_host: Arc<Mutex<HashSet<u32>>>,
+    metrics: Arc<Metrics>,
+    done: Mutex<Vec<OnboardDone>>,
+    busy: Mutex<usize>,
+    busy_cv: Condvar,
+}
+
+impl LoaderContext {
+    /// Runs one asynchronous onboard; returns the GPU blocks that did not get their bytes.
+    fn run(&self, job: &AsyncOnboard) -> Vec<u32> {
+        if !job.disk_reads.is_empty() {
+            let missed = match &self.disk {
+                Some(disk) => disk.read_into_host(&job.disk_reads),
+                None => job.disk_reads.iter().map(|r| r.host).collect(),
+            };
+            let mut bad = self.bad_host.lock();
+            for r in &job.disk_reads {
+                bad.remove(&r.host);
+            }
+            bad.extend(missed);
+        }
+        let (bad, good): (Vec<(u32, u32)>, Vec<(u32, u32)>) = {
+            let bad_host = self.bad_host.lock();
+            job.pairs.iter().partition(|(h, _)| bad_host.contains(h))
+        };
+        let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
+        if good.is_empty() {
+            return failed;
+        }
+        let end = good.iter().map(|&(h, _)| h).max().unwrap_or(0) as usize + 1;
+        let outcome = if self.host.wait_ready(end * self.host_stride, self.ready_timeout) {
+            self.copies
+                .submit(
+                    CopyJob {
+                        direction: Direction::HostToDevice,
+                        pairs: good.clone(),
+                        stage: None,
+                    },
+                    None,
+                    true,
+                )
+                .map(|t| t.wait())
+        } else {
+            Err(CoreError::TransferFailed("host memory not pinned in time".into()))
+        };
+        match outcome {
+            Ok(o) => {
+                for r in &o.failed {
+                    failed.extend(good[r.clone()].iter().map(|&(_, g)| g));
+                }
+                let ok = good.len() - o.failed.iter().map(|r| r.len()).sum::<usize>();
+                let from_disk: HashSet<u32> = job.disk_reads.iter().map(|r| r.host).collect();
+                let d2d = good.iter().filter(|(h, _)| from_disk.contains(h)).count();
+                add(&self.metrics.onboard_blocks_d2d, d2d.min(ok) as u64);
+                add(
+                    &self.metrics.onboard_blocks_h2d,
+                    ok.saturating_sub(d2d) as u64,
+                );
+            }
+            Err(err) => {
+                tracing::warn!(request = %job.request, error = %err, "asynchronous onboard failed");
+                failed.extend(good.iter().map(|&(_, g)| g));
+            }
+        }
+        failed
+    }
+}
+
+/// The threads running asynchronous onboards; dropping it waits for them.
+struct Loaders {
+    context: Arc<LoaderContext>,
+    jobs: Option<Sender<AsyncOnboard>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Drop for Loaders {
+    fn drop(&mut self) {
+        self.jobs.take();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Copy counters of one worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Bytes offloaded (GPU to host) by completed batches.
+    pub bytes_offloaded: u64,
+    /// Bytes onboarded (host to GPU) by completed batches.
+    pub bytes_onboarded: u64,
+    /// Offload jobs not settled yet.
+    pub offloads_in_flight: usize,
+    /// Times a preemption, an onboard or a disk operation waited for an offload in flight.
+    pub offload_waits: u64,
+    /// Host blocks whose content is bad (failed offload or disk read).
+    pub bad_host_blocks: usize,
+    /// Bytes of the host pool pinned so far.
+    pub host_ready_bytes: usize,
+    /// Disk writes queued or running.
+    pub disk_writes_pending: usize,
+}
+
+/// One rank's physical half of the split engine.
+pub struct Worker {
+    device: Device,
+    kv: KvLayout,
+    gpu: BlockLayout,
+    /// Per registered tensor (layer), the onboard stage that brings its bytes in.
+    ready_after: Vec<u32>,
+    /// The onboard stages, ascending: the last layers of a block's runs.
+    stages: Vec<u32>,
+    /// Declared before the copy engine and the disk: dropped (and joined) first.
+    loaders: Option<Loaders>,
+    disk: Option<DiskSide>,
+    copies: Arc<CopyEngine>,
+    host: HostRegion,
+    host_layout: BlockLayout,
+    metrics: Arc<Metrics>,
+    ready_timeout: Duration,
+    offloads: Vec<PendingOffload>,
+    /// Offload jobs not settled yet, per request.
+    offload_pending: HashMap<String, usize>,
+    /// Requests whose offloads all settled since the last poll.
+    offload_done: Vec<String>,
+    bad_host: Arc<Mutex<HashSet<u32>>>,
+    /// The onboards in flight, per stage (indexed by the stage's layer).
+    onboards: Vec<Option<PendingOnboard>>,
+    failed: Vec<u32>,
+    bytes_offloaded: u64,
+    bytes_onboarded: u64,
+    offload_waits: u64,
+    // vLLM's step: the bound plan and the request bookkeeping of `get_finished`.
+    plan: Option<StepPlan>,
+    /// Requests with offloads in flight.
+    offloading: HashSet<String>,
+    /// Requests that ever offloaded (their finish waits for their offloads).
+    offloaded: HashSet<String>,
+    /// Finished requests waiting for their offloads.
+    finished_waiting: HashSet<String>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("kv", &self.kv)
+            .field("runs_per_block", &self.gpu.runs_per_block())
+            .field("gpu_blocks", &self.gpu.num_blocks())
+            .field("host_blocks", &self.host_layout.num_blocks())
+            .field("device", &self.device.kind().as_str())
+            .finish()
+    }
+}
+
+/// Opens the device an engine's tensors live on (`auto`, `cuda` or `emulated`).
+pub fn open_device(choice: &str, index: usize) -> Result<Device, CoreError> {
+    let choice: BackendChoice = choice.parse()?;
+    Ok(Device::open(choice, index)?)
+}
+
+impl Worker {
+    /// Registers the engine's GPU memory that `spans` (from [`BlockLayout::from_views`]) cover.
+    ///
+    /// # Safety
+    /// Every span must be memory the engine owns (each tensor checked with
+    /// [`check_view_within`]), and it must stay allocated for as long as the returned regions
+    /// (and so the worker and every copy it queued) live.
+    #[allow(unsafe_code)]
+    pub unsafe fn register_spans(
+        device: &Device,
+        spans: &[(u64, usize)],
+        device_index: usize,
+    ) -> Result<Vec<GpuRegion>, CoreError> {
+        let mut regions = Vec::with_capacity(spans.len());
+        for &(addr, len) in spans {
+            // SAFETY: the caller's contract above.
+            regions.push(unsafe { device.register_gpu(addr, len, device_index) }?);
+        }
+        Ok(regions)
+    }
+
+    /// A worker over the engine's GPU memory (`gpu` laid out as `gpu_layout`), mapping a pinned
+    /// host pool (pinned in the background; copies wait for the blocks they touch) and opening
+    /// the disk tier if configured.
+    pub fn new(
+        device: Device,
+        kv: KvLayout,
+        gpu_layout: BlockLayout,
+        gpu: Vec<GpuRegion>,
+        options: WorkerOptions,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, CoreError> {
+        if options.host_blocks == 0 || gpu_layout.num_blocks() == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} GPU blocks and {} host blocks: both must be above 0",
+                gpu_layout.num_blocks(),
+                options.host_blocks
+            )));
+        }
+        if options.host_blocks >= u32::MAX as usize {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} host blocks: block ids are 32-bit",
+                options.host_blocks
+            )));
+        }
+        let host_bytes = options
+            .host_blocks
+            .checked_mul(kv.host_stride_bytes())
+            .ok_or_else(|| CoreError::InvalidArgument("host pool size overflows".into()))?;
+        let host = device.alloc_host(host_bytes, HostRegionOptions::default())?;
+        let host_layout = BlockLayout::host(kv, options.host_blocks, host.addr());
+        let ready_after = gpu_layout.ready_after();
+        let mut stages = Vec::new();
+        gpu_layout.for_each_run(0, |_, _, _, (_, last)| stages.push(last));
+        stages.sort_unstable();
+        stages.dedup();
+        let copies = Arc::new(CopyEngine::new(
+            CopySide {
+                layout: gpu_layout.clone(),
+                regions: gpu.into_iter().map(Region::from).collect(),
+            },
+            CopySide {
+                layout: host_layout.clone(),
+                regions: vec![Region::from(host.clone())],
+            },
+            device.copy_stream(Direction::DeviceToHost)?,
+            device.copy_stream(Direction::HostToDevice)?,
+            options.limits,
+            metrics.clone(),
+        )?);
+        let disk = match &options.disk {
+            Some(d) if d.blocks > 0 => Some(open_disk(
+                d,
+                kv,
+                gpu_layout.geometry_id(),
+                &host_layout,
+                &host,
+                &metrics,
+            )?),
+            _ => None,
+        };
+        let bad_host: Arc<Mutex<HashSet<u32>>> = Arc::default();
+        let loaders = start_loaders(
+            Arc::new(LoaderContext {
+                copies: copies.clone(),
+                host: host.clone(),
+                host_stride: kv.host_stride_bytes(),
+                ready_timeout: options.host_ready_timeout,
+                disk: disk.as_ref().map(|d| d.shared.clone()),
+                bad_host: bad_host.clone(),
+                metrics: metrics.clone(),
+                done: Mutex::new(Vec::new()),
+                busy: Mutex::new(0),
+                busy_cv: Condvar::new(),
+            }),
+            options.async_onboards_max.max(1),
+        )?;
+        let n_tensors = ready_after.len();
+        Ok(Self {
+            device,
+            kv,
+            gpu: gpu_layout,
+            ready_after,
+            stages,
+            loaders: Some(loaders),
+            disk,
+            copies,
+            host,
+            host_layout,
+            metrics,
+            ready_timeout: options.host_ready_timeout,
+            offloads: Vec::new(),
+            offload_pending: HashMap::new(),
+            offload_done: Vec::new(),
+            bad_host,
+            onboards: (0..n_tensors).map(|_| None).collect(),
+            failed: Vec::new(),
+            bytes_offloaded: 0,
+            bytes_onboarded: 0,
+            offload_waits: 0,
+            plan: None,
+            offloading: HashSet::new(),
+            offloaded: HashSet::new(),
+            finished_waiting: HashSet::new(),
+        })
+    }
+
+    // -- what the worker is ---------------------------------------------------------------
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The KV shape of one block.
+    pub fn kv(&self) -> KvLayout {
+        self.kv
+    }
+
+    /// Where the GPU blocks are.
+    pub fn gpu_layout(&self) -> &BlockLayout {
+        &self.gpu
+    }
+
+    /// Host blocks of this rank's shard.
+    pub fn host_blocks(&self) -> usize {
+        self.host_layout.num_blocks()
+    }
+
+    /// Registered tensors (layers).
+    pub fn num_tensors(&self) -> usize {
+        self.ready_after.len()
+    }
+
+    /// Disk blocks of this rank's file (0 without a disk tier).
+    pub fn disk_blocks(&self) -> usize {
+        self.disk.as_ref().map_or(0, |d| d.shared.store.slots())
+    }
+
+    /// The disk store, if any.
+    pub fn disk_store(&self) -> Option<&DiskStore> {
+        self.disk.as_ref().map(|d| &d.shared.store)
+    }
+
+    /// Whether the host pool got registered for fixed-buffer disk I/O (None: not decided yet, or
+    /// no disk tier).
+    pub fn disk_registered(&self) -> Option<bool> {
+        self.disk.as_ref().and_then(|d| *d.shared.registered.lock())
+    }
+
+    /// The copy engine (its streams, limits and queue depths).
+    pub fn copies(&self) -> &CopyEngine {
+        &self.copies
+    }
+
+    /// The counters this worker bumps (shared with whoever exports them).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Copy counters.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            bytes_offloaded: self.bytes_offloaded,
+            bytes_onboarded: self.bytes_onboarded,
+            offloads_in_flight: self.offloads.len(),
+            offload_waits: self.offload_waits,
+            bad_host_blocks: self.bad_host.lock().len(),
+            host_ready_bytes: self.host.ready_bytes(),
+            disk_writes_pending: self.disk.as_ref().map_or(0, |d| {
+                d.shared.pending.lock().by_slot.values().sum::<usize>()
+            }),
+        }
+    }
+
+    // -- vLLM's step ----------------------------------------------------------------------
+
+    /// Binds this step's plan (`bind_connector_metadata`).
+    pub fn bind(&mut self, plan: StepPlan) {
+        self.plan = Some(plan);
+    }
+
+    /// The bound plan, if any.
+    pub fn plan(&self) -> Option<&StepPlan> {
+        self.plan.as_ref()
+    }
+
+    /// Drops the bound plan (`clear_connector_metadata`).
+    pub fn clear(&mut self) {
+        self.plan = None;
+    }
+
+    /// Waits for the offloads of the plan's preempted requests, whose GPU blocks vLLM reuses as
+    /// soon as this returns (`handle_preemptions`); returns how many offload jobs it waited for.
+    pub fn handle_preemptions(&mut self) -> usize {
+        let preempted = match &self.plan {
+            Some(p) if !p.preempted.is_empty() => p.preempted.clone(),
+            _ => return 0,
+        };
+        self.wait_offloads_of(&preempted)
+    }
+
+    /// Starts the plan's onboards (`start_load_kv`): its disk reads into staging host blocks,
+    /// its synchronous onboards (one job per stage), and its asynchronous onboards; the plan's
+    /// load errors are reported by [`Self::take_failed`].
+    pub fn start_onboards(&mut self) -> Result<(), CoreError> {
+        let Some(plan) = &self.plan else {
+            return Ok(());
+        };
+        let load_errors = plan.load_errors.clone();
+        let reads = plan.disk_reads.clone();
+        let pairs: Vec<(u32, u32)> = plan.onboards.iter().flat_map(|o| o.pairs.clone()).collect();
+        let asyncs = plan.async_onboards.clone();
+        self.failed.extend(load_errors);
+        if !reads.is_empty() {
+            self.disk_read(&reads)?;
+        }
+        if !pairs.is_empty() {
+            self.onboard(&pairs)?;
+        }
+        for job in asyncs {
+            self.onboard_async(job)?;
+        }
+        Ok(())
+    }
+
+    /// Starts the plan's offloads after the forward pass (`wait_for_save`), then queues its disk
+    /// writes (each after the offloads into its host block).
+    pub fn start_offloads(&mut self) -> Result<(), CoreError> {
+        let Some(plan) = &self.plan else {
+            return Ok(());
+        };
+        let pairs: Vec<(u32, u32)> = plan.offloads.iter().flat_map(|o| o.pairs.clone()).collect();
+        let requests: Vec<String> = plan.offloads.iter().map(|o| o.request.clone()).collect();
+        let writes = plan.disk_writes.clone();
+        if !pairs.is_empty() {
+            self.wait_onboards()?;
+            self.offload(&pairs, &requests)?;
+            self.offloading.extend(requests.iter().cloned());
+            self.offloaded.extend(requests);
+        }
+        if !writes.is_empty() {
+            self.disk_write(writes)?;
+        }
+        Ok(())
+    }
+
+    /// `get_finished`: the finished requests whose offloads all completed (vLLM frees their GPU
+    /// blocks only then; a request that never offloaded is not reported), and the requests
+    /// whose asynchronous onboards completed (their failed blocks go to [`Self::take_failed`]).
+    pub fn get_finished(&mut self, finished: &[String]) -> (Vec<String>, Vec<String>) {
+        for r in self.poll_offloads() {
+            self.offloading.remove(&r);
+        }
+        for r in finished {
+            if self.offloaded.contains(r) {
+                self.finished_waiting.insert(r.clone());
+            }
+        }
+        let mut sending: Vec<String> = self
+            .finished_waiting
+            .iter()
+            .filter(|r| !self.offloading.contains(*r))
+            .cloned()
+            .collect();
+        sending.sort_unstable();
+        for r in &sending {
+            self.finished_waiting.remove(r);
+            self.offloaded.remove(r);
+        }
+        let mut recving = Vec::new();
+        for (r, failed) in self.poll_async() {
+            recving.push(r);
+            self.failed.extend(failed);
+        }
+        (sending, recving)
+    }
+
+    /// Waits for everything in flight: offloads, onboards, asynchronous onboards, disk writes.
+    pub fn shutdown(&mut self) {
+        self.wait_offloads();
+        let _ = self.wait_onboards();
+        self.wait_async();
+        self.wait_disk();
+    }
+
+    // -- the mechanisms -------------------------------------------------------------------
+
+    /// Starts offloading GPU blocks into host blocks (`(gpu, host)` pairs) on behalf of
+    /// `requests` (each counts it as one of its pending offloads).
+    pub fn offload(&mut self, pairs: &[(u32, u32)], requests: &[String]) -> Result<(), CoreError> {
+        self.check_pairs(pairs.iter().map(|&(g, h)| (h, g)))?;
+        // A GPU block whose onboard failed in this step holds no valid bytes: it is not
+        // offloaded, and its host block is marked bad so that no later onboard serves it.
+        let failed: HashSet<u32> = self.failed.iter().copied().collect();
+        let (unloaded, pairs): (Vec<(u32, u32)>, Vec<(u32, u32)>) =
+            pairs.iter().partition(|(g, _)| failed.contains(g));
+        self.bad_host
+            .lock()
+            .extend(unloaded.iter().map(|&(_, h)| h));
+        if pairs.is_empty() {
+            for r in requests {
+                if !self.offload_pending.contains_key(r) {
+                    self.offload_done.push(r.clone());
+                }
+            }
+            return Ok(());
+        }
+        self.wait_blocks_ready(pairs.iter().map(|&(_, h)| h))?;
+        if let Some(disk) = &self.disk {
+            // A disk write still reading one of these host blocks finishes first.
+            for &(_, h) in &pairs {
+                disk.shared.wait_for_writes(Some(h), None);
+            }
+        }
+        let ticket = self.copies.submit(
+            CopyJob {
+                direction: Direction::DeviceToHost,
+                pairs: pairs.clone(),
+                stage: None,
+            },
+            None,
+            true,
+        )?;
+        for r in requests {
+            *self.offload_pending.entry(r.clone()).or_insert(0) += 1;
+        }
+        {
+            let mut bad = self.bad_host.lock();
+            for &(_, h) in &pairs {
+                bad.remove(&h);
+            }
+        }
+        self.offloads.push(PendingOffload {
+            ticket,
+            host_blocks: pairs.iter().map(|&(_, h)| h).collect(),
+            pairs,
+            requests: requests.to_vec(),
+        });
+        Ok(())
+    }
+
+    /// Waits for the offloads started on behalf of any of `requests`; returns how many offload
+    /// jobs it waited for.
+    pub fn wait_offloads_of(&mut self, requests: &[String]) -> usize {
+        let wanted: HashSet<&str> = requests.iter().map(String::as_str).collect();
+        self.wait_offloads_where(|o| o.requests.iter().any(|r| wanted.contains(r.as_str())))
+    }
+
+    /// Waits for the offloads writing any of `hosts` (one stream keeps earlier offloads first,
+    /// so a later offload into the same block is never overtaken).
+    pub fn wait_offloads_touching(&mut self, hosts: &HashSet<u32>) -> usize {
+        self.wait_offloads_where(|o| !o.host_blocks.is_disjoint(hosts))
+    }
+
+    /// Waits for every offload started so far.
+    pub fn wait_offloads(&mut self) {
+        let offloads = std::mem::take(&mut self.offloads);
+        for o in offloads {
+            let outcome = o.ticket.wait();
+            self.settle(o, &outcome);
+        }
+    }
+
+    /// Requests whose offloads have all completed since the last call (without waiting).
+    pub fn poll_offloads(&mut self) -> Vec<String> {
+        let (done, still): (Vec<PendingOffload>, Vec<PendingOffload>) =
+            std::mem::take(&mut self.offloads)
+                .into_iter()
+                .partition(|o| o.ticket.is_done());
+        self.offloads = still;
+        for o in done {
+            let outcome = o.ticket.wait();
+            self.settle(o, &outcome);
+        }
+        std::mem::take(&mut self.offload_done)
+    }
+
+    /// Starts onboarding host blocks into GPU blocks (`(host, gpu)` pairs), one job per onboard
+    /// stage (per layer, or per group of layers whose runs are merged), after the offloads into
+    /// those host blocks completed. Pairs whose host block is bad are reported as failed.
+    pub fn onboard(&mut self, pairs: &[(u32, u32)]) -> Result<(), CoreError> {
+        self.check_pairs(pairs.iter().copied())?;
+        let hosts: HashSet<u32> = pairs.iter().map(|&(h, _)| h).collect();
+        self.wait_offloads_touching(&hosts);
+        self.wait_onboards()?;
+        let (bad, good): (Vec<(u32, u32)>, Vec<(u32, u32)>) = {
+            let bad_host = self.bad_host.lock();
+            pairs.iter().partition(|(h, _)| bad_host.contains(h))
+        };
+        self.failed.extend(bad.iter().map(|&(_, g)| g));
+        if good.is_empty() {
+            return Ok(());
+        }
+        self.wait_blocks_ready(good.iter().map(|&(h, _)| h))?;
+        let gpu_blocks: Vec<u32> = good.iter().map(|&(_, g)| g).collect();
+        for &stage in &self.stages {
+            let submitted = self.copies.submit(
+                CopyJob {
+                    direction: Direction::HostToDevice,
+                    pairs: good.clone(),
+                    stage: Some(stage),
+                },
+                None,
+                true,
+            );
+            match submitted {
+                Ok(ticket) => {
+                    self.onboards[stage as usize] = Some(PendingOnboard {
+                        ticket,
+                        gpu_blocks: gpu_blocks.clone(),
+                    })
+                }
+                Err(err) => {
+                    tracing::warn!(error = %err, "onboard not submitted");
+                    self.failed.extend(gpu_blocks.iter().copied());
+                }
+            }
+        }
+        add(&self.metrics.onboard_blocks_h2d, good.len() as u64);
+        Ok(())
+    }
+
+    /// Waits until tensor `layer`'s onboards are in place (its stage and the stages before it on
+    /// the same stream); false if any failed (their blocks go to [`Self::take_failed`]).
+    pub fn wait_layer(&mut self, layer: usize) -> Result<bool, CoreError> {
+        let Some(&stage) = self.ready_after.get(layer) else {
+            return Err(CoreError::InvalidArgument(format!(
+                "layer {layer} of {}",
+                self.ready_after.len()
+            )));
+        };
+        let mut ok = true;
+        for slot in &mut self.onboards[..=stage as usize] {
+            let Some(load) = slot.take() else {
+                continue;
+            };
+            let outcome = load.ticket.wait();
+            self.bytes_onboarded += outcome.bytes;
+            if !outcome.is_ok() {
+                // A stage's batches are cut in the same order as its pairs.
+                for r in &outcome.failed {
+                    self.failed.extend(load.gpu_blocks[r.clone()].iter().copied());
+                }
+                ok = false;
+            }
+        }
+        Ok(ok)
+    }
+
+    /// Waits for every stage's onboards; false if any failed.
+    pub fn wait_onboards(&mut self) -> Result<bool, CoreError> {
+        match self.ready_after.len() {
+            0 => Ok(true),
+            n => self.wait_layer(n - 1),
+        }
+    }
+
+    /// GPU blocks whose onboards failed since the last call, sorted, without repeats.
+    pub fn take_failed(&mut self) -> Vec<u32> {
+        let mut f = std::mem::take(&mut self.failed);
+        f.sort_unstable();
+        f.dedup();
+        f
+    }
+
+    /// Queues disk writes of host blocks, after the offloads into those host blocks completed.
+    /// Waits (at most [`DISK_WRITES_QUEUED_MAX`] queue) when the writer is behind.
+    pub fn disk_write(&mut self, writes: Vec<DiskWrite>) -> Result<(), CoreError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let Some(disk) = &self.disk else {
+            return Err(CoreError::InvalidArgument(
+                "disk writes for a worker without a disk tier".into(),
+            ));
+        };
+        let (hosts, slots) = (self.host_blocks(), disk.shared.store.slots());
+        if let Some(w) = writes
+            .iter()
+            .find(|w| w.host as usize >= hosts || w.disk as usize >= slots)
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "host block {} / disk block {} outside {hosts} host / {slots} disk blocks",
+                w.host, w.disk
+            )));
+        }
+        let touched: HashSet<u32> = writes.iter().map(|w| w.host).collect();
+        self.wait_offloads_touching(&touched);
+        // A write of a host block whose offload failed would store garbage: skipped.
+        let writes: Vec<DiskWrite> = {
+            let bad = self.bad_host.lock();
+            writes
+                .into_iter()
+                .filter(|w| !bad.contains(&w.host))
+                .collect()
+        };
+        let disk = self.disk.as_ref().expect("checked above");
+        {
+            let mut p = disk.shared.pending.lock();
+            for w in &writes {
+                p.add(w.host, w.disk);
+            }
+        }
+        let jobs = disk.jobs.as_ref().expect("open while the worker lives");
+        for chunk in writes.chunks(64) {
+            if jobs.send(chunk.to_vec()).is_err() {
+                let mut p = disk.shared.pending.lock();
+                for w in chunk {
+                    p.done(w.host, w.disk);
+                }
+                disk.shared.pending_cv.notify_all();
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads disk blocks into host blocks now (after the queued writes of those slots and the
+    /// offloads into those host blocks); returns the host blocks that missed, which later
+    /// onboards report as failed instead of copying.
+    pub fn disk_read(&mut self, reads: &[DiskRead]) -> Result<Vec<u32>, CoreError> {
+        if reads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(disk) = &self.disk else {
+            return Err(CoreError::InvalidArgument(
+                "disk reads for a worker without a disk tier".into(),
+            ));
+        };
+        let (hosts, slots) = (self.host_blocks(), disk.shared.store.slots());
+        if let Some(r) = reads
+            .iter()
+            .find(|r| r.host as usize >= hosts || r.disk as usize >= slots)
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "disk block {} / host block {} outside {slots} disk / {hosts} host blocks",
+                r.disk, r.host
+            )));
+        }
+        let touched: HashSet<u32> = reads.iter().map(|r| r.host).collect();
+        self.wait_offloads_touching(&touched);
+        self.wait_blocks_ready(reads.iter().map(|r| r.host))?;
+        let disk = self.disk.as_ref().expect("checked above");
+        let missed = disk.shared.read_into_host(reads);
+        let mut bad = self.bad_host.lock();
+        for r in reads {
+            bad.remove(&r.host);
+        }
+        bad.extend(missed.iter().copied());
+        Ok(missed)
+    }
+
+    /// Queues an asynchronous onboard (disk reads into staging host blocks, then host blocks
+    /// into GPU blocks) after the offloads into any of its host blocks completed; several run
+    /// at once. [`Self::poll_async`] reports it when done.
+    pub fn onboard_async(&mut self, job: AsyncOnboard) -> Result<(), CoreError> {
+        self.check_pairs(job.pairs.iter().copied())?;
+        let slots = self.disk_blocks();
+        if let Some(r) = job.disk_reads.iter().find(|r| {
+            (self.disk.is_some() && r.disk as usize >= slots)
+                || r.host as usize >= self.host_blocks()
+        }) {
+            return Err(CoreError::InvalidArgument(format!(
+                "disk block {} / host block {} outside {slots} disk / {} host blocks",
+                r.disk,
+                r.host,
+                self.host_blocks()
+            )));
+        }
+        let hosts: HashSet<u32> = job
+            .disk_reads
+            .iter()
+            .map(|r| r.host)
+            .chain(job.pairs.iter().map(|&(h, _)| h))
+            .collect();
+        self.wait_offloads_touching(&hosts);
+        let loaders = self.loaders.as_ref().expect("present until dropped");
+        *loaders.context.busy.lock() += 1;
+        let sent = loaders
+            .jobs
+            .as_ref()
+            .expect("open while the worker lives")
+            .send(job);
+        if sent.is_err() {
+            *loaders.context.busy.lock() -= 1;
+            return Err(CoreError::EngineClosed);
+        }
+        Ok(())
+    }
+
+    /// Waits until every asynchronous onboard queued so far finished.
+    pub fn wait_async(&self) {
+        let context = &self.loaders.as_ref().expect("present until dropped").context;
+        let mut n = context.busy.lock();
+        while *n > 0 {
+            context.busy_cv.wait(&mut n);
+        }
+    }
+
+    /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).
+    pub fn poll_async(&mut self) -> Vec<(String, Vec<u32>)> {
+        let context = &self.loaders.as_ref().expect("present until dropped").context;
+        std::mem::take(&mut *context.done.lock())
+    }
+
+    /// Waits until every queued disk write finished.
+    pub fn wait_disk(&self) {
+        if let Some(disk) = &self.disk {
+            let mut p = disk.shared.pending.lock();
+            while !p.by_slot.is_empty() {
+                disk.shared.pending_cv.wait(&mut p);
+            }
+        }
+    }
+
+    /// Waits up to `timeout` until the whole host pool is pinned; returns whether it is.
+    pub fn wait_host_ready(&self, timeout: Duration) -> bool {
+        self.host.wait_ready(self.host.len(), timeout)
+    }
+
+    /// Keeps the stream of `direction` from starting further copies until the returned hold
+    /// drops (emulated device only; for tests that need a copy in flight).
+    pub fn hold_stream(&self, direction: Direction) -> Result<kvbm_cuda::StreamHold, CoreError> {
+        Ok(self.copies.stream(direction).hold()?)
+    }
+
+    // -- internals ------------------------------------------------------------------------
+
+    /// Checks `(host, gpu)` pairs against the pools' sizes.
+    fn check_pairs(&self, pairs: impl Iterator<Item = (u32, u32)>) -> Result<(), CoreError> {
+        let (nh, ng) = (self.host_blocks(), self.gpu.num_blocks());
+        for (h, g) in pairs {
+            if h as usize >= nh || g as usize >= ng {
+                return Err(CoreError::InvalidArgument(format!(
+                    "host block {h} / GPU block {g} outside {nh} host / {ng} GPU blocks"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_offloads_where(&mut self, pick: impl Fn(&PendingOffload) -> bool) -> usize {
+        let (chosen, rest): (Vec<PendingOffload>, Vec<PendingOffload>) =
+            std::mem::take(&mut self.offloads).into_iter().partition(pick);
+        self.offloads = rest;
+        if chosen.is_empty() {
+            return 0;
+        }
+        let n = chosen.len();
+        for o in chosen {
+            let outcome = o.ticket.wait();
+            self.settle(o, &outcome);
+        }
+        self.offload_waits += 1;
+        n
+    }
+
+    /// Waits until the host blocks' memory is pinned.
+    fn wait_blocks_ready(&self, blocks: impl Iterator<Item = u32>) -> Result<(), CoreError> {
+        let Some(last) = blocks.max() else {
+            return Ok(());
+        };
+        let end = (last as usize + 1) * self.kv.host_stride_bytes();
+        if self.host.ready_bytes() >= end || self.host.wait_ready(end, self.ready_timeout) {
+            return Ok(());
+        }
+        Err(CoreError::TransferFailed(format!(
+            "host memory not pinned after {:?} ({} of {end} bytes ready)",
+            self.ready_timeout,
+            self.host.ready_bytes()
+        )))
+    }
+
+    fn settle(&mut self, offload: PendingOffload, outcome: &crate::copy::CopyOutcome) {
+        self.bytes_offloaded += outcome.bytes;
+        let failed_blocks: usize = outcome.failed.iter().map(|r| r.len()).sum();
+        add(
+            &self.metrics.offload_blocks_d2h,
+            (offload.pairs.len() - failed_blocks) as u64,
+        );
+        if !outcome.failed.is_empty() {
+            let mut bad = self.bad_host.lock();
+            for r in &outcome.failed {
+                bad.extend(offload.pairs[r.clone()].iter().map(|&(_, h)| h));
+            }
+        }
+        for r in offload.requests {
+            if let Some(n) = self.offload_pending.get_mut(&r) {
+                *n -= 1;
+                if *n == 0 {
+                    self.offload_pending.remove(&r);
+                    self.offload_done.push(r);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Loaders first (they copy), then the writer (it reads the host pool), then the copies.
+        self.loaders.take();
+        self.disk.take();
+        self.copies.wait_idle();
+    }
+}
+
+/// Opens this rank's cache file (it starts empty for the leader, which knows of no block in it)
+/// and starts its writer; the host pool gets registered for fixed-buffer I/O once pinned.
+fn open_disk(
+    options: &DiskOptions,
+    kv: KvLayout,
+    geometry_id: u64,
+    host_layout: &BlockLayout,
+    host: &HostRegion,
+    metrics: &Arc<Metrics>,
+) -> Result<DiskSide, CoreError> {
+    let (store, _recovered) = DiskStore::open(
+        &options.dir,
+        &options.file_name,
+        store_options(options, kv, geometry_id),
+    )
+    .map_err(|e| {
+        CoreError::Disk(format!(
+            "disk cache {}: {e}",
+            options.dir.join(&options.file_name).display()
+        ))
+    })?;
+    let shared = Arc::new(DiskShared {
+        store,
+        host_layout: host_layout.clone(),
+        host_region: host.clone(),
+        pending: Mutex::new(DiskPending::default()),
+        pending_cv: Condvar::new(),
+        metrics: metrics.clone(),
+        registered: Mutex::new(None),
+    });
+    let weak = Arc::downgrade(&shared);
+    std::thread::Builder::new()
+        .name("kvbm-worker-disk-register".into())
+        .spawn(move || register_when_ready(weak))
+        .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
+    let (jobs, receiver) =
+        crossbeam_channel::bounded::<Vec<DiskWrite>>(DISK_WRITES_QUEUED_MAX / 64);
+    let writer = shared.clone();
+    let thread = std::thread::Builder::new()
+        .name("kvbm-worker-disk".into())
+        .spawn(move || {
+            for batch in receiver {
+                writer.write_batch(batch);
+            }
+        })
+        .map_err(|e| CoreError::Disk(format!("cannot start the disk writer: {e}")))?;
+    Ok(DiskSide {
+        shared,
+        jobs: Some(jobs),
+        thread: Some(thread),
+    })
+}
+
+/// Waits (without keeping the disk side alive) until the host pool is pinned, then registers it
+/// with the disk engine for fixed-buffer I/O.
+fn register_when_ready(weak: Weak<DiskShared>) {
+    let started = Instant::now();
+    loop {
+        let Some(shared) = weak.upgrade() else { return };
+        let region = &shared.host_region;
+        if region.wait_ready(region.len(), Duration::from_millis(100)) {
+            let ok = match handoff::register_host_region(&shared.store, &shared.host_layout, region)
+            {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::warn!(error = %err, "could not register the host pool for disk I/O; going on without");
+                    false
+                }
+            };
+            tracing::debug!(ok, after = ?started.elapsed(), "host pool registration for disk I/O");
+            *shared.registered.lock() = Some(ok);
+            return;
+        }
+    }
+}
+
+fn start_loaders(context: Arc<LoaderContext>, threads: usize) -> Result<Loaders, CoreError> {
+    let (jobs, receiver) = crossbeam_channel::bounded::<AsyncOnboard>(ASYNC_ONBOARDS_QUEUED_MAX);
+    let mut handles = Vec::with_capacity(threads);
+    for i in 0..threads {
+        let receiver = receiver.clone();
+        let context = context.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("kvbm-onboard-{i}"))
+            .spawn(move || {
+                for job in receiver {
+                    let failed = context.run(&job);
+                    context.done.lock().push((job.request, failed));
+                    let mut busy = context.busy.lock();
+                    *busy -= 1;
+                    context.busy_cv.notify_all();
+                }
+            })
+            .map_err(|e| CoreError::InvalidArgument(format!("cannot start a loader: {e}")))?;
+        handles.push(handle);
+    }
+    Ok(Loaders {
+        context,
+        jobs: Some(jobs),
+        threads: handles,
+    })
+}

@@ -1,0 +1,315 @@
+//! The split engine end to end in one process: the leader plans each step, the plan crosses as
+//! MessagePack bytes, the worker executes it on the emulated device (copy engine, zero-copy
+//! disk hand-off) and every byte is checked. Also: malformed plans, ids outside the pools,
+//! corrupt disk blocks, failed copies, several asynchronous onboards at once.
+
+use std::sync::Arc;
+
+use kvbm_core::layout::{GpuLayout, PhysicalLayout};
+use kvbm_core::{
+    BlockLayout, DiskOptions, KvLayout, Leader, Metrics, StepPlan, TokenRun, Worker,
+    WorkerOptions,
+};
+use kvbm_cuda::{Device, Direction, GpuRegion};
+use rand::{RngCore, SeedableRng};
+
+const B: usize = 4;
+
+struct Rig {
+    leader: Leader,
+    worker: Worker,
+    gpu: GpuRegion,
+    layout: BlockLayout,
+    metrics: Arc<Metrics>,
+    _dir: tempfile::TempDir,
+}
+
+fn kv() -> KvLayout {
+    KvLayout::new(3, 2, B, 16, 2).unwrap()
+}
+
+fn rig(layout: &str, gpu_blocks: usize, host_blocks: usize, disk_blocks: usize) -> Rig {
+    let device = Device::emulated();
+    let kv = kv();
+    let gpu_layout = GpuLayout::Paged {
+        layout: layout.parse::<PhysicalLayout>().unwrap(),
+        num_heads: 2,
+    };
+    let [bytes] = gpu_layout.allocation_bytes(&kv, gpu_blocks)[..] else {
+        panic!("one allocation")
+    };
+    let gpu = device.alloc_gpu(bytes).unwrap();
+    let mut noise = vec![0u8; bytes];
+    rand::rngs::SmallRng::seed_from_u64(7).fill_bytes(&mut noise);
+    gpu.write(0, &noise).unwrap();
+    let layout = gpu_layout.place(kv, gpu_blocks, &[gpu.addr()]).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(Metrics::default());
+    let options = WorkerOptions {
+        host_blocks,
+        disk: (disk_blocks > 0).then(|| DiskOptions {
+            dir: dir.path().join("cache"),
+            file_name: "kvbm-rank0.cache".into(),
+            blocks: disk_blocks,
+            disable_o_direct: false,
+            filter_disabled: true,
+            queue_depth: 8,
+            engine: Default::default(),
+        }),
+        ..Default::default()
+    };
+    let worker = Worker::new(
+        device,
+        kv,
+        layout.clone(),
+        vec![gpu.clone()],
+        options,
+        metrics.clone(),
+    )
+    .unwrap();
+    assert!(worker.wait_host_ready(std::time::Duration::from_secs(30)));
+    Rig {
+        leader: Leader::new(B, host_blocks, disk_blocks, true).unwrap(),
+        worker,
+        gpu,
+        layout,
+        metrics,
+        _dir: dir,
+    }
+}
+
+impl Rig {
+    /// The bytes of GPU block `b`, in canonical order.
+    fn block(&self, b: u32) -> Vec<u8> {
+        let mut out = vec![0u8; kv().bytes_per_block()];
+        self.layout.for_each_run(b as usize, |addr, offset, len, _| {
+            self.gpu
+                .read(
+                    (addr - self.gpu.addr()) as usize,
+                    &mut out[offset..offset + len],
+                )
+                .unwrap();
+        });
+        out
+    }
+
+    /// Runs one step: the leader's plan through bytes into the worker, in vLLM 0.33's order.
+    fn step(&mut self, preempted: Vec<String>) -> StepPlan {
+        let plan = self.leader.take_plan(preempted).unwrap();
+        let plan = StepPlan::from_bytes(&plan.to_bytes()).unwrap();
+        self.worker.bind(plan.clone());
+        self.worker.handle_preemptions();
+        self.worker.start_onboards().unwrap();
+        for layer in 0..self.worker.num_tensors() {
+            self.worker.wait_layer(layer).unwrap();
+        }
+        self.worker.start_offloads().unwrap();
+        self.worker.clear();
+        plan
+    }
+}
+
+fn tokens(first: u32, blocks: usize) -> TokenRun {
+    TokenRun {
+        tokens: (first..first + (blocks * B) as u32).collect(),
+        parent: None,
+        lora_name: None,
+        salt: None,
+    }
+}
+
+#[test]
+fn offload_then_onboard_moves_every_byte_in_each_layout() {
+    for layout in ["BLNHC", "LBNHC", "LHBNC", "BHLNC"] {
+        let mut r = rig(layout, 16, 8, 0);
+        let before: Vec<Vec<u8>> = (0..3).map(|b| r.block(b)).collect();
+        let done = r
+            .leader
+            .plan_offloads(vec![("a".into(), tokens(0, 3), vec![0, 1, 2])])
+            .unwrap();
+        assert_eq!(done[0].1, 3);
+        let hashes = done[0].0.clone();
+        let plan = r.step(vec![]);
+        assert_eq!(plan.offloads[0].pairs.len(), 3);
+        r.worker.wait_offloads();
+        // Finished after its offloads: reported in finished_sending.
+        let (sending, _) = r.worker.get_finished(&["a".to_string()]);
+        assert_eq!(sending, vec!["a".to_string()], "{layout}");
+        // Another request with the same prefix gets it onboarded into its own GPU blocks.
+        let got = r
+            .leader
+            .plan_onboard("b", &hashes, &[9, 10, 11], false)
+            .unwrap();
+        assert_eq!(got, 3);
+        r.step(vec![]);
+        for (i, g) in [9u32, 10, 11].iter().enumerate() {
+            assert_eq!(r.block(*g), before[i], "{layout}: block {i}");
+        }
+        assert!(r.worker.take_failed().is_empty());
+        let m = r.metrics.snapshot();
+        assert_eq!((m.offload_blocks_d2h, m.onboard_blocks_h2d), (3, 3));
+        assert_eq!(m.bytes_d2h, 3 * kv().bytes_per_block() as u64);
+    }
+}
+
+#[test]
+fn disk_round_trip_is_zero_copy_and_byte_exact_and_async_onboards_overlap() {
+    let mut r = rig("BLNHC", 32, 6, 16);
+    let before: Vec<Vec<u8>> = (0..4).map(|b| r.block(b)).collect();
+    let done = r
+        .leader
+        .plan_offloads(vec![("a".into(), tokens(0, 4), vec![0, 1, 2, 3])])
+        .unwrap();
+    let hashes = done[0].0.clone();
+    // With the filter off every host block is admitted to disk at once.
+    let plan = r.step(vec![]);
+    assert_eq!(plan.disk_writes.len(), 4);
+    r.worker.wait_disk();
+    assert_eq!(r.metrics.snapshot().offload_blocks_h2d, 4);
+    // Push the blocks out of the host tier with other blocks (once their holds ended), so the
+    // onboard comes from disk.
+    for _ in 0..3 {
+        r.step(vec![]);
+    }
+    r.leader
+        .plan_offloads(vec![("x".into(), tokens(1000, 6), (20..26).collect())])
+        .unwrap();
+    r.step(vec![]);
+    r.worker.wait_offloads();
+    r.worker.wait_disk();
+    for _ in 0..3 {
+        r.step(vec![]);
+    }
+    let (on_host, on_disk) = r.leader.count_prefix_tiers(&hashes);
+    assert_eq!(on_host, 0);
+    assert!(on_disk >= 2, "{on_disk} blocks left on disk");
+    // Two asynchronous onboards of the same prefix into different GPU blocks, at once.
+    let n = on_disk.min(3);
+    r.leader
+        .plan_onboard("b", &hashes[..n], &[10, 11, 12][..n], true)
+        .unwrap();
+    r.step(vec![]);
+    r.worker.wait_async();
+    let (_, recving) = r.worker.get_finished(&[]);
+    assert_eq!(recving, vec!["b".to_string()]);
+    assert!(r.worker.take_failed().is_empty());
+    for i in 0..n {
+        assert_eq!(r.block(10 + i as u32), before[i], "block {i} from disk");
+    }
+    assert!(r.metrics.snapshot().onboard_blocks_d2d >= n as u64);
+    assert_eq!(r.metrics.snapshot().disk_cache_hit_rate, 1.0);
+}
+
+#[test]
+fn a_corrupt_disk_block_is_a_failed_block_never_data() {
+    let mut r = rig("LBNHC", 16, 4, 8);
+    let done = r
+        .leader
+        .plan_offloads(vec![("a".into(), tokens(0, 2), vec![0, 1])])
+        .unwrap();
+    let hashes = done[0].0.clone();
+    r.step(vec![]);
+    r.worker.wait_offloads();
+    r.worker.wait_disk();
+    // Evict the host copies (once their holds ended), then plan the onboard from disk.
+    for _ in 0..3 {
+        r.step(vec![]);
+    }
+    r.leader
+        .plan_offloads(vec![("x".into(), tokens(500, 4), vec![4, 5, 6, 7])])
+        .unwrap();
+    for _ in 0..4 {
+        r.step(vec![]);
+    }
+    r.worker.wait_offloads();
+    r.worker.wait_disk();
+    assert_eq!(r.leader.count_prefix_tiers(&hashes), (0, 2));
+    let before_target = r.block(12);
+    let before_source = r.block(1);
+    let got = r.leader.plan_onboard("b", &hashes, &[12, 13], false).unwrap();
+    assert_eq!(got, 2);
+    let plan = r.leader.take_plan(vec![]).unwrap();
+    assert_eq!(plan.disk_reads.len(), 2);
+    // The cache file: a 4 KiB superblock, then slots of (4 KiB header + payload area). Flip a
+    // payload byte of the slot block 0 is read from.
+    let path = r._dir.path().join("cache").join("kvbm-rank0.cache");
+    let slots = r.worker.disk_blocks() as u64;
+    let slot_bytes = (std::fs::metadata(&path).unwrap().len() - 4096) / slots;
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let at = 4096 + u64::from(plan.disk_reads[0].disk) * slot_bytes + 4096 + 123;
+        let mut byte = [0u8];
+        f.read_exact_at(&mut byte, at).unwrap();
+        f.write_all_at(&[byte[0] ^ 0xFF], at).unwrap();
+    }
+    r.worker.bind(plan);
+    r.worker.start_onboards().unwrap();
+    r.worker.wait_onboards().unwrap();
+    assert_eq!(r.worker.take_failed(), vec![12], "exactly the corrupt block fails");
+    assert_eq!(r.block(12), before_target, "nothing copied into the failed block");
+    assert_eq!(r.block(13), before_source, "the other block is served");
+}
+
+#[test]
+fn malformed_plans_and_ids_outside_the_pools_are_refused_and_lose_nothing() {
+    let mut r = rig("BLNHC", 8, 4, 0);
+    assert!(StepPlan::from_bytes(b"\x93\x01").is_err());
+    let before = r.block(1);
+    let bad = StepPlan {
+        offloads: vec![kvbm_core::Offload {
+            request: "a".into(),
+            pairs: vec![(1, 4)],
+        }],
+        ..Default::default()
+    };
+    r.worker.bind(bad);
+    assert!(r.worker.start_offloads().is_err());
+    let bad = StepPlan {
+        onboards: vec![kvbm_core::Onboard {
+            request: "a".into(),
+            pairs: vec![(0, 8)],
+        }],
+        ..Default::default()
+    };
+    r.worker.bind(bad);
+    assert!(r.worker.start_onboards().is_err());
+    let disk = StepPlan {
+        disk_writes: vec![kvbm_core::DiskWrite {
+            host: 0,
+            disk: 0,
+            key: 1,
+            identity: vec![],
+        }],
+        ..Default::default()
+    };
+    r.worker.bind(disk);
+    assert!(r.worker.start_offloads().is_err(), "no disk tier");
+    assert_eq!(r.block(1), before);
+    assert_eq!(r.worker.stats().offloads_in_flight, 0);
+}
+
+#[test]
+fn preemption_waits_for_the_offloads_reading_the_preempted_blocks() {
+    let mut r = rig("BLNHC", 8, 4, 0);
+    let before = r.block(2);
+    r.leader
+        .plan_offloads(vec![("p".into(), tokens(0, 1), vec![2])])
+        .unwrap();
+    let hold = r.worker.hold_stream(Direction::DeviceToHost).unwrap();
+    r.step(vec![]);
+    assert_eq!(r.worker.stats().offloads_in_flight, 1);
+    drop(hold);
+    // The next step preempts "p": handle_preemptions returns only once its offload is done, so
+    // vLLM may overwrite GPU block 2 right after.
+    let plan = r.leader.take_plan(vec!["p".into()]).unwrap();
+    r.worker.bind(plan);
+    assert_eq!(r.worker.handle_preemptions(), 1);
+    assert_eq!(r.worker.stats().offloads_in_flight, 0);
+    r.gpu.write(0, &vec![0u8; 64]).unwrap(); // vLLM reuses the blocks
+    let hashes = Leader::hash_runs(B, &[tokens(0, 1)]).unwrap().remove(0);
+    r.worker.clear();
+    r.leader.plan_onboard("q", &hashes, &[5], false).unwrap();
+    r.step(vec![]);
+    assert_eq!(r.block(5), before);
+}
