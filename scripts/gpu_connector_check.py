@@ -106,8 +106,8 @@ def check(kind):
         ref = {n: [block(t, kind, b) for b in range(half)] for n, t in list(caches.items())[:4]}
         nbytes = half * w.bytes_per_block
         t0 = time.perf_counter()
-        w.save([(b, b) for b in range(half)], ["check"])
-        w.wait_saves()
+        w.offload([(b, b) for b in range(half)], ["check"])
+        w.wait_offloads()
         d2h = nbytes / (time.perf_counter() - t0) / 1e9
         # Into other GPU blocks (the upper half), after scribbling over them.
         for t in caches.values():
@@ -115,8 +115,8 @@ def check(kind):
                 zero(t, kind, b)
         sync()
         t0 = time.perf_counter()
-        w.load([(b, half + b) for b in range(half)])
-        ok = w.wait_loads()
+        w.onboard([(b, half + b) for b in range(half)])
+        ok = w.wait_onboards()
         h2d = nbytes / (time.perf_counter() - t0) / 1e9
         mismatches = sum(
             0 if equal(block(caches[n], kind, half + b), ref[n][b]) else 1 for n in ref for b in range(half)
@@ -135,8 +135,8 @@ def check(kind):
             for b in range(half, half + DISK):
                 zero(t, kind, b)
         sync()
-        w.load([(staging[b], half + b) for b in range(DISK)])
-        ok &= w.wait_loads()
+        w.onboard([(staging[b], half + b) for b in range(DISK)])
+        ok &= w.wait_onboards()
         disk_mismatches = sum(
             0 if equal(block(caches[n], kind, half + b), ref[n][b]) else 1 for n in ref for b in range(DISK)
         )

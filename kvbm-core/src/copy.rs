@@ -171,10 +171,18 @@ struct InFlight {
     started: Instant,
 }
 
+/// One direction's queues: each stream is independent, so a stalled stream never holds up the
+/// other's completions.
 #[derive(Default)]
-struct EngineState {
+struct Lane {
     pending: VecDeque<Batch>,
     inflight: VecDeque<InFlight>,
+}
+
+#[derive(Default)]
+struct EngineState {
+    /// Device-to-host, then host-to-device.
+    lanes: [Lane; 2],
     /// Batches that failed to launch from a submitting thread, for the progress thread to
     /// settle (a submitter may hold locks the callbacks take).
     failed: Vec<(Batch, BatchDone)>,
@@ -196,10 +204,20 @@ struct Shared {
     done_cv: Condvar,
 }
 
+fn lane_of(direction: Direction) -> usize {
+    match direction {
+        Direction::DeviceToHost => 0,
+        Direction::HostToDevice => 1,
+    }
+}
+
+const DIRECTIONS: [Direction; 2] = [Direction::DeviceToHost, Direction::HostToDevice];
+
 /// Moves blocks between the GPU and the host pool, in bounded batches.
 pub struct CopyEngine {
     shared: Arc<Shared>,
-    thread: Option<JoinHandle<()>>,
+    /// One progress thread per direction.
+    threads: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for CopyEngine {
@@ -249,15 +267,28 @@ impl CopyEngine {
             work_cv: Condvar::new(),
             done_cv: Condvar::new(),
         });
-        let thread_shared = shared.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvbm-copy".into())
-            .spawn(move || progress_loop(&thread_shared))
-            .map_err(|e| CoreError::InvalidArgument(format!("cannot start the copy thread: {e}")))?;
-        Ok(Self {
-            shared,
-            thread: Some(thread),
-        })
+        let mut threads = Vec::with_capacity(2);
+        for direction in DIRECTIONS {
+            let thread_shared = shared.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("kvbm-copy-{}", direction.as_str()))
+                .spawn(move || progress_loop(&thread_shared, direction))
+                .map_err(|e| {
+                    CoreError::InvalidArgument(format!("cannot start the copy thread: {e}"))
+                });
+            match thread {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    shared.state.lock().shutdown = true;
+                    shared.work_cv.notify_all();
+                    for t in threads {
+                        let _ = t.join();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Self { shared, threads })
     }
 
     /// The engine's limits.
@@ -288,13 +319,13 @@ impl CopyEngine {
         pairs.div_ceil(self.shared.limits.batch_blocks_max)
     }
 
-    /// Batches that can be queued now without waiting.
-    pub fn room(&self) -> usize {
+    /// Batches that can be queued in `direction` now without waiting.
+    pub fn room(&self, direction: Direction) -> usize {
         let state = self.shared.state.lock();
         self.shared
             .limits
             .pending_max
-            .saturating_sub(state.pending.len())
+            .saturating_sub(state.lanes[lane_of(direction)].pending.len())
     }
 
     /// Queues `job`. Every pair is checked against both sides' block counts first (an
@@ -328,14 +359,16 @@ impl CopyEngine {
         if batches == 0 {
             return Ok(ticket);
         }
+        let lane = lane_of(job.direction);
         let mut state = shared.state.lock();
         loop {
             if state.shutdown {
                 return Err(CoreError::EngineClosed);
             }
-            let room = shared.limits.pending_max.saturating_sub(state.pending.len());
+            let queued = state.lanes[lane].pending.len();
+            let room = shared.limits.pending_max.saturating_sub(queued);
             // A job larger than the whole queue goes in once the queue is empty.
-            if room >= batches || (state.pending.is_empty() && wait_for_room) {
+            if room >= batches || (queued == 0 && wait_for_room) {
                 break;
             }
             if !wait_for_room {
@@ -347,7 +380,7 @@ impl CopyEngine {
         }
         let on_batch = on_batch.map(Arc::new);
         for (i, chunk) in job.pairs.chunks(per).enumerate() {
-            state.pending.push_back(Batch {
+            state.lanes[lane].pending.push_back(Batch {
                 direction: job.direction,
                 pairs: chunk.to_vec(),
                 stage: job.stage,
@@ -356,17 +389,19 @@ impl CopyEngine {
                 on_batch: on_batch.clone(),
             });
         }
-        let failed = launch_ready(shared, &mut state);
+        let failed = launch_ready(shared, &mut state, job.direction);
         state.failed.extend(failed);
-        shared.work_cv.notify_one();
+        shared.work_cv.notify_all();
         Ok(ticket)
     }
 
     /// Waits until no batch is queued, in flight or settling.
     pub fn wait_idle(&self) {
         let mut state = self.shared.state.lock();
-        while !(state.pending.is_empty()
-            && state.inflight.is_empty()
+        while !(state
+            .lanes
+            .iter()
+            .all(|l| l.pending.is_empty() && l.inflight.is_empty())
             && state.failed.is_empty()
             && state.settling == 0)
         {
@@ -377,7 +412,9 @@ impl CopyEngine {
     /// (queued, in flight) batches now.
     pub fn queue_depths(&self) -> (usize, usize) {
         let state = self.shared.state.lock();
-        (state.pending.len(), state.inflight.len())
+        state.lanes.iter().fold((0, 0), |(p, i), l| {
+            (p + l.pending.len(), i + l.inflight.len())
+        })
     }
 }
 
@@ -387,7 +424,7 @@ impl Drop for CopyEngine {
         self.wait_idle();
         self.shared.state.lock().shutdown = true;
         self.shared.work_cv.notify_all();
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
@@ -421,17 +458,22 @@ fn build_transfer(src: &CopySide, dst: &CopySide, batch: &Batch) -> Result<Trans
     Ok(transfer)
 }
 
-/// Submits queued batches while stream slots are free; returns the batches that failed to
-/// submit (to settle once the lock is released).
-fn launch_ready(shared: &Shared, state: &mut EngineState) -> Vec<(Batch, BatchDone)> {
+/// Submits `direction`'s queued batches while its stream slots are free; returns the batches
+/// that failed to submit (to settle once the lock is released).
+fn launch_ready(
+    shared: &Shared,
+    state: &mut EngineState,
+    direction: Direction,
+) -> Vec<(Batch, BatchDone)> {
     let mut failed = Vec::new();
-    while state.inflight.len() < shared.limits.inflight_max {
-        let Some(batch) = state.pending.pop_front() else {
+    let lane = &mut state.lanes[lane_of(direction)];
+    let (src, dst, stream) = match direction {
+        Direction::DeviceToHost => (&shared.gpu, &shared.host, &shared.d2h),
+        Direction::HostToDevice => (&shared.host, &shared.gpu, &shared.h2d),
+    };
+    while lane.inflight.len() < shared.limits.inflight_max {
+        let Some(batch) = lane.pending.pop_front() else {
             break;
-        };
-        let (src, dst, stream) = match batch.direction {
-            Direction::DeviceToHost => (&shared.gpu, &shared.host, &shared.d2h),
-            Direction::HostToDevice => (&shared.host, &shared.gpu, &shared.h2d),
         };
         let submitted = build_transfer(src, dst, &batch).and_then(|t| {
             let bytes = t.bytes();
@@ -441,14 +483,13 @@ fn launch_ready(shared: &Shared, state: &mut EngineState) -> Vec<(Batch, BatchDo
                 .map_err(CoreError::from)
         });
         match submitted {
-            Ok((completion, bytes)) => state.inflight.push_back(InFlight {
+            Ok((completion, bytes)) => lane.inflight.push_back(InFlight {
                 batch,
                 completion,
                 bytes,
                 started: Instant::now(),
             }),
             Err(err) => {
-                state.settling += 1;
                 let done = BatchDone {
                     range: batch.range.clone(),
                     latency: Duration::ZERO,
@@ -459,6 +500,7 @@ fn launch_ready(shared: &Shared, state: &mut EngineState) -> Vec<(Batch, BatchDo
             }
         }
     }
+    state.settling += failed.len();
     failed
 }
 
@@ -499,23 +541,27 @@ fn settle(shared: &Shared, finished: Vec<(Batch, BatchDone)>) {
     shared.done_cv.notify_all();
 }
 
-fn progress_loop(shared: &Shared) {
+/// `direction`'s progress thread: waits on its oldest batch in flight (one stream completes in
+/// order) with no lock held, settles what finished, launches what waits. The thread of the
+/// device-to-host lane also settles batches that failed to launch from a submitter.
+fn progress_loop(shared: &Shared, direction: Direction) {
+    let lane = lane_of(direction);
     loop {
         let oldest = {
             let mut state = shared.state.lock();
             loop {
-                if !state.failed.is_empty() {
+                if lane == 0 && !state.failed.is_empty() {
                     let failed = std::mem::take(&mut state.failed);
                     drop(state);
                     settle(shared, failed);
                     state = shared.state.lock();
                     continue;
                 }
-                if let Some(front) = state.inflight.front() {
+                if let Some(front) = state.lanes[lane].inflight.front() {
                     break front.completion.clone();
                 }
-                if !state.pending.is_empty() {
-                    let failed = launch_ready(shared, &mut state);
+                if !state.lanes[lane].pending.is_empty() {
+                    let failed = launch_ready(shared, &mut state, direction);
                     if !failed.is_empty() {
                         drop(state);
                         settle(shared, failed);
@@ -535,9 +581,10 @@ fn progress_loop(shared: &Shared) {
         let mut finished = Vec::new();
         {
             let mut state = shared.state.lock();
+            let inflight = &mut state.lanes[lane].inflight;
             let mut i = 0;
-            while i < state.inflight.len() {
-                let error = match state.inflight[i].completion.poll() {
+            while i < inflight.len() {
+                let error = match inflight[i].completion.poll() {
                     Ok(false) => {
                         i += 1;
                         continue;
@@ -545,8 +592,7 @@ fn progress_loop(shared: &Shared) {
                     Ok(true) => None,
                     Err(e) => Some(CoreError::TransferFailed(e.to_string())),
                 };
-                let f = state.inflight.remove(i).expect("index in range");
-                state.settling += 1;
+                let f = inflight.remove(i).expect("index in range");
                 let done = BatchDone {
                     range: f.batch.range.clone(),
                     latency: f.started.elapsed(),
@@ -555,7 +601,8 @@ fn progress_loop(shared: &Shared) {
                 };
                 finished.push((f.batch, done));
             }
-            let failed = launch_ready(shared, &mut state);
+            state.settling += finished.len();
+            let failed = launch_ready(shared, &mut state, direction);
             finished.extend(failed);
         }
         settle(shared, finished);

@@ -316,7 +316,7 @@ impl TransferEngine {
         // only grow before the submission below.
         let room_blocks = self
             .copies
-            .room()
+            .room(Direction::DeviceToHost)
             .saturating_mul(self.copies.limits().batch_blocks_max);
         let targets = shared
             .host

@@ -39,6 +39,9 @@ use crate::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan};
 use crate::transfer::TransferLimits;
 use crate::CoreError;
 
+/// Block pairs: `(gpu, host)` for offloads, `(host, gpu)` for onboards.
+type Pairs = Vec<(u32, u32)>;
+
 /// Disk writes queued for the writer at most; a step with more waits for it to catch up.
 pub const DISK_WRITES_QUEUED_MAX: usize = 1024;
 /// Asynchronous onboards queued at most; more wait for a loader.
@@ -164,20 +167,28 @@ impl DiskShared {
         }
         let items: Vec<(u32, u64, u32)> = reads.iter().map(|r| (r.disk, r.key, r.host)).collect();
         add(&self.metrics.disk_lookup_blocks, reads.len() as u64);
-        let missed: Vec<u32> =
-            match handoff::read_host_ids(&self.store, &self.host_layout, &self.host_region, &items)
-            {
-                Ok(lookups) => reads
-                    .iter()
-                    .zip(lookups)
-                    .filter(|(_, l)| !matches!(l, Lookup::Hit))
-                    .map(|(r, _)| r.host)
-                    .collect(),
-                Err(err) => {
-                    tracing::warn!(error = %err, blocks = reads.len(), "disk read failed");
-                    reads.iter().map(|r| r.host).collect()
+        let read = |items: &[(u32, u64, u32)]| {
+            handoff::read_host_ids(&self.store, &self.host_layout, &self.host_region, items)
+        };
+        let mut lookups = read(&items).unwrap_or_else(|err| {
+            tracing::warn!(error = %err, blocks = reads.len(), "disk read refused");
+            vec![Lookup::Miss(kvbm_disk::Miss::Io(err.to_string())); items.len()]
+        });
+        // One failed I/O fails the reads submitted with it: read those block by block to tell
+        // exactly which missed.
+        for (item, lookup) in items.iter().zip(lookups.iter_mut()) {
+            if matches!(lookup, Lookup::Miss(kvbm_disk::Miss::Io(_))) {
+                if let Ok(mut one) = read(std::slice::from_ref(item)) {
+                    *lookup = one.remove(0);
                 }
-            };
+            }
+        }
+        let missed: Vec<u32> = reads
+            .iter()
+            .zip(&lookups)
+            .filter(|(_, l)| !matches!(l, Lookup::Hit))
+            .map(|(r, _)| r.host)
+            .collect();
         add(
             &self.metrics.disk_hit_blocks,
             (reads.len() - missed.len()) as u64,
@@ -279,7 +290,7 @@ impl LoaderContext {
             }
             bad.extend(missed);
         }
-        let (bad, good): (Vec<(u32, u32)>, Vec<(u32, u32)>) = {
+        let (bad, good): (Pairs, Pairs) = {
             let bad_host = self.bad_host.lock();
             job.pairs.iter().partition(|(h, _)| bad_host.contains(h))
         };
@@ -416,6 +427,12 @@ impl std::fmt::Debug for Worker {
 pub fn open_device(choice: &str, index: usize) -> Result<Device, CoreError> {
     let choice: BackendChoice = choice.parse()?;
     Ok(Device::open(choice, index)?)
+}
+
+/// The kind of device this process would use for rank 0 (`KVBM_DEVICE`, or CUDA when a driver
+/// and a GPU are present, else the emulated device).
+pub fn default_device_kind() -> Result<&'static str, CoreError> {
+    Ok(Device::from_env(0)?.kind().as_str())
 }
 
 impl Worker {
@@ -733,7 +750,7 @@ impl Worker {
         // A GPU block whose onboard failed in this step holds no valid bytes: it is not
         // offloaded, and its host block is marked bad so that no later onboard serves it.
         let failed: HashSet<u32> = self.failed.iter().copied().collect();
-        let (unloaded, pairs): (Vec<(u32, u32)>, Vec<(u32, u32)>) =
+        let (unloaded, pairs): (Pairs, Pairs) =
             pairs.iter().partition(|(g, _)| failed.contains(g));
         self.bad_host
             .lock()
@@ -824,7 +841,7 @@ impl Worker {
         let hosts: HashSet<u32> = pairs.iter().map(|&(h, _)| h).collect();
         self.wait_offloads_touching(&hosts);
         self.wait_onboards()?;
-        let (bad, good): (Vec<(u32, u32)>, Vec<(u32, u32)>) = {
+        let (bad, good): (Pairs, Pairs) = {
             let bad_host = self.bad_host.lock();
             pairs.iter().partition(|(h, _)| bad_host.contains(h))
         };

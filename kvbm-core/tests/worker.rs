@@ -193,8 +193,8 @@ fn disk_round_trip_is_zero_copy_and_byte_exact_and_async_onboards_overlap() {
     let (_, recving) = r.worker.get_finished(&[]);
     assert_eq!(recving, vec!["b".to_string()]);
     assert!(r.worker.take_failed().is_empty());
-    for i in 0..n {
-        assert_eq!(r.block(10 + i as u32), before[i], "block {i} from disk");
+    for (i, want) in before.iter().enumerate().take(n) {
+        assert_eq!(&r.block(10 + i as u32), want, "block {i} from disk");
     }
     assert!(r.metrics.snapshot().onboard_blocks_d2d >= n as u64);
     assert_eq!(r.metrics.snapshot().disk_cache_hit_rate, 1.0);
@@ -306,7 +306,7 @@ fn preemption_waits_for_the_offloads_reading_the_preempted_blocks() {
     r.worker.bind(plan);
     assert_eq!(r.worker.handle_preemptions(), 1);
     assert_eq!(r.worker.stats().offloads_in_flight, 0);
-    r.gpu.write(0, &vec![0u8; 64]).unwrap(); // vLLM reuses the blocks
+    r.gpu.write(0, &[0u8; 64]).unwrap(); // vLLM reuses the blocks
     let hashes = Leader::hash_runs(B, &[tokens(0, 1)]).unwrap().remove(0);
     r.worker.clear();
     r.leader.plan_onboard("q", &hashes, &[5], false).unwrap();

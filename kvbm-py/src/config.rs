@@ -119,9 +119,9 @@ impl Config {
     #[getter]
     fn disk_engine(&self) -> &'static str {
         match self.inner.disk_engine {
-            kvbm_disk::EngineChoice::Auto => "auto",
-            kvbm_disk::EngineChoice::IoUring => "io_uring",
-            kvbm_disk::EngineChoice::Psync => "psync",
+            kvbm_core::EngineChoice::Auto => "auto",
+            kvbm_core::EngineChoice::IoUring => "io_uring",
+            kvbm_core::EngineChoice::Psync => "psync",
         }
     }
 

@@ -3,7 +3,7 @@
 //! through `core_err`, hashing without the GIL.
 
 use kvbm_core::leader::{self as core, OffloadBlock, TokenRun};
-use kvbm_events::{KvEvent, Tier};
+use kvbm_core::{KvEvent, Tier};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -29,6 +29,17 @@ type DiskWrite = (u32, u32, u64, Vec<u8>);
 
 /// One request's newly complete blocks: (their tokens, the hash before them, LoRA, salt).
 type TokenRunTuple = (Vec<u32>, Option<u64>, Option<String>, Option<String>);
+
+/// One request's offload: (request id, tokens of its newly complete blocks, the hash before
+/// them, LoRA, salt, their GPU blocks).
+type OffloadRunTuple = (
+    String,
+    Vec<u32>,
+    Option<u64>,
+    Option<String>,
+    Option<String>,
+    Vec<u32>,
+);
 
 /// Per request: (the blocks' sequence hashes, the host block per block or None).
 type OffloadedTuple = (Vec<u64>, Vec<Option<u32>>);
@@ -173,6 +184,68 @@ impl Leader {
                 .map_err(core_err)?;
             let done = self.inner.offload_runs(&runs, hashed).map_err(core_err)?;
             Ok(done.into_iter().map(|o| (o.hashes, o.host)).collect())
+        })
+    }
+
+    /// Plans the onboard of `request`'s matched blocks (`hashes`) into the GPU blocks vLLM
+    /// allocated for them (`gpu_blocks`, one per hash) in this step's plan; asynchronous (disk)
+    /// onboards are reported in `finished_recving`. GPU blocks that cannot be backed any more
+    /// become the plan's load errors. Returns how many blocks, from the first, are backed.
+    fn plan_onboard(
+        &mut self,
+        request: &str,
+        hashes: Vec<u64>,
+        gpu_blocks: Vec<u32>,
+        asynchronous: bool,
+    ) -> PyResult<usize> {
+        guard(|| {
+            self.inner
+                .plan_onboard(request, &hashes, &gpu_blocks, asynchronous)
+                .map_err(core_err)
+        })
+    }
+
+    /// The step's offloads in one call: per request (request id, tokens of the blocks that
+    /// became complete, the sequence hash before them, LoRA name, cache salt, their GPU
+    /// blocks). Returns per request (the blocks' sequence hashes, blocks offloaded). Runs
+    /// without the GIL.
+    fn plan_offloads(
+        &mut self,
+        py: Python<'_>,
+        runs: Vec<OffloadRunTuple>,
+    ) -> PyResult<Vec<(Vec<u64>, usize)>> {
+        guard(|| {
+            let runs = runs
+                .into_iter()
+                .map(|(request, tokens, parent, lora_name, salt, gpu)| {
+                    (
+                        request,
+                        TokenRun {
+                            tokens,
+                            parent,
+                            lora_name,
+                            salt,
+                        },
+                        gpu,
+                    )
+                })
+                .collect();
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.plan_offloads(runs))
+                .map_err(core_err)
+        })
+    }
+
+    /// Closes the step: its plan as MessagePack bytes (for the workers' `bind`), with the disk
+    /// writes admitted meanwhile and the requests vLLM preempted; then ends the step.
+    fn take_plan<'py>(
+        &mut self,
+        py: Python<'py>,
+        preempted: Vec<String>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        guard(|| {
+            let plan = self.inner.take_plan(preempted).map_err(core_err)?;
+            Ok(crate::worker::plan_bytes(py, &plan))
         })
     }
 

@@ -20,7 +20,7 @@ mod worker;
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use kvbm_events::BlockHasher;
+use kvbm_core::BlockHasher;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
@@ -112,7 +112,7 @@ fn sequence_hashes(
         let hasher = BlockHasher::new(block_size, lora_name, cache_salt);
         Ok(py.allow_threads(|| {
             hasher
-                .sequence_hashes(parent.map(kvbm_events::SequenceHash), &tokens)
+                .sequence_hashes(parent.map(kvbm_core::SequenceHash), &tokens)
                 .into_iter()
                 .map(|h| h.0)
                 .collect()
@@ -159,10 +159,29 @@ fn required_kv_cache_layout(
 #[pyfunction]
 fn device_kind() -> PyResult<String> {
     guard(|| {
-        kvbm_cuda::Device::from_env(0)
-            .map(|d| d.kind().as_str().to_owned())
-            .map_err(|e| DeviceError::new_err(e.to_string()))
+        kvbm_core::default_device_kind()
+            .map(str::to_owned)
+            .map_err(core_err)
     })
+}
+
+/// kvbm-core's counters under Dynamo KVBM's metric names (one mapping, used by every exporter).
+pub(crate) fn metrics_dict<'py>(
+    py: Python<'py>,
+    m: &kvbm_core::MetricsSnapshot,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("kvbm_offload_blocks_d2h", m.offload_blocks_d2h)?;
+    d.set_item("kvbm_offload_blocks_h2d", m.offload_blocks_h2d)?;
+    d.set_item("kvbm_onboard_blocks_h2d", m.onboard_blocks_h2d)?;
+    d.set_item("kvbm_onboard_blocks_d2d", m.onboard_blocks_d2d)?;
+    d.set_item("kvbm_offload_bytes_d2h", m.bytes_d2h)?;
+    d.set_item("kvbm_onboard_bytes_h2d", m.bytes_h2d)?;
+    d.set_item("kvbm_disk_cache_hit_rate", m.disk_cache_hit_rate)?;
+    d.set_item("kvbm_offload_skipped_blocks", m.offload_skipped_blocks)?;
+    d.set_item("kvbm_transfer_errors", m.transfer_errors)?;
+    d.set_item("kvbm_disk_write_failures", m.disk_write_failures)?;
+    Ok(d)
 }
 
 #[pymodule]
@@ -177,6 +196,8 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
     m.add_function(wrap_pyfunction!(required_kv_cache_layout, m)?)?;
     m.add_function(wrap_pyfunction!(worker::describe_kv_caches, m)?)?;
+    m.add_function(wrap_pyfunction!(worker::encode_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(worker::decode_plan, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<config::Config>()?;
     m.add_class::<leader::Leader>()?;

@@ -1,325 +1,27 @@
-//! `Worker`: one GPU worker's bytes: its registered KV cache tensors, its shard of the pinned host
-//! pool, and a copy stream per direction.
-//!
-//! The GPU side is whatever vLLM hands over: per-layer views of one backing buffer (vLLM 0.33,
-//! any `KVCacheLayout`) or older per-layer tensors; kvbm-core's layout module turns their shapes
-//! and strides into each block's runs (`BlockLayout::from_views`).
+//! `Worker`: the Python face of kvbm-core's worker (the physical half of the split engine).
+//! Conversions only: it reads each tensor's view from the tensor itself, has core check it
+//! against the tensor's storage, and forwards plans (bytes) and calls to
+//! [`kvbm_core::Worker`], releasing the GIL around everything that may wait.
 //!
 //! Invariants:
 //! - The worker keeps a reference to every registered tensor, so their memory outlives every
-//!   copy (the one `unsafe` call, `register_gpu`, relies on it).
-//! - A host block is read (by a load, a disk write) or overwritten (by a disk read) only after
-//!   every save into it completed (`wait_saves_touching`).
-//! - The GPU blocks a save reads are not overwritten while it runs: vLLM frees a request's
-//!   blocks either after `finished_sending` (which waits for its saves) or, on preemption, right
-//!   after `handle_preemptions`, which waits for the preempted requests' saves
-//!   (`wait_saves_of`). Nothing else frees a block a save reads (see ARCHITECTURE.md).
-//! - A load that fails, or that reads a host block whose save failed, reports its GPU blocks in
-//!   `take_failed` (vLLM then recomputes them); nothing is loaded from a bad host block.
+//!   copy (the one `unsafe` call, `register_spans`, relies on it); the core worker is dropped
+//!   (and its copies finished) before the tensors.
 
-use std::collections::{HashMap, HashSet};
-use std::path::Path;
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::Sender;
-use kvbm_disk::{
-    AlignedBuf, CacheFileOptions, DiskStore, EngineChoice, Lookup, StoreOptions, WriteOutcome,
-};
-use parking_lot::{Condvar, Mutex};
-
 use kvbm_core::layout::{BlockLayout, KvLayout, TensorView};
-use kvbm_cuda::{
-    BackendChoice, Completion, CopyPiece, CopyStream, Device, Direction, GpuRegion, HostRegion,
-    HostRegionOptions, Transfer,
-};
+use kvbm_core::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan};
+use kvbm_core::{check_view_within, DiskOptions, Metrics, TransferLimits, WorkerOptions};
+use parking_lot::Mutex;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
-use crate::{guard, DeviceError, DiskError, LayoutError};
+use crate::{core_err, guard, LayoutError};
 
-/// Block pairs: (gpu, host) for saves, (host, gpu) for loads.
-type Pairs = Vec<(u32, u32)>;
-
-/// Disk writes queued for the writer thread at most; a step with more waits (without the GIL)
-/// for the writer to catch up.
-const DISK_WRITES_QUEUED_MAX: usize = 1024;
-/// Asynchronous loads queued for the loader thread at most; more wait (without the GIL).
-const ASYNC_LOADS_QUEUED_MAX: usize = 256;
-
-/// How long a copy may wait for its host memory to be pinned.
-const HOST_READY_TIMEOUT: Duration = Duration::from_secs(300);
-
-struct PendingSave {
-    completion: Completion,
-    requests: Vec<String>,
-    host_blocks: HashSet<u32>,
-}
-
-/// One disk write: host block, disk slot, key, identity bytes.
-type DiskWrite = (u32, u32, u64, Vec<u8>);
-
-/// Disk writes queued or running, by the host block they read and the slot they write.
-#[derive(Default)]
-struct DiskPending {
-    by_host: HashMap<u32, usize>,
-    by_slot: HashMap<u32, usize>,
-    written: u64,
-    write_failures: u64,
-}
-
-impl DiskPending {
-    fn busy(&self, host: Option<u32>, slot: Option<u32>) -> bool {
-        host.is_some_and(|h| self.by_host.contains_key(&h))
-            || slot.is_some_and(|d| self.by_slot.contains_key(&d))
-    }
-
-    fn done(&mut self, host: u32, slot: u32, ok: bool) {
-        for (map, k) in [(&mut self.by_host, host), (&mut self.by_slot, slot)] {
-            if let Some(n) = map.get_mut(&k) {
-                *n -= 1;
-                if *n == 0 {
-                    map.remove(&k);
-                }
-            }
-        }
-        if ok {
-            self.written += 1;
-        } else {
-            self.write_failures += 1;
-        }
-    }
-}
-
-/// This worker's disk tier: its cache file, and a thread writing host blocks into it.
-struct DiskSide {
-    store: Arc<DiskStore>,
-    jobs: Option<Sender<DiskWrite>>,
-    pending: SharedPending,
-    thread: Option<JoinHandle<()>>,
-    reads: u64,
-    misses: u64,
-}
-
-impl Drop for DiskSide {
-    fn drop(&mut self) {
-        self.jobs.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// Waits (the caller releases the GIL) until no queued write reads `host` or writes `slot`.
-fn wait_for_writes(pending: &SharedPending, host: Option<u32>, slot: Option<u32>) {
-    let (lock, cv) = &**pending;
-    let mut p = lock.lock();
-    while p.busy(host, slot) {
-        cv.wait(&mut p);
-    }
-}
-
-/// Reads disk blocks ((disk, host, key)) into host blocks, each after any queued write of its
-/// slot or reading its host block; returns the host blocks that missed (a block that fails
-/// verification, a key that differs, an I/O error).
-fn read_into_host(
-    store: &DiskStore,
-    pending: &SharedPending,
-    host: &HostRegion,
-    layout: &BlockLayout,
-    bytes: usize,
-    reads: &[(u32, u32, u64)],
-) -> Vec<u32> {
-    let Ok(mut buf) = AlignedBuf::new(store.payload_area_bytes()) else {
-        return reads.iter().map(|&(_, h, _)| h).collect();
-    };
-    let mut missed = Vec::new();
-    for &(d, h, key) in reads {
-        wait_for_writes(pending, Some(h), Some(d));
-        let hit = matches!(store.read(d, key, &mut buf), Ok(Lookup::Hit))
-            && host
-                .write(host_offset(host, layout, h), &buf.as_slice()[..bytes])
-                .is_ok();
-        if !hit {
-            missed.push(h);
-        }
-    }
-    missed
-}
-
-impl DiskSide {
-    fn wait_for(&self, host: Option<u32>, slot: Option<u32>) {
-        wait_for_writes(&self.pending, host, slot);
-    }
-
-    fn wait_all(&self) {
-        let (lock, cv) = &*self.pending;
-        let mut p = lock.lock();
-        while !p.by_slot.is_empty() {
-            cv.wait(&mut p);
-        }
-    }
-}
-
-/// A finished asynchronous load: (request, GPU blocks that failed).
-type LoadDone = (String, Vec<u32>);
-
-/// Disk writes in flight, shared with the threads that wait on them.
-type SharedPending = Arc<(Mutex<DiskPending>, Condvar)>;
-
-/// One asynchronous load: disk reads into staging host blocks, then host blocks to GPU blocks.
-struct AsyncLoad {
-    request: String,
-    reads: Vec<(u32, u32, u64)>,
-    pairs: Pairs,
-}
-
-/// The thread running asynchronous loads, one at a time, in order; dropping it waits for them.
-struct AsyncLoader {
-    jobs: Option<Sender<AsyncLoad>>,
-    /// Finished loads: (request, GPU blocks that failed).
-    done: Arc<Mutex<Vec<LoadDone>>>,
-    /// Loads queued or running.
-    busy: Arc<(Mutex<usize>, Condvar)>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Drop for AsyncLoader {
-    fn drop(&mut self) {
-        self.jobs.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// What the asynchronous loader needs of the worker (clones: regions are reference-counted).
-struct LoaderContext {
-    kv: KvLayout,
-    gpu: BlockLayout,
-    gpu_regions: Vec<GpuRegion>,
-    host: HostRegion,
-    host_layout: BlockLayout,
-    h2d: Arc<CopyStream>,
-    disk: Option<(Arc<DiskStore>, SharedPending)>,
-}
-
-impl LoaderContext {
-    /// Runs one load; returns the GPU blocks that did not get their bytes.
-    fn run(&self, job: &AsyncLoad) -> Vec<u32> {
-        let bad_hosts: HashSet<u32> = match &self.disk {
-            _ if job.reads.is_empty() => HashSet::new(),
-            None => job.reads.iter().map(|&(_, h, _)| h).collect(),
-            Some((store, pending)) => read_into_host(
-                store,
-                pending,
-                &self.host,
-                &self.host_layout,
-                self.kv.bytes_per_block(),
-                &job.reads,
-            )
-            .into_iter()
-            .collect(),
-        };
-        let (bad, good): (Pairs, Pairs) =
-            job.pairs.iter().partition(|(h, _)| bad_hosts.contains(h));
-        let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
-        if good.is_empty() {
-            return failed;
-        }
-        let end = good.iter().map(|&(h, _)| h).max().unwrap_or(0) as usize + 1;
-        let ready = self
-            .host
-            .wait_ready(end * self.kv.host_stride_bytes(), HOST_READY_TIMEOUT);
-        let mut pieces = Vec::new();
-        let planned = ready
-            && good.iter().all(|&(h, g)| {
-                self.host_layout
-                    .copy_pieces_into(h as usize, &self.gpu, g as usize, &mut pieces)
-                    .is_ok()
-            });
-        let copied = planned && {
-            self.h2d
-                .submit(transfer_of(&pieces, &self.gpu_regions, &self.host))
-                .and_then(|c| c.wait())
-                .is_ok()
-        };
-        if !copied {
-            failed.extend(good.iter().map(|&(_, g)| g));
-        }
-        failed
-    }
-}
-
-struct PendingLoad {
-    completion: Completion,
-    gpu_blocks: Vec<u32>,
-}
-
-/// A GPU worker's side of kvbm.
-#[pyclass(module = "kvbm._kvbm")]
-pub struct Worker {
-    device: Device,
-    kv: KvLayout,
-    gpu: BlockLayout,
-    gpu_regions: Vec<GpuRegion>,
-    /// vLLM's layout name the tensors follow ("BLNHC", ...), or "per-layer tensors".
-    layout_name: String,
-    /// Per layer, the load stage that brings its bytes in (see `BlockLayout::ready_after`).
-    ready_after: Vec<u32>,
-    /// The load stages, ascending: the last layers of a block's runs.
-    stages: Vec<u32>,
-    /// Declared before `_tensors`: dropped (and joined) first, as it copies into them.
-    loader: Option<AsyncLoader>,
-    _tensors: Vec<PyObject>,
-    host: HostRegion,
-    host_layout: BlockLayout,
-    host_blocks: usize,
-    d2h: CopyStream,
-    h2d: Arc<CopyStream>,
-    saves: Vec<PendingSave>,
-    /// Save transfers not yet complete, per request.
-    save_pending: HashMap<String, usize>,
-    /// Requests whose saves all completed since the last `poll_saves`.
-    save_done: Vec<String>,
-    /// Host blocks whose save failed.
-    bad_host: HashSet<u32>,
-    /// The loads in flight, per stage (indexed by the stage's layer).
-    loads: Vec<Option<PendingLoad>>,
-    failed: Vec<u32>,
-    disk: Option<DiskSide>,
-    bytes_saved: u64,
-    bytes_loaded: u64,
-    /// Times a preemption or a load had to wait for a save still in flight.
-    save_waits: u64,
-}
-
-impl std::fmt::Debug for Worker {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Worker")
-            .field("kv", &self.kv)
-            .field("layout", &self.layout_name)
-            .field("runs_per_block", &self.gpu.runs_per_block())
-            .field("gpu_blocks", &self.gpu.num_blocks())
-            .field("host_blocks", &self.host_blocks)
-            .field("device", &self.device.kind().as_str())
-            .finish()
-    }
-}
-
-fn layout_err(e: impl std::fmt::Display) -> PyErr {
-    LayoutError::new_err(e.to_string())
-}
-
-fn device_err(e: impl std::fmt::Display) -> PyErr {
-    DeviceError::new_err(e.to_string())
-}
-
-/// Reads one tensor's view from the tensor itself (`data_ptr()`, `shape`, `stride()`,
-/// `element_size()`) and checks that every byte it addresses lies inside the memory it owns
-/// (`untyped_storage()`: `data_ptr()` and `nbytes()`), so that no address or size crosses from
-/// Python unchecked.
+/// Reads one tensor's view (`data_ptr()`, `shape`, `stride()`, `element_size()`) and has core
+/// check that every byte it addresses lies inside the memory it owns (`untyped_storage()`:
+/// `data_ptr()` and `nbytes()`), so that no address or size crosses from Python unchecked.
 fn view_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     let bad = |what: &str, e: PyErr| {
         LayoutError::new_err(format!("KV cache tensor {name:?}: {what}: {e}"))
@@ -361,22 +63,8 @@ fn view_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorView> {
         strides,
         elem_bytes,
     };
-    match view.span() {
-        Some((start, len))
-            if start >= base
-                && base
-                    .checked_add(nbytes)
-                    .is_some_and(|end| start + len as u64 <= end) =>
-        {
-            Ok(view)
-        }
-        span => Err(LayoutError::new_err(format!(
-            "KV cache tensor {name:?} of shape {:?}, strides {:?} and {elem_bytes} bytes per \
-             element addresses {span:?} (start, bytes), outside its storage ({base:#x}, \
-             {nbytes} bytes)",
-            view.shape, view.strides
-        ))),
-    }
+    check_view_within(&view, base, nbytes).map_err(core_err)?;
+    Ok(view)
 }
 
 /// The views of `kv_caches` (layer name -> tensor), in order, each checked by `view_of`.
@@ -403,7 +91,7 @@ pub(crate) fn describe_kv_caches<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     guard(|| {
         let (_, views) = views_of(kv_caches)?;
-        let placed = BlockLayout::from_views(&views, num_blocks).map_err(layout_err)?;
+        let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
         let d = PyDict::new(py);
         d.set_item(
             "layout",
@@ -419,24 +107,49 @@ pub(crate) fn describe_kv_caches<'py>(
     })
 }
 
+/// One disk write as Python passes it: (host, disk, key, identity bytes).
+type DiskWriteTuple = (u32, u32, u64, Vec<u8>);
+
+/// A GPU worker's side of kvbm: kvbm-core's worker over vLLM's tensors.
+#[pyclass(module = "kvbm._kvbm")]
+pub struct Worker {
+    /// Declared before `_tensors`: dropped (its copies finished) first.
+    inner: kvbm_core::Worker,
+    _tensors: Vec<PyObject>,
+    /// vLLM's layout name the tensors follow ("BLNHC", ...), or "per-layer tensors".
+    layout_name: String,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("inner", &self.inner)
+            .field("layout", &self.layout_name)
+            .finish()
+    }
+}
+
 #[pymethods]
 impl Worker {
     /// Registers vLLM's KV cache tensors and maps a pinned host pool of `host_blocks` blocks.
     ///
     /// `kv_caches` maps layer names to tensors (torch tensors, or anything with `data_ptr()`,
     /// `shape`, `stride()`, `element_size()` and `untyped_storage()`); every tensor is checked
-    /// against its storage before any byte is addressed. Any layout vLLM hands over works: 0.33's `[B, H, N,
-    /// C]` views of one buffer in every `KVCacheLayout`, MLA, the older 5-D tensors; each block's
-    /// runs come from the strides. `num_blocks` is vLLM's block count (a view with a multiple of
-    /// it holds kernel blocks). `outer_dim` (2 for K and V, 1 for MLA) names what the content
-    /// axis holds, for the KV shape; the bytes moved do not depend on it. A layout that cannot be
-    /// addressed raises `LayoutError` naming the tensor, its shape and strides.
+    /// against its storage before any byte is addressed. Any layout vLLM hands over works: 0.33's
+    /// `[B, H, N, C]` views of one buffer in every `KVCacheLayout`, MLA, the older 5-D tensors;
+    /// each block's runs come from the strides. `num_blocks` is vLLM's block count (a view with
+    /// a multiple of it holds kernel blocks). `outer_dim` (2 for K and V, 1 for MLA) names what
+    /// the content axis holds, for the KV shape; the bytes moved do not depend on it. A layout
+    /// that cannot be addressed raises `LayoutError` naming the tensor, its shape and strides.
     ///
     /// With `disk_blocks` above 0 the worker opens its disk cache file `disk_file` in `disk_dir`
     /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk
     /// tier starts empty: what an earlier run left there is overwritten as slots are reused.
+    /// `batch_blocks_max` and `inflight_max` are the copy engine's limits
+    /// (`DYN_KVBM_MAX_TRANSFER_BATCH_SIZE`, `DYN_KVBM_MAX_CONCURRENT_TRANSFERS`);
+    /// `async_onboards_max` asynchronous onboards run at once.
     #[new]
-    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto"))]
+    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto", batch_blocks_max=None, inflight_max=None, async_onboards_max=4))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -451,6 +164,9 @@ impl Worker {
         disk_file: Option<String>,
         disk_disable_o_direct: bool,
         disk_engine: &str,
+        batch_blocks_max: Option<usize>,
+        inflight_max: Option<usize>,
+        async_onboards_max: usize,
     ) -> PyResult<Self> {
         guard(|| {
             let (tensors, views) = views_of(kv_caches)?;
@@ -462,7 +178,7 @@ impl Worker {
                     "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
                 )));
             }
-            let placed = BlockLayout::from_views(&views, num_blocks).map_err(layout_err)?;
+            let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
             let mut kv = placed.kv;
             let mut gpu = placed.layout;
             if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
@@ -479,111 +195,59 @@ impl Worker {
                     total / outer,
                     kv.dtype_bytes,
                 )
-                .map_err(layout_err)?;
-                gpu = gpu.with_kv(kv).map_err(layout_err)?;
+                .map_err(core_err)?;
+                gpu = gpu.with_kv(kv).map_err(core_err)?;
             }
             let layout_name = placed
                 .physical
                 .map_or_else(|| "per-layer tensors".to_owned(), |p| p.name().to_owned());
-            let choice: BackendChoice = device.parse().map_err(device_err)?;
-            let device = Device::open(choice, device_index).map_err(device_err)?;
-            let mut gpu_regions = Vec::with_capacity(placed.spans.len());
-            for &(addr, len) in &placed.spans {
-                #[allow(unsafe_code)]
-                // SAFETY: each span is the memory one or more of `tensors` address with their
-                // shapes and strides (computed from them by `from_views`), and `view_of` checked
-                // that each tensor's addresses lie inside its own storage; the worker keeps a
-                // reference to every tensor for as long as it (and so any copy) lives.
-                let region =
-                    unsafe { device.register_gpu(addr, len, device_index) }.map_err(device_err)?;
-                gpu_regions.push(region);
-            }
-            let ready_after = gpu.ready_after();
-            let tensors_count = ready_after.len();
-            let mut stages = Vec::new();
-            gpu.for_each_run(0, |_, _, _, (_, last)| stages.push(last));
-            stages.sort_unstable();
-            stages.dedup();
-            let host_bytes = host_blocks
-                .checked_mul(kv.host_stride_bytes())
-                .ok_or_else(|| LayoutError::new_err("host pool size overflows"))?;
-            let host = py
-                .allow_threads(|| device.alloc_host(host_bytes, HostRegionOptions::default()))
-                .map_err(device_err)?;
-            let host_layout = BlockLayout::host(kv, host_blocks, host.addr());
+            let dev = kvbm_core::open_device(device, device_index).map_err(core_err)?;
+            #[allow(unsafe_code)]
+            // SAFETY: each span is the memory one or more of `tensors` address with their
+            // shapes and strides (computed from them by `from_views`), and `view_of` had core
+            // check that each tensor's addresses lie inside its own storage; this object keeps a
+            // reference to every tensor, and drops the core worker (finishing its copies) first.
+            let regions =
+                unsafe { kvbm_core::Worker::register_spans(&dev, &placed.spans, device_index) }
+                    .map_err(core_err)?;
+            let defaults = TransferLimits::default();
+            let limits = TransferLimits {
+                batch_blocks_max: batch_blocks_max.unwrap_or(defaults.batch_blocks_max),
+                inflight_max: inflight_max.unwrap_or(defaults.inflight_max),
+                ..defaults
+            };
             let disk = if disk_blocks > 0 {
-                let dir = disk_dir
-                    .unwrap_or_else(|| kvbm_core::config::default_disk_dir().display().to_string());
-                let file = disk_file.unwrap_or_else(|| format!("kvbm-rank{device_index}.cache"));
-                let engine: EngineChoice = disk_engine
-                    .parse()
-                    .map_err(|e: kvbm_disk::DiskError| DiskError::new_err(e.to_string()))?;
-                let options = StoreOptions {
-                    layout_fingerprint: kvbm_core::disk::layout_fingerprint(&kv, gpu.geometry_id()),
-                    payload_bytes: kv.bytes_per_block(),
-                    slots: disk_blocks,
-                    queue_depth: 8,
-                    engine,
-                    file: CacheFileOptions {
-                        disable_o_direct: disk_disable_o_direct,
-                        ..Default::default()
-                    },
-                    write_failures_max: 8,
-                };
-                let (store, _recovered) = py
-                    .allow_threads(|| DiskStore::open(Path::new(&dir), &file, options))
-                    .map_err(|e| DiskError::new_err(format!("disk cache {dir}/{file}: {e}")))?;
-                Some(start_disk(
-                    Arc::new(store),
-                    host.clone(),
-                    host_layout.clone(),
-                    kv,
-                )?)
+                let dir = disk_dir.map_or_else(kvbm_core::config::default_disk_dir, Into::into);
+                Some(DiskOptions {
+                    dir,
+                    file_name: disk_file
+                        .unwrap_or_else(|| format!("kvbm-rank{device_index}.cache")),
+                    blocks: disk_blocks,
+                    disable_o_direct: disk_disable_o_direct,
+                    filter_disabled: false,
+                    queue_depth: 16,
+                    engine: disk_engine
+                        .parse::<kvbm_core::EngineChoice>()
+                        .map_err(|e| crate::DiskError::new_err(e.to_string()))?,
+                })
             } else {
                 None
             };
-            let d2h = device
-                .copy_stream(Direction::DeviceToHost)
-                .map_err(device_err)?;
-            let h2d = Arc::new(
-                device
-                    .copy_stream(Direction::HostToDevice)
-                    .map_err(device_err)?,
-            );
-            let loader = start_loader(LoaderContext {
-                kv,
-                gpu: gpu.clone(),
-                gpu_regions: gpu_regions.clone(),
-                host: host.clone(),
-                host_layout: host_layout.clone(),
-                h2d: h2d.clone(),
-                disk: disk.as_ref().map(|d| (d.store.clone(), d.pending.clone())),
-            })?;
-            Ok(Self {
-                device,
-                kv,
-                gpu,
-                gpu_regions,
-                layout_name,
-                ready_after,
-                stages,
-                loader: Some(loader),
-                _tensors: tensors,
-                host,
-                host_layout,
+            let options = WorkerOptions {
                 host_blocks,
-                d2h,
-                h2d,
-                saves: Vec::new(),
-                save_pending: HashMap::new(),
-                save_done: Vec::new(),
-                bad_host: HashSet::new(),
-                loads: (0..tensors_count).map(|_| None).collect(),
-                failed: Vec::new(),
+                limits,
+                async_onboards_max,
                 disk,
-                bytes_saved: 0,
-                bytes_loaded: 0,
-                save_waits: 0,
+                host_ready_timeout: Duration::from_secs(300),
+            };
+            let metrics = std::sync::Arc::new(Metrics::default());
+            let inner = py
+                .allow_threads(|| kvbm_core::Worker::new(dev, kv, gpu, regions, options, metrics))
+                .map_err(core_err)?;
+            Ok(Self {
+                inner,
+                _tensors: tensors,
+                layout_name,
             })
         })
     }
@@ -597,354 +261,213 @@ impl Worker {
     /// Contiguous runs per block on the GPU side: the copies (DMAs) one block takes.
     #[getter]
     fn runs_per_block(&self) -> usize {
-        self.gpu.runs_per_block()
+        self.inner.gpu_layout().runs_per_block()
     }
 
     /// Distinct layer pages per block (tensors addressing the same bytes count once).
     #[getter]
     fn distinct_layers(&self) -> usize {
-        self.kv.num_layers
+        self.inner.kv().num_layers
     }
 
     /// Tensors (layers) registered.
     #[getter]
     fn num_layers(&self) -> usize {
-        self.ready_after.len()
+        self.inner.num_tensors()
     }
 
     /// GPU blocks per layer tensor.
     #[getter]
     fn num_blocks(&self) -> usize {
-        self.gpu.num_blocks()
+        self.inner.gpu_layout().num_blocks()
     }
 
     /// Host blocks of this worker's shard.
     #[getter]
     fn host_blocks(&self) -> usize {
-        self.host_blocks
+        self.inner.host_blocks()
     }
 
     /// Bytes of one block on this worker (all layers, K and V).
     #[getter]
     fn bytes_per_block(&self) -> usize {
-        self.kv.bytes_per_block()
+        self.inner.kv().bytes_per_block()
     }
 
     /// "cuda" or "emulated".
     #[getter]
     fn device_kind(&self) -> &'static str {
-        self.device.kind().as_str()
+        self.inner.device().kind().as_str()
     }
 
-    /// Starts copying GPU blocks into host blocks (`pairs` of (gpu, host)) on the D2H stream, on
-    /// behalf of `requests` (each counts it as one of its pending saves).
-    fn save(
+    /// Disk blocks of this worker's file (0 without a disk tier).
+    #[getter]
+    fn disk_blocks(&self) -> usize {
+        self.inner.disk_blocks()
+    }
+
+    // -- vLLM's step ------------------------------------------------------------------------
+
+    /// Binds a step's plan (the leader's `take_plan` bytes); returns whether it offloads
+    /// anything (the caller then syncs its compute stream before `start_offloads`).
+    fn bind(&mut self, plan: &[u8]) -> PyResult<bool> {
+        guard(|| {
+            let plan = StepPlan::from_bytes(plan).map_err(core_err)?;
+            let offloads = !plan.offloads.is_empty();
+            self.inner.bind(plan);
+            Ok(offloads)
+        })
+    }
+
+    /// Drops the bound plan.
+    fn clear(&mut self) {
+        self.inner.clear();
+    }
+
+    /// Waits for the offloads of the bound plan's preempted requests; returns how many offload
+    /// jobs it waited for.
+    fn handle_preemptions(&mut self, py: Python<'_>) -> PyResult<usize> {
+        guard(|| {
+            let inner = &mut self.inner;
+            Ok(py.allow_threads(|| inner.handle_preemptions()))
+        })
+    }
+
+    /// Starts the bound plan's onboards (disk reads, synchronous and asynchronous onboards).
+    fn start_onboards(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.start_onboards()).map_err(core_err)
+        })
+    }
+
+    /// Starts the bound plan's offloads and queues its disk writes.
+    fn start_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.start_offloads()).map_err(core_err)
+        })
+    }
+
+    /// `get_finished`: (finished requests whose offloads all completed, requests whose
+    /// asynchronous onboards completed).
+    fn get_finished(&mut self, finished: Vec<String>) -> PyResult<(Vec<String>, Vec<String>)> {
+        guard(|| Ok(self.inner.get_finished(&finished)))
+    }
+
+    /// Waits for everything in flight.
+    fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.shutdown());
+            Ok(())
+        })
+    }
+
+    // -- the mechanisms, one at a time (tests, tools) ---------------------------------------
+
+    /// Starts offloading GPU blocks into host blocks (`pairs` of (gpu, host)) on behalf of
+    /// `requests`.
+    fn offload(
         &mut self,
         py: Python<'_>,
         pairs: Vec<(u32, u32)>,
         requests: Vec<String>,
     ) -> PyResult<()> {
         guard(|| {
-            if pairs.is_empty() {
-                return Ok(());
-            }
-            self.check(&pairs.iter().map(|&(g, h)| (h, g)).collect::<Vec<_>>())?;
-            // A GPU block whose load failed in this step holds no valid bytes: it is not saved,
-            // and its host block is marked bad, so no later load serves it.
-            let (unloaded, pairs): (Pairs, Pairs) = pairs
-                .into_iter()
-                .partition(|(g, _)| self.failed.contains(g));
-            self.bad_host.extend(unloaded.iter().map(|&(_, h)| h));
-            if pairs.is_empty() {
-                // Nothing to copy: the requests are done with this save at once.
-                for r in requests {
-                    if !self.save_pending.contains_key(&r) {
-                        self.save_done.push(r);
-                    }
-                }
-                return Ok(());
-            }
-            self.wait_blocks_ready(py, pairs.iter().map(|&(_, h)| h))?;
-            if let Some(disk) = &self.disk {
-                // A disk write still reading one of these host blocks finishes first.
-                py.allow_threads(|| {
-                    for &(_, h) in &pairs {
-                        disk.wait_for(Some(h), None);
-                    }
-                });
-            }
-            let mut pieces = Vec::with_capacity(pairs.len() * self.gpu.runs_per_block());
-            for &(g, h) in &pairs {
-                self.gpu
-                    .copy_pieces_into(g as usize, &self.host_layout, h as usize, &mut pieces)
-                    .map_err(layout_err)?;
-            }
-            let transfer = transfer_of(&pieces, &self.gpu_regions, &self.host);
-            self.bytes_saved += transfer.bytes();
-            let completion = self.d2h.submit(transfer).map_err(device_err)?;
-            for r in &requests {
-                *self.save_pending.entry(r.clone()).or_insert(0) += 1;
-            }
-            for &(_, h) in &pairs {
-                self.bad_host.remove(&h);
-            }
-            self.saves.push(PendingSave {
-                completion,
-                requests,
-                host_blocks: pairs.iter().map(|&(_, h)| h).collect(),
-            });
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.offload(&pairs, &requests))
+                .map_err(core_err)
+        })
+    }
+
+    /// Waits for the offloads started on behalf of any of `requests`; returns how many offload
+    /// jobs it waited for.
+    fn wait_offloads_of(&mut self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
+        guard(|| {
+            let inner = &mut self.inner;
+            Ok(py.allow_threads(|| inner.wait_offloads_of(&requests)))
+        })
+    }
+
+    /// Waits for every offload started so far.
+    fn wait_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.wait_offloads());
             Ok(())
         })
     }
 
-    /// Waits for the saves started on behalf of any of `requests` (vLLM's preempted requests,
-    /// whose GPU blocks it reuses as soon as `handle_preemptions` returns); returns how many
-    /// save transfers it waited for.
-    fn wait_saves_of(&mut self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
+    /// Requests whose offloads have all completed since the last call (without waiting).
+    fn poll_offloads(&mut self) -> PyResult<Vec<String>> {
+        guard(|| Ok(self.inner.poll_offloads()))
+    }
+
+    /// Starts onboarding host blocks into GPU blocks (`pairs` of (host, gpu)), one job per
+    /// onboard stage, after the offloads into those host blocks completed.
+    fn onboard(&mut self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
         guard(|| {
-            let wanted: HashSet<&str> = requests.iter().map(String::as_str).collect();
-            Ok(self.wait_saves_where(py, |s| {
-                s.requests.iter().any(|r| wanted.contains(r.as_str()))
-            }))
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.onboard(&pairs)).map_err(core_err)
         })
     }
 
-    /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies
-    /// until `release()` is called on the returned hold. Emulated device only; for tests that
-    /// need a copy in flight for as long as they look.
-    fn _hold_stream(&self, direction: &str) -> PyResult<CopyHold> {
-        guard(|| {
-            let stream: &CopyStream = match direction {
-                "d2h" => &self.d2h,
-                "h2d" => &self.h2d,
-                other => {
-                    return Err(DeviceError::new_err(format!(
-                        "stream {other:?}: expected d2h or h2d"
-                    )))
-                }
-            };
-            let hold = stream.hold().map_err(device_err)?;
-            Ok(CopyHold {
-                hold: Mutex::new(Some(hold)),
-            })
-        })
-    }
-
-    /// Waits for every save started so far (the GIL is released meanwhile).
-    fn wait_saves(&mut self, py: Python<'_>) -> PyResult<()> {
-        guard(|| {
-            let saves = std::mem::take(&mut self.saves);
-            let results: Vec<bool> =
-                py.allow_threads(|| saves.iter().map(|s| s.completion.wait().is_ok()).collect());
-            for (save, ok) in saves.into_iter().zip(results) {
-                self.settle(save, ok);
-            }
-            Ok(())
-        })
-    }
-
-    /// Requests whose saves have all completed since the last call (without waiting).
-    fn poll_saves(&mut self) -> PyResult<Vec<String>> {
-        guard(|| {
-            let mut still = Vec::with_capacity(self.saves.len());
-            for save in std::mem::take(&mut self.saves) {
-                match save.completion.poll() {
-                    Ok(false) => still.push(save),
-                    Ok(true) => self.settle(save, true),
-                    Err(_) => self.settle(save, false),
-                }
-            }
-            self.saves = still;
-            Ok(std::mem::take(&mut self.save_done))
-        })
-    }
-
-    /// Starts loading host blocks into GPU blocks (`pairs` of (host, gpu)) on the H2D stream, one
-    /// transfer per load stage (per layer, or per group of layers whose runs are merged), after
-    /// the saves into those host blocks completed.
-    fn load(&mut self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
-        guard(|| {
-            if pairs.is_empty() {
-                return Ok(());
-            }
-            self.check(&pairs)?;
-            let hosts: HashSet<u32> = pairs.iter().map(|&(h, _)| h).collect();
-            self.wait_saves_touching(py, &hosts);
-            self.wait_loads(py)?;
-            // Blocks whose saved copy is bad are reported, not loaded.
-            let (bad, good): (Pairs, Pairs) = pairs
-                .into_iter()
-                .partition(|(h, _)| self.bad_host.contains(h));
-            self.failed.extend(bad.iter().map(|&(_, g)| g));
-            if good.is_empty() {
-                return Ok(());
-            }
-            self.wait_blocks_ready(py, good.iter().map(|&(h, _)| h))?;
-            for &stage in &self.stages {
-                let mut pieces = Vec::new();
-                for &(h, g) in &good {
-                    self.host_layout
-                        .copy_runs_into(
-                            h as usize,
-                            &self.gpu,
-                            g as usize,
-                            |(_, last)| last == stage,
-                            &mut pieces,
-                        )
-                        .map_err(layout_err)?;
-                }
-                let transfer = transfer_of(&pieces, &self.gpu_regions, &self.host);
-                self.bytes_loaded += transfer.bytes();
-                match self.h2d.submit(transfer) {
-                    Ok(completion) => {
-                        self.loads[stage as usize] = Some(PendingLoad {
-                            completion,
-                            gpu_blocks: good.iter().map(|&(_, g)| g).collect(),
-                        })
-                    }
-                    Err(_) => self.failed.extend(good.iter().map(|&(_, g)| g)),
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Waits until layer `layer`'s loads are in place (the stage holding its runs, and the
-    /// stages before it on the same stream); False if any failed (their blocks are then
-    /// reported by `take_failed`).
+    /// Waits until layer `layer`'s onboards are in place; False if any failed.
     fn wait_layer(&mut self, py: Python<'_>, layer: usize) -> PyResult<bool> {
         guard(|| {
-            let Some(&stage) = self.ready_after.get(layer) else {
-                return Err(LayoutError::new_err(format!(
-                    "layer {layer} of {}",
-                    self.ready_after.len()
-                )));
-            };
-            let mut ok = true;
-            for slot in &mut self.loads[..=stage as usize] {
-                let Some(load) = slot.take() else {
-                    continue;
-                };
-                let done = py.allow_threads(|| load.completion.wait().is_ok());
-                if !done {
-                    self.failed.extend(load.gpu_blocks);
-                }
-                ok &= done;
-            }
-            Ok(ok)
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.wait_layer(layer))
+                .map_err(core_err)
         })
     }
 
-    /// Waits for every layer's loads; False if any failed.
-    fn wait_loads(&mut self, py: Python<'_>) -> PyResult<bool> {
-        guard(|| self.wait_layer(py, self.ready_after.len() - 1))
+    /// Waits for every layer's onboards; False if any failed.
+    fn wait_onboards(&mut self, py: Python<'_>) -> PyResult<bool> {
+        guard(|| {
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.wait_onboards()).map_err(core_err)
+        })
     }
 
-    /// GPU blocks whose loads failed since the last call, sorted, without repeats.
+    /// GPU blocks whose onboards failed since the last call, sorted, without repeats.
     fn take_failed(&mut self) -> PyResult<Vec<u32>> {
+        guard(|| Ok(self.inner.take_failed()))
+    }
+
+    /// Queues disk writes (`writes` of (host, disk, key, identity bytes)) after the offloads
+    /// into those host blocks completed.
+    fn disk_write(&mut self, py: Python<'_>, writes: Vec<DiskWriteTuple>) -> PyResult<()> {
         guard(|| {
-            let mut f = std::mem::take(&mut self.failed);
-            f.sort_unstable();
-            f.dedup();
-            Ok(f)
+            let writes = writes
+                .into_iter()
+                .map(|(host, disk, key, identity)| DiskWrite {
+                    host,
+                    disk,
+                    key,
+                    identity,
+                })
+                .collect();
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.disk_write(writes))
+                .map_err(core_err)
         })
     }
 
-    /// Queues writes of host blocks to disk (`writes` of (host, disk, key, identity bytes)),
-    /// after this step's saves into those host blocks completed.
-    fn disk_write(&mut self, py: Python<'_>, writes: Vec<DiskWrite>) -> PyResult<()> {
-        guard(|| {
-            if writes.is_empty() {
-                return Ok(());
-            }
-            let Some(disk) = &self.disk else {
-                return Err(LayoutError::new_err(
-                    "disk writes for a worker without a disk tier",
-                ));
-            };
-            for (h, d, _, _) in &writes {
-                if *h as usize >= self.host_blocks || *d as usize >= disk.store.slots() {
-                    return Err(LayoutError::new_err(format!(
-                        "host block {h} / disk block {d} outside {} host / {} disk blocks",
-                        self.host_blocks,
-                        disk.store.slots()
-                    )));
-                }
-            }
-            let hosts: HashSet<u32> = writes.iter().map(|w| w.0).collect();
-            self.wait_saves_touching(py, &hosts);
-            let disk = self.disk.as_ref().expect("checked");
-            {
-                let mut p = disk.pending.0.lock();
-                for (h, d, _, _) in &writes {
-                    *p.by_host.entry(*h).or_insert(0) += 1;
-                    *p.by_slot.entry(*d).or_insert(0) += 1;
-                }
-            }
-            let jobs = disk.jobs.clone().expect("open while the worker lives");
-            let pending = disk.pending.clone();
-            // A full queue is backpressure: wait for the writer, without the GIL.
-            py.allow_threads(move || {
-                for w in writes {
-                    let (h, d) = (w.0, w.1);
-                    if jobs.send(w).is_err() {
-                        pending.0.lock().done(h, d, false);
-                        pending.1.notify_all();
-                    }
-                }
-            });
-            Ok(())
-        })
-    }
-
-    /// Reads disk blocks into host blocks (`reads` of (disk, host, key)) now, after any queued
-    /// write of those slots; returns the host blocks that missed (corrupt, never written,
-    /// another key), which later loads report as failed instead of copying.
+    /// Reads disk blocks into host blocks now (`reads` of (disk, host, key)); returns the host
+    /// blocks that missed.
     fn disk_read(&mut self, py: Python<'_>, reads: Vec<(u32, u32, u64)>) -> PyResult<Vec<u32>> {
         guard(|| {
-            if reads.is_empty() {
-                return Ok(Vec::new());
-            }
-            let Some(disk) = &self.disk else {
-                return Err(LayoutError::new_err(
-                    "disk reads for a worker without a disk tier",
-                ));
-            };
-            for (d, h, _) in &reads {
-                if *h as usize >= self.host_blocks || *d as usize >= disk.store.slots() {
-                    return Err(LayoutError::new_err(format!(
-                        "disk block {d} / host block {h} outside {} disk / {} host blocks",
-                        disk.store.slots(),
-                        self.host_blocks
-                    )));
-                }
-            }
-            let hosts: HashSet<u32> = reads.iter().map(|&(_, h, _)| h).collect();
-            self.wait_saves_touching(py, &hosts);
-            self.wait_blocks_ready(py, reads.iter().map(|&(_, h, _)| h))?;
-            let disk = self.disk.as_ref().expect("checked");
-            let (host, layout, bytes) = (&self.host, &self.host_layout, self.kv.bytes_per_block());
-            let missed: Vec<u32> = py.allow_threads(|| {
-                read_into_host(&disk.store, &disk.pending, host, layout, bytes, &reads)
-            });
-            let disk = self.disk.as_mut().expect("checked");
-            disk.reads += reads.len() as u64;
-            disk.misses += missed.len() as u64;
-            self.bad_host.extend(missed.iter().copied());
-            for &(_, h, _) in &reads {
-                if !missed.contains(&h) {
-                    self.bad_host.remove(&h);
-                }
-            }
-            Ok(missed)
+            let reads = disk_reads(reads);
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.disk_read(&reads))
+                .map_err(core_err)
         })
     }
 
-    /// Starts an asynchronous load for `request` on the worker's loader thread: disk reads (of
-    /// (disk, staging host, key)) into staging host blocks, then host blocks into GPU blocks
-    /// (`pairs` of (host, gpu)), after the saves into any of those host blocks completed.
-    /// `poll_loads` reports it when done.
-    fn load_async(
+    /// Queues an asynchronous onboard for `request`: disk reads (of (disk, staging host, key))
+    /// then host blocks into GPU blocks (`pairs` of (host, gpu)).
+    fn onboard_async(
         &mut self,
         py: Python<'_>,
         request: String,
@@ -952,113 +475,91 @@ impl Worker {
         pairs: Vec<(u32, u32)>,
     ) -> PyResult<()> {
         guard(|| {
-            self.check(&pairs)?;
-            if let Some(disk) = &self.disk {
-                if let Some((d, ..)) = reads
-                    .iter()
-                    .find(|(d, ..)| *d as usize >= disk.store.slots())
-                {
-                    return Err(LayoutError::new_err(format!(
-                        "disk block {d} outside {} disk blocks",
-                        disk.store.slots()
-                    )));
-                }
-            }
-            self.check(&reads.iter().map(|&(_, h, _)| (h, 0)).collect::<Vec<_>>())?;
-            let hosts: HashSet<u32> = reads
-                .iter()
-                .map(|&(_, h, _)| h)
-                .chain(pairs.iter().map(|&(h, _)| h))
-                .collect();
-            self.wait_saves_touching(py, &hosts);
-            let loader = self.loader.as_ref().expect("present until dropped");
-            *loader.busy.0.lock() += 1;
-            let jobs = loader.jobs.clone().expect("open while the worker lives");
-            let job = AsyncLoad {
+            let job = AsyncOnboard {
                 request,
-                reads,
+                disk_reads: disk_reads(reads),
                 pairs,
             };
-            // A full queue is backpressure: wait for the loader, without the GIL.
-            let sent = py.allow_threads(move || jobs.send(job));
-            if sent.is_err() {
-                *loader.busy.0.lock() -= 1;
-                return Err(DeviceError::new_err("the asynchronous loader has stopped"));
-            }
+            let inner = &mut self.inner;
+            py.allow_threads(|| inner.onboard_async(job))
+                .map_err(core_err)
+        })
+    }
+
+    /// Waits until every asynchronous onboard queued so far finished.
+    fn wait_async(&self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let inner = &self.inner;
+            py.allow_threads(|| inner.wait_async());
             Ok(())
         })
     }
 
-    /// Waits until every asynchronous load started so far finished (`poll_loads` then reports
-    /// them all).
-    fn wait_loads_async(&self, py: Python<'_>) -> PyResult<()> {
-        guard(|| {
-            let loader = self.loader.as_ref().expect("present until dropped");
-            let busy = loader.busy.clone();
-            py.allow_threads(|| {
-                let (lock, cv) = &*busy;
-                let mut n = lock.lock();
-                while *n > 0 {
-                    cv.wait(&mut n);
-                }
-            });
-            Ok(())
-        })
-    }
-
-    /// Asynchronous loads finished since the last call: (request, GPU blocks that failed).
-    fn poll_loads(&mut self) -> PyResult<Vec<LoadDone>> {
-        guard(|| {
-            let loader = self.loader.as_ref().expect("present until dropped");
-            Ok(std::mem::take(&mut *loader.done.lock()))
-        })
+    /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).
+    fn poll_async(&mut self) -> PyResult<Vec<(String, Vec<u32>)>> {
+        guard(|| Ok(self.inner.poll_async()))
     }
 
     /// Waits until every queued disk write finished.
     fn wait_disk(&self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            if let Some(disk) = &self.disk {
-                py.allow_threads(|| disk.wait_all());
-            }
+            let inner = &self.inner;
+            py.allow_threads(|| inner.wait_disk());
             Ok(())
         })
-    }
-
-    /// Disk blocks of this worker's file (0 without a disk tier).
-    #[getter]
-    fn disk_blocks(&self) -> usize {
-        self.disk.as_ref().map_or(0, |d| d.store.slots())
     }
 
     /// Waits until the whole host pool is pinned (or `timeout_s` passed); returns whether it is.
     #[pyo3(signature = (timeout_s=300.0))]
     fn wait_host_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         guard(|| {
-            let host = self.host.clone();
+            let inner = &self.inner;
             let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
-            Ok(py.allow_threads(|| host.wait_ready(host.len(), timeout)))
+            Ok(py.allow_threads(|| inner.wait_host_ready(timeout)))
         })
     }
 
-    /// Copy counters: bytes_saved, bytes_loaded, saves_in_flight, bad_host_blocks.
+    /// Copy counters: bytes_offloaded, bytes_onboarded, offloads_in_flight, offload_waits,
+    /// bad_host_blocks, host_ready_bytes, disk_writes_pending, disk_registered.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
+            let s = self.inner.stats();
             let d = PyDict::new(py);
-            d.set_item("bytes_saved", self.bytes_saved)?;
-            d.set_item("bytes_loaded", self.bytes_loaded)?;
-            d.set_item("saves_in_flight", self.saves.len())?;
-            d.set_item("save_waits", self.save_waits)?;
-            d.set_item("bad_host_blocks", self.bad_host.len())?;
-            d.set_item("host_ready_bytes", self.host.ready_bytes())?;
-            if let Some(disk) = &self.disk {
-                let p = disk.pending.0.lock();
-                d.set_item("disk_written", p.written)?;
-                d.set_item("disk_write_failures", p.write_failures)?;
-                d.set_item("disk_writes_pending", p.by_slot.values().sum::<usize>())?;
-                d.set_item("disk_reads", disk.reads)?;
-                d.set_item("disk_misses", disk.misses)?;
-            }
+            d.set_item("bytes_offloaded", s.bytes_offloaded)?;
+            d.set_item("bytes_onboarded", s.bytes_onboarded)?;
+            d.set_item("offloads_in_flight", s.offloads_in_flight)?;
+            d.set_item("offload_waits", s.offload_waits)?;
+            d.set_item("bad_host_blocks", s.bad_host_blocks)?;
+            d.set_item("host_ready_bytes", s.host_ready_bytes)?;
+            d.set_item("disk_writes_pending", s.disk_writes_pending)?;
+            d.set_item("disk_registered", self.inner.disk_registered())?;
             Ok(d)
+        })
+    }
+
+    /// kvbm-core's counters of this worker, under Dynamo's metric names.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guard(|| crate::metrics_dict(py, &self.inner.metrics().snapshot()))
+    }
+
+    /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies
+    /// until `release()` is called on the returned hold. Emulated device only; for tests that
+    /// need a copy in flight for as long as they look.
+    fn _hold_stream(&self, direction: &str) -> PyResult<CopyHold> {
+        guard(|| {
+            let direction = match direction {
+                "d2h" => kvbm_core::Direction::DeviceToHost,
+                "h2d" => kvbm_core::Direction::HostToDevice,
+                other => {
+                    return Err(crate::DeviceError::new_err(format!(
+                        "stream {other:?}: expected d2h or h2d"
+                    )))
+                }
+            };
+            let hold = self.inner.hold_stream(direction).map_err(core_err)?;
+            Ok(CopyHold {
+                hold: Mutex::new(Some(hold)),
+            })
         })
     }
 
@@ -1067,11 +568,18 @@ impl Worker {
     }
 }
 
+fn disk_reads(reads: Vec<(u32, u32, u64)>) -> Vec<DiskRead> {
+    reads
+        .into_iter()
+        .map(|(disk, host, key)| DiskRead { disk, host, key })
+        .collect()
+}
+
 /// A hold on one of a worker's copy streams (see `Worker._hold_stream`).
 #[pyclass(module = "kvbm._kvbm")]
 #[derive(Debug)]
 pub struct CopyHold {
-    hold: Mutex<Option<kvbm_cuda::StreamHold>>,
+    hold: Mutex<Option<kvbm_core::StreamHold>>,
 }
 
 #[pymethods]
@@ -1082,165 +590,109 @@ impl CopyHold {
     }
 }
 
-impl Worker {
-    /// Waits (without the GIL) for the save transfers `pick` selects, settles them, and returns
-    /// how many there were.
-    fn wait_saves_where(&mut self, py: Python<'_>, pick: impl Fn(&PendingSave) -> bool) -> usize {
-        let (chosen, rest): (Vec<PendingSave>, Vec<PendingSave>) =
-            std::mem::take(&mut self.saves).into_iter().partition(pick);
-        self.saves = rest;
-        if chosen.is_empty() {
-            return 0;
-        }
-        let results: Vec<bool> =
-            py.allow_threads(|| chosen.iter().map(|s| s.completion.wait().is_ok()).collect());
-        let n = chosen.len();
-        for (save, ok) in chosen.into_iter().zip(results) {
-            self.settle(save, ok);
-        }
-        self.save_waits += 1;
-        n
-    }
+/// The plan bytes as a Python `bytes` object.
+pub(crate) fn plan_bytes<'py>(py: Python<'py>, plan: &StepPlan) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &plan.to_bytes())
+}
 
-    /// Waits for the saves writing any of `hosts` (the same stream keeps earlier saves first,
-    /// so a later save into the same block is never overtaken).
-    fn wait_saves_touching(&mut self, py: Python<'_>, hosts: &HashSet<u32>) {
-        self.wait_saves_where(py, |s| !s.host_blocks.is_disjoint(hosts));
-    }
+/// An onboard or offload as Python passes it: (request, pairs).
+type RequestPairs = (String, Vec<(u32, u32)>);
+/// An asynchronous onboard as Python passes it: (request, disk reads, pairs).
+type AsyncTuple = (String, Vec<(u32, u32, u64)>, Vec<(u32, u32)>);
 
-    /// Checks (host, gpu) pairs against the pools' sizes.
-    fn check(&self, pairs: &[(u32, u32)]) -> PyResult<()> {
-        for &(h, g) in pairs {
-            if h as usize >= self.host_blocks || g as usize >= self.gpu.num_blocks() {
-                return Err(LayoutError::new_err(format!(
-                    "host block {h} / GPU block {g} outside {} host / {} GPU blocks",
-                    self.host_blocks,
-                    self.gpu.num_blocks()
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// Waits (without the GIL) until the host blocks' memory is pinned.
-    fn wait_blocks_ready(&self, py: Python<'_>, blocks: impl Iterator<Item = u32>) -> PyResult<()> {
-        let Some(last) = blocks.max() else {
-            return Ok(());
+/// A step plan's bytes from its parts (tests and tools; the leader builds its own).
+#[pyfunction]
+#[pyo3(signature = (step=0, *, preempted=Vec::new(), disk_reads=Vec::new(), onboards=Vec::new(), async_onboards=Vec::new(), offloads=Vec::new(), disk_writes=Vec::new(), load_errors=Vec::new()))]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn encode_plan<'py>(
+    py: Python<'py>,
+    step: u64,
+    preempted: Vec<String>,
+    disk_reads: Vec<(u32, u32, u64)>,
+    onboards: Vec<RequestPairs>,
+    async_onboards: Vec<AsyncTuple>,
+    offloads: Vec<RequestPairs>,
+    disk_writes: Vec<DiskWriteTuple>,
+    load_errors: Vec<u32>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    guard(|| {
+        let plan = StepPlan {
+            step,
+            preempted,
+            disk_reads: self::disk_reads(disk_reads),
+            onboards: onboards
+                .into_iter()
+                .map(|(request, pairs)| kvbm_core::Onboard { request, pairs })
+                .collect(),
+            async_onboards: async_onboards
+                .into_iter()
+                .map(|(request, reads, pairs)| AsyncOnboard {
+                    request,
+                    disk_reads: self::disk_reads(reads),
+                    pairs,
+                })
+                .collect(),
+            offloads: offloads
+                .into_iter()
+                .map(|(request, pairs)| kvbm_core::Offload { request, pairs })
+                .collect(),
+            disk_writes: disk_writes
+                .into_iter()
+                .map(|(host, disk, key, identity)| DiskWrite {
+                    host,
+                    disk,
+                    key,
+                    identity,
+                })
+                .collect(),
+            load_errors,
         };
-        let end = (last as usize + 1) * self.kv.host_stride_bytes();
-        if self.host.ready_bytes() >= end {
-            return Ok(());
-        }
-        let host = self.host.clone();
-        if py.allow_threads(|| host.wait_ready(end, HOST_READY_TIMEOUT)) {
-            Ok(())
-        } else {
-            Err(DeviceError::new_err(format!(
-                "host memory not pinned after {HOST_READY_TIMEOUT:?} ({} of {end} bytes ready)",
-                self.host.ready_bytes()
-            )))
-        }
-    }
-
-    fn settle(&mut self, save: PendingSave, ok: bool) {
-        if !ok {
-            self.bad_host.extend(save.host_blocks);
-        }
-        for r in save.requests {
-            if let Some(n) = self.save_pending.get_mut(&r) {
-                *n -= 1;
-                if *n == 0 {
-                    self.save_pending.remove(&r);
-                    self.save_done.push(r);
-                }
-            }
-        }
-    }
-}
-
-/// A transfer of `pieces` between the GPU regions and the host pool, keeping both alive.
-fn transfer_of(pieces: &[CopyPiece], gpu_regions: &[GpuRegion], host: &HostRegion) -> Transfer {
-    let mut transfer = Transfer::with_capacity(pieces.len());
-    for p in pieces {
-        transfer.push(p.src, p.dst, p.len);
-    }
-    for r in gpu_regions {
-        transfer.keep(r.clone());
-    }
-    transfer.keep(host.clone());
-    transfer
-}
-
-/// Byte offset of host block `h`'s payload in the host region.
-fn host_offset(host: &HostRegion, layout: &BlockLayout, h: u32) -> usize {
-    (layout.block_start(h as usize) - host.addr()) as usize
-}
-
-/// Starts the thread that writes host blocks to disk.
-fn start_disk(
-    store: Arc<DiskStore>,
-    host: HostRegion,
-    layout: BlockLayout,
-    kv: KvLayout,
-) -> PyResult<DiskSide> {
-    let (jobs, receiver) = crossbeam_channel::bounded::<DiskWrite>(DISK_WRITES_QUEUED_MAX);
-    let pending: Arc<(Mutex<DiskPending>, Condvar)> = Arc::default();
-    let (thread_store, thread_pending) = (store.clone(), pending.clone());
-    let thread = std::thread::Builder::new()
-        .name("kvbm-py-disk".into())
-        .spawn(move || {
-            let bytes = kv.bytes_per_block();
-            let mut buf = AlignedBuf::new(thread_store.payload_area_bytes()).ok();
-            for (h, d, key, metadata) in receiver {
-                let ok = buf.as_mut().is_some_and(|buf| {
-                    host.read(
-                        host_offset(&host, &layout, h),
-                        &mut buf.as_mut_slice()[..bytes],
-                    )
-                    .is_ok()
-                        && matches!(
-                            thread_store.write_with_metadata(d, key, buf, &metadata),
-                            Ok(WriteOutcome::Stored)
-                        )
-                });
-                let (lock, cv) = &*thread_pending;
-                lock.lock().done(h, d, ok);
-                cv.notify_all();
-            }
-        })
-        .map_err(|e| DeviceError::new_err(format!("cannot start the disk writer: {e}")))?;
-    Ok(DiskSide {
-        store,
-        jobs: Some(jobs),
-        pending,
-        thread: Some(thread),
-        reads: 0,
-        misses: 0,
+        Ok(plan_bytes(py, &plan))
     })
 }
 
-/// Starts the thread that runs asynchronous loads.
-fn start_loader(context: LoaderContext) -> PyResult<AsyncLoader> {
-    let (jobs, receiver) = crossbeam_channel::bounded::<AsyncLoad>(ASYNC_LOADS_QUEUED_MAX);
-    let done: Arc<Mutex<Vec<LoadDone>>> = Arc::default();
-    let busy: Arc<(Mutex<usize>, Condvar)> = Arc::default();
-    let (thread_done, thread_busy) = (done.clone(), busy.clone());
-    let thread = std::thread::Builder::new()
-        .name("kvbm-py-load".into())
-        .spawn(move || {
-            for job in receiver {
-                let failed = context.run(&job);
-                thread_done.lock().push((job.request, failed));
-                let (lock, cv) = &*thread_busy;
-                *lock.lock() -= 1;
-                cv.notify_all();
-            }
-        })
-        .map_err(|e| DeviceError::new_err(format!("cannot start the loader: {e}")))?;
-    Ok(AsyncLoader {
-        jobs: Some(jobs),
-        done,
-        busy,
-        thread: Some(thread),
+/// A step plan's parts from its bytes, as `encode_plan` takes them (for inspection); malformed
+/// bytes raise `LayoutError`.
+#[pyfunction]
+pub(crate) fn decode_plan<'py>(py: Python<'py>, plan: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+    guard(|| {
+        let p = StepPlan::from_bytes(plan).map_err(core_err)?;
+        let reads = |rs: &[DiskRead]| -> Vec<(u32, u32, u64)> {
+            rs.iter().map(|r| (r.disk, r.host, r.key)).collect()
+        };
+        let d = PyDict::new(py);
+        d.set_item("step", p.step)?;
+        d.set_item("preempted", p.preempted.clone())?;
+        d.set_item("disk_reads", reads(&p.disk_reads))?;
+        d.set_item(
+            "onboards",
+            p.onboards
+                .iter()
+                .map(|o| (o.request.clone(), o.pairs.clone()))
+                .collect::<Vec<_>>(),
+        )?;
+        d.set_item(
+            "async_onboards",
+            p.async_onboards
+                .iter()
+                .map(|o| (o.request.clone(), reads(&o.disk_reads), o.pairs.clone()))
+                .collect::<Vec<_>>(),
+        )?;
+        d.set_item(
+            "offloads",
+            p.offloads
+                .iter()
+                .map(|o| (o.request.clone(), o.pairs.clone()))
+                .collect::<Vec<_>>(),
+        )?;
+        d.set_item(
+            "disk_writes",
+            p.disk_writes
+                .iter()
+                .map(|w| (w.host, w.disk, w.key, PyBytes::new(py, &w.identity)))
+                .collect::<Vec<_>>(),
+        )?;
+        d.set_item("load_errors", p.load_errors.clone())?;
+        Ok(d)
     })
 }

@@ -129,13 +129,13 @@ def test_worker_round_trips_blocks_byte_exactly(kind):
     assert (w.num_layers, w.num_blocks, w.host_blocks, w.device_kind) == (3, 8, 5, "emulated")
     assert w.runs_per_block == RUNS[kind], "one copy per contiguous run of a block"
     assert w.layout_name == (kind.upper().removeprefix("MLA-") if kind.upper()[-5:] in LAYOUTS_033 else "per-layer tensors")
-    w.save([(1, 0), (6, 4), (3, 2)], ["r"])
-    w.wait_saves()
-    assert w.poll_saves() == ["r"]
+    w.offload([(1, 0), (6, 4), (3, 2)], ["r"])
+    w.wait_offloads()
+    assert w.poll_offloads() == ["r"]
     for t in caches.values():
         t.array[...] = 0
-    w.load([(0, 7), (4, 0), (2, 5)])
-    assert w.wait_loads()
+    w.onboard([(0, 7), (4, 0), (2, 5)])
+    assert w.wait_onboards()
     assert w.take_failed() == []
     for name, t in caches.items():
         assert np.array_equal(block_view(t, kind, 7), before[name][1])
@@ -143,11 +143,11 @@ def test_worker_round_trips_blocks_byte_exactly(kind):
         assert np.array_equal(block_view(t, kind, 5), before[name][3])
         assert not block_view(t, kind, 1).any(), "only the loaded blocks are written"
     stats = w.stats()
-    assert stats["bytes_saved"] == stats["bytes_loaded"] == 3 * w.bytes_per_block
+    assert stats["bytes_offloaded"] == stats["bytes_onboarded"] == 3 * w.bytes_per_block
     with pytest.raises(kvbm.LayoutError, match="outside"):
-        w.load([(5, 0)])
+        w.onboard([(5, 0)])
     with pytest.raises(kvbm.LayoutError, match="outside"):
-        w.save([(8, 0)], [])
+        w.offload([(8, 0)], [])
 
 
 def refused(caches, *words):
@@ -246,14 +246,14 @@ def test_overlaid_cache_groups_are_copied_once(layout):
     w = worker.native
     assert w.distinct_layers == 3 and w.num_layers == 6
     assert w.bytes_per_block == 3 * 2 * 4 * 16 * 2
-    w.save([(2, 0)], ["r"])
-    w.wait_saves()
+    w.offload([(2, 0)], ["r"])
+    w.wait_offloads()
     raw[...] = 0
-    w.load([(0, 5)])
-    assert w.wait_loads()
+    w.onboard([(0, 5)])
+    assert w.wait_onboards()
     for name, t in caches.items():
         assert np.array_equal(t.array[5], before[name][2]), name
-    assert w.stats()["bytes_saved"] == w.bytes_per_block
+    assert w.stats()["bytes_offloaded"] == w.bytes_per_block
 
 
 def test_kernel_blocks_are_one_block_per_vllm_block():
@@ -272,11 +272,11 @@ def test_kernel_blocks_are_one_block_per_vllm_block():
     worker.register_kv_caches(caches)
     w = worker.native
     assert (w.num_blocks, w.runs_per_block) == (6, 2)
-    w.save([(1, 0)], ["r"])
-    w.wait_saves()
+    w.offload([(1, 0)], ["r"])
+    w.wait_offloads()
     raw[...] = 0
-    w.load([(0, 4)])
-    assert w.wait_loads()
+    w.onboard([(0, 4)])
+    assert w.wait_onboards()
     for name, t in caches.items():
         assert np.array_equal(t.array[8:10], before[name]), name
         assert not t.array[:8].any() and not t.array[10:].any()
@@ -325,26 +325,26 @@ def test_worker_disk_tier_round_trips_and_a_bad_block_is_a_miss(tmp_path):
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o600
     # GPU 2 -> host 1 -> disk 5, then disk 5 -> host 3 (staging) -> GPU 4.
-    w.save([(2, 1)], ["r"])
+    w.offload([(2, 1)], ["r"])
     w.disk_write([(1, 5, 0xABC, [1, 2, 3])])
     w.wait_disk()
-    assert w.stats()["disk_written"] == 1
+    assert w.metrics()["kvbm_offload_blocks_h2d"] == 1
     assert w.disk_read([(5, 3, 0xABC)]) == []
-    w.load([(3, 4)])
-    assert w.wait_loads()
+    w.onboard([(3, 4)])
+    assert w.wait_onboards()
     for name, t in caches.items():
         assert np.array_equal(block_view(t, "block_first", 4), before[name])
     # The wrong key (or a slot never written) is a miss: nothing is loaded, the GPU block is
     # reported failed, and its contents stay as they were.
     marker = {name: block_view(t, "block_first", 0) for name, t in caches.items()}
     assert w.disk_read([(5, 2, 0xDEF), (6, 0, 0xABC)]) == [2, 0]
-    w.load([(2, 0), (0, 1)])
-    w.wait_loads()
+    w.onboard([(2, 0), (0, 1)])
+    w.wait_onboards()
     assert w.take_failed() == [0, 1]
     for name, t in caches.items():
         assert np.array_equal(block_view(t, "block_first", 0), marker[name])
-    stats = w.stats()
-    assert (stats["disk_reads"], stats["disk_misses"]) == (3, 2)
+    # Three disk lookups, one hit: core's counters, under Dynamo's name.
+    assert w.metrics()["kvbm_disk_cache_hit_rate"] == pytest.approx(1 / 3)
     with pytest.raises(kvbm.LayoutError, match="outside"):
         w.disk_write([(0, 8, 1, [])])
     no_disk = KvbmWorker(host_blocks=2)
@@ -388,15 +388,15 @@ def test_leader_admits_to_disk_and_matches_host_then_disk():
 def test_asynchronous_loads_run_in_the_background_and_report_failures(tmp_path):
     caches, w = disk_worker(tmp_path, "outer_first", num_blocks=6, host_blocks=4, disk_blocks=4, seed=5)
     before = {name: block_view(t, "outer_first", 1) for name, t in caches.items()}
-    w.save([(1, 0)], ["r"])
+    w.offload([(1, 0)], ["r"])
     w.disk_write([(0, 2, 77, [])])
     w.wait_disk()
     # Disk 2 -> staging host 3 -> GPU 4; a second load whose key is wrong fails GPU block 5.
-    w.load_async("a", [(2, 3, 77)], [(3, 4)])
-    w.load_async("b", [(2, 1, 78)], [(1, 5)])
-    w.wait_loads_async()
-    assert sorted(w.poll_loads()) == [("a", []), ("b", [5])]
-    assert w.poll_loads() == []
+    w.onboard_async("a", [(2, 3, 77)], [(3, 4)])
+    w.onboard_async("b", [(2, 1, 78)], [(1, 5)])
+    w.wait_async()
+    assert sorted(w.poll_async()) == [("a", []), ("b", [5])]
+    assert w.poll_async() == []
     for name, t in caches.items():
         assert np.array_equal(block_view(t, "outer_first", 4), before[name])
 

@@ -58,7 +58,7 @@ def test_with_vllm_the_connector_is_a_vllm_connector_in_both_roles():
                                         block_ids=([0, 1, 2],), num_computed_tokens=0)],
                  scheduled_cached_reqs=None, num_scheduled_tokens={"x": 9})
         meta = leader.build_connector_meta(out)
-        assert [len(p) for _, p in meta.saves] == [2]
+        assert [len(p) for _, p in meta.offloads] == [2]
         events = list(leader.take_events())
         assert type(events[0]).__module__ == "vllm.distributed.kv_events", events
         assert events[0].medium == "CPU_PINNED" and len(events[0].block_hashes) == 2

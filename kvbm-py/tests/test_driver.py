@@ -129,7 +129,7 @@ def run_worker(conn) -> None:
         worker.wait_for_save()
         # The asynchronous loads of this step finish within it, so that what the leader holds,
         # and therefore what later requests match, does not depend on timing.
-        worker.native.wait_loads_async()
+        worker.native.wait_async()
         sending, recving = worker.get_finished(set(finished_ids))
         for rid in recving or ():
             # An asynchronous load is done: its blocks must hold their tokens' bytes now.
@@ -327,8 +327,8 @@ def test_vllm_call_order_across_processes(tmp_path, kind, host_blocks, disk_bloc
                 r.ext_blocks = []
             out = SchedulerOutput(new_reqs, cached, scheduled, finished_prev, preempted, has_sync_kv_loads)
             meta = leader.build_connector_meta(out)
-            assert sum(len(p) for _, p in meta.loads) == len(expect)
-            disk_reads += len(meta.disk_reads) + sum(len(reads) for _, reads, _ in meta.async_loads)
+            assert sum(len(p) for _, p in meta.onboards) == len(expect)
+            disk_reads += len(meta.disk_reads) + sum(len(reads) for _, reads, _ in meta.async_onboards)
             sending, recving, errors, mismatches = step_all(
                 (pickle.dumps(meta), writes, expect, sorted(finished_prev), async_expect, has_sync_kv_loads)
             )

@@ -83,7 +83,7 @@ class Engine:
         if not out.has_sync_kv_loads:
             w.start_load_kv(None)
         w.wait_for_save()
-        w.native.wait_loads_async()  # this test's loads finish within the step
+        w.native.wait_async()  # this test's loads finish within the step
         w.native.wait_disk()
         sending, recving = w.get_finished(set(finished))
         errors = w.get_block_ids_with_load_errors()
@@ -128,7 +128,7 @@ def test_a_corrupt_and_an_unreadable_disk_block_fail_exactly_their_gpu_blocks(tm
     ids = list(range(20, 26))
     e.leader.update_state_after_alloc(c, Blocks(ids), n)
     meta = e.leader.build_connector_meta(Out([], Cached(), {}, set()))
-    (rid, reads, pairs), = meta.async_loads
+    (rid, reads, pairs), = meta.async_onboards
     assert rid == "C" and len(reads) == 5
     # The cache file: a 4 KiB superblock, then 16 slots of (4 KiB header + payload area).
     store_file = tmp_path / "kvbm-rank0.cache"
@@ -152,7 +152,7 @@ def test_a_corrupt_and_an_unreadable_disk_block_fail_exactly_their_gpu_blocks(tm
     w.bind_connector_metadata(meta)
     w.start_load_kv(None)
     w.wait_for_save()
-    w.native.wait_loads_async()
+    w.native.wait_async()
     sending, recving = w.get_finished(set())
     errors = w.get_block_ids_with_load_errors()
     w.clear_connector_metadata()
@@ -198,14 +198,14 @@ def test_a_block_whose_load_failed_is_never_saved_as_if_it_held_data(tmp_path):
     e.write(3, seed=9)
     # Host block 0 gets its bytes from a disk read that misses (no block under that key).
     assert w.disk_read([(0, 0, 12345)]) == [0]
-    w.load([(0, 5)])  # so GPU block 5's load fails (reported by take_failed below)
-    w.wait_loads()
-    w.save([(5, 1), (3, 2)], ["r"])  # block 5 is skipped, block 3 is saved
-    w.wait_saves()
-    assert w.poll_saves() == ["r"], "the request's save is still reported done"
+    w.onboard([(0, 5)])  # so GPU block 5's load fails (reported by take_failed below)
+    w.wait_onboards()
+    w.offload([(5, 1), (3, 2)], ["r"])  # block 5 is skipped, block 3 is saved
+    w.wait_offloads()
+    assert w.poll_offloads() == ["r"], "the request's save is still reported done"
     failed_before = set(w.take_failed())
     assert failed_before == {5}
-    w.load([(1, 6), (2, 7)])
-    w.wait_loads()
+    w.onboard([(1, 6), (2, 7)])
+    w.wait_onboards()
     assert set(w.take_failed()) == {6}, "the skipped save's host block is never served"
     assert all(np.array_equal(a, b) for a, b in zip(e.read(7), e.read(3)))

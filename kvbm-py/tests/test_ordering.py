@@ -70,10 +70,10 @@ def test_a_preempted_requests_blocks_are_not_reused_while_its_save_reads_them():
         saved = forward_writes(caches, 3, seed=1)
         hold = worker.native._hold_stream("d2h")
         # Step 1: request A completes GPU block 3; its save (to host block 0) stays queued.
-        step(worker, KvbmConnectorMetadata(step=1, saves=[("A", [(3, 0)])]))
+        step(worker, KvbmConnectorMetadata.build(step=1, offloads=[("A", [(3, 0)])]))
         # Step 2: vLLM preempted A and gave block 3 to B, whose forward overwrites it as soon as
         # handle_preemptions returns.
-        meta = KvbmConnectorMetadata(step=2, preempted=["A"])
+        meta = KvbmConnectorMetadata.build(step=2, preempted=["A"])
 
         def preempt_then_forward():
             worker.handle_preemptions(meta)
@@ -86,31 +86,31 @@ def test_a_preempted_requests_blocks_are_not_reused_while_its_save_reads_them():
         assert not t.is_alive()
         assert waiting, "handle_preemptions returned while A's save was still queued"
         # Step 3: request C loads host block 0 into block 6: A's bytes, not B's.
-        step(worker, KvbmConnectorMetadata(step=3, loads=[("C", [(0, 6)])]), has_sync_kv_loads=True)
+        step(worker, KvbmConnectorMetadata.build(step=3, onboards=[("C", [(0, 6)])]), has_sync_kv_loads=True)
         for name, t in caches.items():
             assert np.array_equal(t.array[6], saved[name]), (layout, name)
-        assert worker.native.stats()["save_waits"] >= 1
+        assert worker.native.stats()["offload_waits"] >= 1
         worker.shutdown()
 
 
 def test_a_load_waits_for_the_save_into_its_host_block_and_for_no_other():
     caches, worker = setup("BLNHC")
     earlier = forward_writes(caches, 2, seed=3)
-    step(worker, KvbmConnectorMetadata(step=1, saves=[("A", [(2, 1)])]))
-    worker.native.wait_saves()  # host block 1 holds block 2's bytes
+    step(worker, KvbmConnectorMetadata.build(step=1, offloads=[("A", [(2, 1)])]))
+    worker.native.wait_offloads()  # host block 1 holds block 2's bytes
     pending = forward_writes(caches, 3, seed=4)
     hold = worker.native._hold_stream("d2h")
-    step(worker, KvbmConnectorMetadata(step=2, saves=[("B", [(3, 0)])]))  # queued behind the hold
+    step(worker, KvbmConnectorMetadata.build(step=2, offloads=[("B", [(3, 0)])]))  # queued behind the hold
 
     # A load of host block 1 does not depend on B's queued save: it completes while held.
-    t = in_thread(lambda: step(worker, KvbmConnectorMetadata(step=3, loads=[("C", [(1, 5)])]), True))
+    t = in_thread(lambda: step(worker, KvbmConnectorMetadata.build(step=3, onboards=[("C", [(1, 5)])]), True))
     t.join(timeout=60)
     assert not t.is_alive(), "a load waited for a save it does not read"
     for name, a in caches.items():
         assert np.array_equal(a.array[5], earlier[name])
 
     # A load of host block 0 reads what B's save writes: it waits for it.
-    t = in_thread(lambda: step(worker, KvbmConnectorMetadata(step=4, loads=[("D", [(0, 6)])]), True))
+    t = in_thread(lambda: step(worker, KvbmConnectorMetadata.build(step=4, onboards=[("D", [(0, 6)])]), True))
     waiting = t.is_alive()
     hold.release()
     t.join(timeout=60)

@@ -109,10 +109,6 @@ class KvbmLeader:
         self._metrics = metrics or global_metrics()
         self._metrics.set("kvbm_host_blocks_capacity", host_blocks)
         self._requests: Dict[str, _Request] = {}
-        self._loads: List[Tuple[str, List[Tuple[int, int]]]] = []
-        self._load_errors: List[int] = []
-        self._disk_reads: List[Tuple[int, int, int]] = []
-        self._async_loads: List[Tuple[str, List[Tuple[int, int, int]], List[Tuple[int, int]]]] = []
         self._loading: set = set()
         self._step = 0
 
@@ -193,26 +189,18 @@ class KvbmLeader:
             )
             return
         rid = request.request_id
-        host, disk = self._native.plan_load(st.hashes[start : start + wanted], rid if is_async else None)
-        got = len(host) + len(disk)
-        gpu = ids[start : start + got]
-        # Disk blocks come through staging host blocks: disk -> host, then host -> GPU.
-        pairs = list(zip(host, gpu)) + [(stage, g) for (_, stage, _), g in zip(disk, gpu[len(host) :])]
+        got = self._native.plan_onboard(
+            rid, st.hashes[start : start + wanted], ids[start : start + wanted], bool(is_async)
+        )
         if got < wanted:
-            # Evicted since they were counted: vLLM must recompute these.
-            self._load_errors.extend(ids[start + got : start + wanted])
+            # Evicted since they were counted: vLLM must recompute these (the plan reports them).
             st.unbacked_from = start + got
         if is_async:
             # Reported in finished_recving even when nothing could be held (then all failed).
-            self._async_loads.append((rid, disk, pairs))
             self._loading.add(rid)
-        elif pairs:
-            self._disk_reads.extend(disk)
-            self._loads.append((rid, pairs))
-        self._metrics.inc("kvbm_onboard_blocks_h2d", len(host))
-        self._metrics.inc("kvbm_onboard_blocks_d2d", len(disk))
-        # Blocks loaded from the host tier are there already; those from disk are saved again.
-        st.saved_blocks = max(st.saved_blocks, start + len(host))
+        # Blocks onboarded from the host tier are there already; those from disk are offloaded
+        # again as they complete (a no-op when the host tier still holds them).
+        st.saved_blocks = max(st.saved_blocks, start + got if not is_async else start)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         b = self.block_size
@@ -253,40 +241,22 @@ class KvbmLeader:
             first = st.saved_blocks
             if full > first:
                 work.append((rid, st, first, full, tokens[first * b : full * b]))
-        per_request: Dict[str, List[Tuple[int, int]]] = {}
         if work:
-            results = self._native.offload_tokens(
+            results = self._native.plan_offloads(
                 [
-                    (list(span), st.hashes[first - 1] if first else None, st.lora, st.salt)
-                    for _, st, first, _, span in work
+                    (rid, list(span), st.hashes[first - 1] if first else None, st.lora, st.salt, st.block_ids[first:full])
+                    for rid, st, first, full, span in work
                 ]
             )
-            for (rid, st, first, full, _), (hashes, host) in zip(work, results):
+            for (rid, st, first, full, _), (hashes, offloaded) in zip(work, results):
                 del st.hashes[first:]
                 st.hashes.extend(hashes)
                 st.saved_blocks = full
-                pairs = [(g, h) for g, h in zip(st.block_ids[first:full], host) if h is not None]
-                if pairs:
-                    per_request[rid] = pairs
-        saves = list(per_request.items())
-        for rid, pairs in saves:
-            self._requests[rid].had_saves = True
-            self._metrics.inc("kvbm_offload_blocks_d2h", len(pairs))
-        disk_writes = self._native.take_disk_writes()
-        self._metrics.inc("kvbm_offload_blocks_h2d", len(disk_writes))
-        meta = KvbmConnectorMetadata(
-            step=self._step,
-            loads=self._loads,
-            saves=saves,
-            load_errors=self._load_errors,
-            disk_reads=self._disk_reads,
-            disk_writes=disk_writes,
-            async_loads=self._async_loads,
-            preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
-        )
-        self._loads, self._load_errors, self._disk_reads, self._async_loads = [], [], [], []
+                if offloaded:
+                    st.had_saves = True
+        plan = self._native.take_plan(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        meta = KvbmConnectorMetadata(step=self._step, plan=bytes(plan))
         self._step += 1
-        self._native.end_step()
         self._metrics.set("kvbm_host_blocks_registered", self._native.counts()["registered"])
         return meta
 

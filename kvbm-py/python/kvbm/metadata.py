@@ -1,9 +1,16 @@
-"""What the leader tells the workers each step (pickled by vLLM between processes)."""
+"""What the leader tells the workers each step (pickled by vLLM between processes).
+
+The instructions are kvbm-core's typed step plan, serialised to MessagePack bytes by the leader
+(``Leader.take_plan``) and executed by the workers (``Worker.bind``): what crosses processes is
+one ``bytes`` object, not Python tuples.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+from . import _kvbm
 
 try:  # vLLM types the metadata with its own base class; kvbm's works without vLLM too.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
@@ -20,27 +27,62 @@ Pairs = List[Tuple[int, int]]
 
 @dataclass
 class KvbmConnectorMetadata(_Base):
-    """One scheduler step's instructions for every worker.
+    """One scheduler step's plan for every worker, as bytes (``plan``).
 
-    - ``loads``: per request id, (host block, GPU block) pairs to copy into the GPU before the
-      forward pass.
-    - ``saves``: per request id, (GPU block, host block) pairs to copy out after it.
+    Its parts, decoded on demand for inspection:
+
+    - ``onboards``: per request id, (host block, GPU block) pairs to copy into the GPU before
+      the layers that need them run.
+    - ``offloads``: per request id, (GPU block, host block) pairs to copy out after the forward.
     - ``load_errors``: GPU block ids the leader promised but could not back (their host copies
       were evicted in between); workers report them so that vLLM recomputes them.
-    - ``disk_reads``: (disk block, host block, key) to read before the loads (the host blocks
-      are staging blocks that the loads then copy to the GPU).
-    - ``disk_writes``: (host block, disk block, key, identity bytes) to write after the saves.
-    - ``async_loads``: per request id, its disk reads and (host, GPU) pairs, loaded in the
+    - ``disk_reads``: (disk block, host block, key) to read before the onboards (into staging
+      host blocks that the onboards then copy to the GPU).
+    - ``disk_writes``: (host block, disk block, key, identity bytes) to write after the offloads.
+    - ``async_onboards``: per request id, its disk reads and (host, GPU) pairs, onboarded in the
       background; the workers report the request in ``finished_recving`` when done.
     - ``preempted``: requests vLLM preempted in this step; their GPU blocks are reused right
-      after ``handle_preemptions``, which waits for their saves.
+      after ``handle_preemptions``, which waits for their offloads.
     """
 
     step: int = 0
-    loads: List[Tuple[str, Pairs]] = field(default_factory=list)
-    saves: List[Tuple[str, Pairs]] = field(default_factory=list)
-    load_errors: List[int] = field(default_factory=list)
-    disk_reads: List[Tuple[int, int, int]] = field(default_factory=list)
-    disk_writes: List[Tuple[int, int, int, List[int]]] = field(default_factory=list)
-    async_loads: List[Tuple[str, List[Tuple[int, int, int]], Pairs]] = field(default_factory=list)
-    preempted: List[str] = field(default_factory=list)
+    plan: bytes = b""
+
+    @classmethod
+    def build(cls, step: int = 0, **parts: Any) -> "KvbmConnectorMetadata":
+        """A plan from its parts (keywords as listed above); for tests and tools."""
+        return cls(step=step, plan=bytes(_kvbm.encode_plan(step, **parts)))
+
+    def parts(self) -> Dict[str, Any]:
+        """The plan's parts (decoded from the bytes)."""
+        if not self.plan:
+            return dict(_kvbm.decode_plan(_kvbm.encode_plan(self.step)))
+        return dict(_kvbm.decode_plan(self.plan))
+
+    @property
+    def onboards(self) -> List[Tuple[str, Pairs]]:
+        return self.parts()["onboards"]
+
+    @property
+    def offloads(self) -> List[Tuple[str, Pairs]]:
+        return self.parts()["offloads"]
+
+    @property
+    def disk_reads(self) -> List[Tuple[int, int, int]]:
+        return self.parts()["disk_reads"]
+
+    @property
+    def disk_writes(self) -> List[Tuple[int, int, int, bytes]]:
+        return self.parts()["disk_writes"]
+
+    @property
+    def async_onboards(self) -> List[Tuple[str, List[Tuple[int, int, int]], Pairs]]:
+        return self.parts()["async_onboards"]
+
+    @property
+    def load_errors(self) -> List[int]:
+        return self.parts()["load_errors"]
+
+    @property
+    def preempted(self) -> List[str]:
+        return self.parts()["preempted"]

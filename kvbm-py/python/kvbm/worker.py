@@ -2,7 +2,8 @@
 
 :class:`KvbmWorker` registers vLLM's KV cache tensors (or anything exposing ``data_ptr()``,
 ``shape``, ``stride()``, ``element_size()``, ``device``), owns this rank's shard of the pinned host
-pool and its copy streams, and executes the leader's instructions. Any layout vLLM hands over is
+pool and its copy streams, and executes the leader's step plans. Everything that moves bytes is
+kvbm-core's worker (``_kvbm.Worker``); this class only follows vLLM's call order. Any layout vLLM hands over is
 taken: vLLM 0.33's ``[B, H, N, C]`` views of one backing buffer in every ``KVCacheLayout`` (the
 views are not contiguous tensors), MLA, and the older per-layer 5-D tensors; kvbm-core derives
 each block's runs from the shapes and strides, so under a block-outermost layout (BLNHC, which
@@ -14,18 +15,19 @@ when the step has synchronous loads (otherwise after it), ``wait_for_layer_load`
 ``save_kv_layer`` inside the forward, ``wait_for_save``, ``get_finished``,
 ``get_block_ids_with_load_errors``, ``clear_connector_metadata``. So:
 
-- ``handle_preemptions``: waits for the saves of the requests vLLM preempted in this step, whose
-  GPU blocks vLLM hands to other requests (and the forward overwrites) as soon as it returns;
+- ``handle_preemptions``: waits for the offloads of the requests vLLM preempted in this step,
+  whose GPU blocks vLLM hands to other requests (and the forward overwrites) as soon as it
+  returns;
 - ``start_load_kv``: reads the step's disk blocks into their staging host blocks and starts the
-  step's loads (one transfer per load stage: per layer, or per block under a block-outermost
-  layout), each after the saves into the host blocks it reads; asynchronous loads go to the
-  loader thread;
+  step's onboards (one job per onboard stage: per layer, or per block under a block-outermost
+  layout), each after the offloads into the host blocks it reads; asynchronous onboards go to
+  the worker's loaders, several at once;
 - ``wait_for_layer_load``: waits for the stage holding that layer;
-- ``wait_for_save``: starts the step's saves (after the forward pass wrote the blocks), then
-  queues the step's disk writes (after the saves into those host blocks);
-- ``get_finished``: reports finished requests whose saves all completed (vLLM frees their GPU
-  blocks only then), and requests whose asynchronous loads are done; their failed blocks are
-  reported by ``get_block_ids_with_load_errors`` in the same pass.
+- ``wait_for_save``: starts the step's offloads (after the forward pass wrote the blocks), then
+  queues the step's disk writes (after the offloads into those host blocks);
+- ``get_finished``: reports finished requests whose offloads all completed (vLLM frees their
+  GPU blocks only then), and requests whose asynchronous onboards are done; their failed blocks
+  are reported by ``get_block_ids_with_load_errors`` in the same pass.
 """
 
 from __future__ import annotations
@@ -108,13 +110,8 @@ class KvbmWorker:
         self._native: Optional[_kvbm.Worker] = None
         self._layers: Dict[str, int] = {}
         self._meta: Optional[KvbmConnectorMetadata] = None
+        self._has_offloads = False
         self._sync = None
-        # Requests with saves in flight, requests that ever saved, finished ones awaiting saves.
-        self._in_flight: Set[str] = set()
-        self._saved: Set[str] = set()
-        self._finished_waiting: Set[str] = set()
-        self._load_errors: Set[int] = set()
-        self._bytes_reported = (0, 0)
 
     @property
     def native(self) -> "_kvbm.Worker":
@@ -164,6 +161,8 @@ class KvbmWorker:
             disk_file=f"kvbm-rank{self._rank}.cache",
             disk_disable_o_direct=config.disk_disable_o_direct if config is not None else False,
             disk_engine=config.disk_engine if config is not None else "auto",
+            batch_blocks_max=config.max_transfer_batch_size if config is not None else None,
+            inflight_max=config.max_concurrent_transfers if config is not None else None,
         )
         self._layers = {n: i for i, n in enumerate(names)}
         expected = getattr(kcc, "kv_cache_layout", None)
@@ -189,32 +188,27 @@ class KvbmWorker:
 
     def bind_connector_metadata(self, metadata: KvbmConnectorMetadata) -> None:
         self._meta = metadata
+        self._has_offloads = self.native.bind(metadata.plan) if metadata.plan else False
 
     def clear_connector_metadata(self) -> None:
         self._meta = None
+        self._has_offloads = False
+        if self._native is not None:
+            self._native.clear()
 
     def handle_preemptions(self, metadata: Optional[KvbmConnectorMetadata] = None) -> None:
         """vLLM frees a preempted request's GPU blocks without asking the connector and reuses
-        them in this very step: its saves, which read those blocks, must be done first."""
-        meta = metadata if metadata is not None else self._meta
-        preempted = list(getattr(meta, "preempted", None) or ())
-        if preempted and self._native is not None:
-            self._native.wait_saves_of(preempted)
+        them in this very step: its offloads, which read those blocks, must be done first."""
+        if self._native is None:
+            return
+        if metadata is not None and metadata is not self._meta:
+            # vLLM 0.33 calls this before binding the step's metadata.
+            self.bind_connector_metadata(metadata)
+        self._native.handle_preemptions()
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
-        w = self.native
-        meta = self._meta
-        if meta is None:
-            return
-        self._load_errors.update(meta.load_errors)
-        reads = getattr(meta, "disk_reads", None)
-        if reads:
-            w.disk_read(reads)  # misses become load errors of their GPU blocks
-        pairs = [p for _, ps in meta.loads for p in ps]
-        if pairs:
-            w.load(pairs)
-        for rid, disk_reads, async_pairs in getattr(meta, "async_loads", None) or ():
-            w.load_async(rid, disk_reads, async_pairs)
+        if self._meta is not None:
+            self.native.start_onboards()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layers.get(layer_name)
@@ -222,65 +216,37 @@ class KvbmWorker:
             self.native.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None, **kwargs: Any) -> None:
-        # Saves start in wait_for_save, once the whole forward pass wrote the blocks: one
-        # transfer per step rather than one per layer, and one stream sync on CUDA.
+        # Offloads start in wait_for_save, once the whole forward pass wrote the blocks: one
+        # job per step rather than one per layer, and one stream sync on CUDA.
         return None
 
     def wait_for_save(self) -> None:
-        meta = self._meta
-        if meta is None:
+        if self._meta is None:
             return
-        w = self.native
-        if meta.saves:
-            w.wait_loads()
-            if self._sync is not None:
-                self._sync()  # the forward's writes are on the compute stream
-            pairs = [p for _, ps in meta.saves for p in ps]
-            requests = [rid for rid, _ in meta.saves]
-            w.save(pairs, requests)
-            self._in_flight.update(requests)
-            self._saved.update(requests)
-        writes = getattr(meta, "disk_writes", None)
-        if writes:
-            w.disk_write(writes)
+        if self._has_offloads and self._sync is not None:
+            self._sync()  # the forward's writes are on the compute stream
+        self.native.start_offloads()
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        w = self.native
-        for rid in w.poll_saves():
-            self._in_flight.discard(rid)
-        for rid in finished_req_ids or ():
-            if rid in self._saved:
-                self._finished_waiting.add(rid)
-        done = {rid for rid in self._finished_waiting if rid not in self._in_flight}
-        self._finished_waiting -= done
-        self._saved -= done
-        loaded = set()
-        for rid, failed in w.poll_loads():
-            loaded.add(rid)
-            self._load_errors.update(failed)
-        self._report_bytes()
-        return (done or None), (loaded or None)
+        sending, recving = self.native.get_finished(list(finished_req_ids or ()))
+        self._report_metrics()
+        return (set(sending) or None), (set(recving) or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        errors = set(self.native.take_failed()) | self._load_errors
-        self._load_errors = set()
+        errors = set(self.native.take_failed())
         if errors:
             self._metrics.inc("kvbm_load_errors", len(errors))
         return errors
 
     def shutdown(self) -> None:
         if self._native is not None:
-            self._native.wait_saves()
-            self._native.wait_loads()
-            self._native.wait_loads_async()
-            self._native.wait_disk()
+            self._native.shutdown()
 
-    def _report_bytes(self) -> None:
-        stats = self.native.stats()
-        saved, loaded = stats["bytes_saved"], stats["bytes_loaded"]
-        self._metrics.inc("kvbm_offload_bytes_d2h", saved - self._bytes_reported[0])
-        self._metrics.inc("kvbm_onboard_bytes_h2d", loaded - self._bytes_reported[1])
-        self._bytes_reported = (saved, loaded)
+    def _report_metrics(self) -> None:
+        """kvbm-core's counters of this worker, exported under Dynamo's names (they are
+        cumulative in core: set, not added)."""
+        for name, value in self.native.metrics().items():
+            self._metrics.set(name, value)
 
 
 __all__: List[str] = ["KvbmWorker", "describe_kv_caches"]
