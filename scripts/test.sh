@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 
+echo "== crate graph (leaves depend on no kvbm crate, the router on kvbm-events, the bindings on kvbm-core)"
+python3 scripts/check-crate-graph.py
+
 echo "== cargo clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 

@@ -436,9 +436,10 @@ fn build_transfer(src: &CopySide, dst: &CopySide, batch: &Batch) -> Result<Trans
     let mut pieces = Vec::with_capacity(batch.pairs.len() * runs);
     for &(s, d) in &batch.pairs {
         match batch.stage {
-            None => src
-                .layout
-                .copy_pieces_into(s as usize, &dst.layout, d as usize, &mut pieces)?,
+            None => {
+                src.layout
+                    .copy_pieces_into(s as usize, &dst.layout, d as usize, &mut pieces)?
+            }
             Some(stage) => src.layout.copy_runs_into(
                 s as usize,
                 &dst.layout,

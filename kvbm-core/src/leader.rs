@@ -18,9 +18,9 @@ use std::time::Instant;
 
 use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 
-pub use crate::plan::{DiskRead, DiskWrite};
-use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
 use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
+use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
+pub use crate::plan::{DiskRead, DiskWrite};
 use crate::pool::{
     clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
 };
@@ -437,7 +437,10 @@ impl Leader {
         runs: Vec<(String, TokenRun, Vec<u32>)>,
     ) -> Result<Vec<(Vec<u64>, usize)>, CoreError> {
         let b = self.block_size;
-        if let Some((r, run, gpu)) = runs.iter().find(|(_, run, gpu)| run.tokens.len() != gpu.len() * b) {
+        if let Some((r, run, gpu)) = runs
+            .iter()
+            .find(|(_, run, gpu)| run.tokens.len() != gpu.len() * b)
+        {
             return Err(CoreError::InvalidArgument(format!(
                 "request {r}: {} tokens for {} GPU blocks of {b}",
                 run.tokens.len(),

@@ -46,7 +46,9 @@ pub use pool::{
     clear_across, match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock,
     HeldBlocks, ImmutableBlock, MutableBlock, PoolCounts, Rejected,
 };
-pub use worker::{check_view_within, default_device_kind, open_device, Worker, WorkerOptions, WorkerStats};
+pub use worker::{
+    check_view_within, default_device_kind, open_device, Worker, WorkerOptions, WorkerStats,
+};
 // What the bindings need of the leaves, through core (they depend on kvbm-core alone).
 pub use kvbm_cuda::{DeviceKind, Direction, StreamHold};
 pub use kvbm_disk::EngineChoice;

@@ -146,7 +146,10 @@ mod serde_bytes_vec {
             fn visit_byte_buf<E: serde::de::Error>(self, v: Vec<u8>) -> Result<Vec<u8>, E> {
                 Ok(v)
             }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<Vec<u8>, A::Error> {
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<Vec<u8>, A::Error> {
                 let mut out = Vec::with_capacity(a.size_hint().unwrap_or(0).min(1 << 16));
                 while let Some(b) = a.next_element::<u8>()? {
                     out.push(b);
@@ -209,16 +212,20 @@ mod tests {
         for cut in 0..bytes.len() {
             assert!(StepPlan::from_bytes(&bytes[..cut]).is_err(), "cut at {cut}");
         }
-        for (i, junk) in [[0xc1u8].as_slice(), &[0x92, 0x01], &[0xff; 16], b"not a plan"]
-            .iter()
-            .enumerate()
+        for (i, junk) in [
+            [0xc1u8].as_slice(),
+            &[0x92, 0x01],
+            &[0xff; 16],
+            b"not a plan",
+        ]
+        .iter()
+        .enumerate()
         {
             assert!(StepPlan::from_bytes(junk).is_err(), "junk {i}");
         }
         // A disk block id beyond 32 bits is refused at decoding, not truncated.
         let mut v = rmpv::Value::from(0);
-        if let Ok(rmpv::Value::Array(mut fields)) =
-            rmpv::decode::read_value(&mut bytes.as_slice())
+        if let Ok(rmpv::Value::Array(mut fields)) = rmpv::decode::read_value(&mut bytes.as_slice())
         {
             fields[2] = rmpv::Value::Array(vec![rmpv::Value::Array(vec![
                 rmpv::Value::from(1u64 << 33),

@@ -20,9 +20,9 @@
 //!   ([`DISK_WRITES_QUEUED_MAX`]), asynchronous onboards ([`ASYNC_ONBOARDS_QUEUED_MAX`]).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crossbeam_channel::Sender;
 use kvbm_cuda::{
@@ -299,7 +299,10 @@ impl LoaderContext {
             return failed;
         }
         let end = good.iter().map(|&(h, _)| h).max().unwrap_or(0) as usize + 1;
-        let outcome = if self.host.wait_ready(end * self.host_stride, self.ready_timeout) {
+        let outcome = if self
+            .host
+            .wait_ready(end * self.host_stride, self.ready_timeout)
+        {
             self.copies
                 .submit(
                     CopyJob {
@@ -312,7 +315,9 @@ impl LoaderContext {
                 )
                 .map(|t| t.wait())
         } else {
-            Err(CoreError::TransferFailed("host memory not pinned in time".into()))
+            Err(CoreError::TransferFailed(
+                "host memory not pinned in time".into(),
+            ))
         };
         match outcome {
             Ok(o) => {
@@ -750,8 +755,7 @@ impl Worker {
         // A GPU block whose onboard failed in this step holds no valid bytes: it is not
         // offloaded, and its host block is marked bad so that no later onboard serves it.
         let failed: HashSet<u32> = self.failed.iter().copied().collect();
-        let (unloaded, pairs): (Pairs, Pairs) =
-            pairs.iter().partition(|(g, _)| failed.contains(g));
+        let (unloaded, pairs): (Pairs, Pairs) = pairs.iter().partition(|(g, _)| failed.contains(g));
         self.bad_host
             .lock()
             .extend(unloaded.iter().map(|&(_, h)| h));
@@ -897,7 +901,8 @@ impl Worker {
             if !outcome.is_ok() {
                 // A stage's batches are cut in the same order as its pairs.
                 for r in &outcome.failed {
-                    self.failed.extend(load.gpu_blocks[r.clone()].iter().copied());
+                    self.failed
+                        .extend(load.gpu_blocks[r.clone()].iter().copied());
                 }
                 ok = false;
             }
@@ -1047,7 +1052,11 @@ impl Worker {
 
     /// Waits until every asynchronous onboard queued so far finished.
     pub fn wait_async(&self) {
-        let context = &self.loaders.as_ref().expect("present until dropped").context;
+        let context = &self
+            .loaders
+            .as_ref()
+            .expect("present until dropped")
+            .context;
         let mut n = context.busy.lock();
         while *n > 0 {
             context.busy_cv.wait(&mut n);
@@ -1056,7 +1065,11 @@ impl Worker {
 
     /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).
     pub fn poll_async(&mut self) -> Vec<(String, Vec<u32>)> {
-        let context = &self.loaders.as_ref().expect("present until dropped").context;
+        let context = &self
+            .loaders
+            .as_ref()
+            .expect("present until dropped")
+            .context;
         std::mem::take(&mut *context.done.lock())
     }
 
@@ -1098,7 +1111,9 @@ impl Worker {
 
     fn wait_offloads_where(&mut self, pick: impl Fn(&PendingOffload) -> bool) -> usize {
         let (chosen, rest): (Vec<PendingOffload>, Vec<PendingOffload>) =
-            std::mem::take(&mut self.offloads).into_iter().partition(pick);
+            std::mem::take(&mut self.offloads)
+                .into_iter()
+                .partition(pick);
         self.offloads = rest;
         if chosen.is_empty() {
             return 0;
@@ -1192,10 +1207,7 @@ fn open_disk(
         metrics: metrics.clone(),
         registered: Mutex::new(None),
     });
-    let weak = Arc::downgrade(&shared);
-    std::thread::Builder::new()
-        .name("kvbm-worker-disk-register".into())
-        .spawn(move || register_when_ready(weak))
+    handoff::register_in_background(Arc::downgrade(&shared), "kvbm-worker-disk-register")
         .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
     let (jobs, receiver) =
         crossbeam_channel::bounded::<Vec<DiskWrite>>(DISK_WRITES_QUEUED_MAX / 64);
@@ -1215,26 +1227,13 @@ fn open_disk(
     })
 }
 
-/// Waits (without keeping the disk side alive) until the host pool is pinned, then registers it
-/// with the disk engine for fixed-buffer I/O.
-fn register_when_ready(weak: Weak<DiskShared>) {
-    let started = Instant::now();
-    loop {
-        let Some(shared) = weak.upgrade() else { return };
-        let region = &shared.host_region;
-        if region.wait_ready(region.len(), Duration::from_millis(100)) {
-            let ok = match handoff::register_host_region(&shared.store, &shared.host_layout, region)
-            {
-                Ok(()) => true,
-                Err(err) => {
-                    tracing::warn!(error = %err, "could not register the host pool for disk I/O; going on without");
-                    false
-                }
-            };
-            tracing::debug!(ok, after = ?started.elapsed(), "host pool registration for disk I/O");
-            *shared.registered.lock() = Some(ok);
-            return;
-        }
+impl handoff::PinnedPool for DiskShared {
+    fn parts(&self) -> (&DiskStore, &BlockLayout, &HostRegion) {
+        (&self.store, &self.host_layout, &self.host_region)
+    }
+
+    fn registered(&self, ok: bool) {
+        *self.registered.lock() = Some(ok);
     }
 }
 

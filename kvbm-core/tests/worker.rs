@@ -7,8 +7,7 @@ use std::sync::Arc;
 
 use kvbm_core::layout::{GpuLayout, PhysicalLayout};
 use kvbm_core::{
-    BlockLayout, DiskOptions, KvLayout, Leader, Metrics, StepPlan, TokenRun, Worker,
-    WorkerOptions,
+    BlockLayout, DiskOptions, KvLayout, Leader, Metrics, StepPlan, TokenRun, Worker, WorkerOptions,
 };
 use kvbm_cuda::{Device, Direction, GpuRegion};
 use rand::{RngCore, SeedableRng};
@@ -82,14 +81,15 @@ impl Rig {
     /// The bytes of GPU block `b`, in canonical order.
     fn block(&self, b: u32) -> Vec<u8> {
         let mut out = vec![0u8; kv().bytes_per_block()];
-        self.layout.for_each_run(b as usize, |addr, offset, len, _| {
-            self.gpu
-                .read(
-                    (addr - self.gpu.addr()) as usize,
-                    &mut out[offset..offset + len],
-                )
-                .unwrap();
-        });
+        self.layout
+            .for_each_run(b as usize, |addr, offset, len, _| {
+                self.gpu
+                    .read(
+                        (addr - self.gpu.addr()) as usize,
+                        &mut out[offset..offset + len],
+                    )
+                    .unwrap();
+            });
         out
     }
 
@@ -226,7 +226,10 @@ fn a_corrupt_disk_block_is_a_failed_block_never_data() {
     assert_eq!(r.leader.count_prefix_tiers(&hashes), (0, 2));
     let before_target = r.block(12);
     let before_source = r.block(1);
-    let got = r.leader.plan_onboard("b", &hashes, &[12, 13], false).unwrap();
+    let got = r
+        .leader
+        .plan_onboard("b", &hashes, &[12, 13], false)
+        .unwrap();
     assert_eq!(got, 2);
     let plan = r.leader.take_plan(vec![]).unwrap();
     assert_eq!(plan.disk_reads.len(), 2);
@@ -237,7 +240,11 @@ fn a_corrupt_disk_block_is_a_failed_block_never_data() {
     let slot_bytes = (std::fs::metadata(&path).unwrap().len() - 4096) / slots;
     {
         use std::os::unix::fs::FileExt;
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
         let at = 4096 + u64::from(plan.disk_reads[0].disk) * slot_bytes + 4096 + 123;
         let mut byte = [0u8];
         f.read_exact_at(&mut byte, at).unwrap();
@@ -246,8 +253,16 @@ fn a_corrupt_disk_block_is_a_failed_block_never_data() {
     r.worker.bind(plan);
     r.worker.start_onboards().unwrap();
     r.worker.wait_onboards().unwrap();
-    assert_eq!(r.worker.take_failed(), vec![12], "exactly the corrupt block fails");
-    assert_eq!(r.block(12), before_target, "nothing copied into the failed block");
+    assert_eq!(
+        r.worker.take_failed(),
+        vec![12],
+        "exactly the corrupt block fails"
+    );
+    assert_eq!(
+        r.block(12),
+        before_target,
+        "nothing copied into the failed block"
+    );
     assert_eq!(r.block(13), before_source, "the other block is served");
 }
 

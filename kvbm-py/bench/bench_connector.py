@@ -79,7 +79,7 @@ def bench_leader(requests=256, prompt_tokens=2048, steps=320, block=16, aligned=
         leader.update_connector_output(empty_output)
         leader.take_events()
         per_step.append((time.perf_counter() - t) * 1e3)
-        saved += sum(len(p) for _, p in meta.saves)
+        saved += sum(len(p) for _, p in meta.offloads)
     return {
         "requests": requests,
         "steps": steps,
@@ -119,22 +119,22 @@ def bench_worker(blocks, layout="LBNHC", layers=28, heads=8, head_size=128, bloc
     for _ in range(rounds):
         t = time.perf_counter()
         for start in range(0, blocks, batch):
-            w.save([(b, b) for b in range(start, min(blocks, start + batch))], [])
-        w.wait_saves()
+            w.offload([(b, b) for b in range(start, min(blocks, start + batch))], [])
+        w.wait_offloads()
         saves.append(blocks * bytes_per_block / (time.perf_counter() - t) / 1e9)
         for t_ in caches.values():
             block_of(t_.array, blocks // 2)[...] = 0
         t = time.perf_counter()
         for start in range(0, blocks, batch):
             # One load per step, as the connector issues them (blocks moved by one).
-            w.load([(b, (b + 1) % blocks) for b in range(start, min(blocks, start + batch))])
-        w.wait_loads()
+            w.onboard([(b, (b + 1) % blocks) for b in range(start, min(blocks, start + batch))])
+        w.wait_onboards()
         loads.append(blocks * bytes_per_block / (time.perf_counter() - t) / 1e9)
         assert np.array_equal(block_of(caches[probe].array, (blocks // 2 + 1) % blocks), reference), "loaded bytes differ"
         # Put blocks back where they were for the next round.
         for start in range(0, blocks, batch):
-            w.load([(b, b) for b in range(start, min(blocks, start + batch))])
-        w.wait_loads()
+            w.onboard([(b, b) for b in range(start, min(blocks, start + batch))])
+        w.wait_onboards()
     return {
         "layout": layout,
         "copies_per_block": w.runs_per_block,

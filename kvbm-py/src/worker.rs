@@ -337,7 +337,8 @@ impl Worker {
     fn start_onboards(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
             let inner = &mut self.inner;
-            py.allow_threads(|| inner.start_onboards()).map_err(core_err)
+            py.allow_threads(|| inner.start_onboards())
+                .map_err(core_err)
         })
     }
 
@@ -345,7 +346,8 @@ impl Worker {
     fn start_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
             let inner = &mut self.inner;
-            py.allow_threads(|| inner.start_offloads()).map_err(core_err)
+            py.allow_threads(|| inner.start_offloads())
+                .map_err(core_err)
         })
     }
 

@@ -175,3 +175,44 @@ pub(crate) fn register_host_region(
     // shared state declares the store first, so the store and its engine drop before the region).
     unsafe { store.register_buffers(&pieces) }
 }
+
+/// The owner of a disk store and the host region it moves blocks in and out of.
+pub(crate) trait PinnedPool: Send + Sync + 'static {
+    /// The store, the host layout and the host region.
+    fn parts(&self) -> (&DiskStore, &BlockLayout, &HostRegion);
+    /// Told once whether the region got registered.
+    fn registered(&self, ok: bool);
+}
+
+/// Registers the owner's host region with its store once the region is fully pinned, on a
+/// background thread that does not keep the owner alive: the first I/Os go without fixed
+/// buffers rather than wait for the whole pool.
+pub(crate) fn register_in_background<T: PinnedPool>(
+    weak: std::sync::Weak<T>,
+    name: &str,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || loop {
+            let Some(owner) = weak.upgrade() else { return };
+            let (store, layout, region) = owner.parts();
+            if region.wait_ready(region.len(), std::time::Duration::from_millis(100)) {
+                let ok = match register_host_region(store, layout, region) {
+                    Ok(()) => {
+                        tracing::info!(
+                            bytes = region.len(),
+                            "host pool registered for fixed-buffer disk I/O"
+                        );
+                        true
+                    }
+                    Err(err) => {
+                        tracing::warn!(error = %err, "could not register the host pool for disk I/O; going on without");
+                        false
+                    }
+                };
+                owner.registered(ok);
+                return;
+            }
+        })
+        .map(|_| ())
+}

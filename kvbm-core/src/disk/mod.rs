@@ -319,10 +319,7 @@ impl DiskTier {
         });
         // Register the host region with io_uring once it is fully pinned, in the background: the
         // first writes go without fixed buffers rather than wait for the whole pool.
-        let weak = Arc::downgrade(&shared);
-        std::thread::Builder::new()
-            .name("kvbm-disk-register".into())
-            .spawn(move || register_when_ready(weak))
+        handoff::register_in_background(Arc::downgrade(&shared), "kvbm-disk-register")
             .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
         let (sender, receiver) = crossbeam_channel::bounded::<Vec<ImmutableBlock>>(DISK_QUEUE_MAX);
         let worker_shared = shared.clone();
@@ -520,30 +517,14 @@ impl DiskShared {
     }
 }
 
-/// Waits (without keeping the tier alive) until the host region is pinned, then registers it.
-fn register_when_ready(weak: std::sync::Weak<DiskShared>) {
-    loop {
-        let Some(shared) = weak.upgrade() else { return };
-        let region = &shared.host_region;
-        if region.wait_ready(region.len(), Duration::from_millis(100)) {
-            let ok = match handoff::register_host_region(&shared.store, &shared.host_layout, region)
-            {
-                Ok(()) => {
-                    tracing::info!(
-                        bytes = region.len(),
-                        "host tier registered for fixed-buffer disk I/O"
-                    );
-                    true
-                }
-                Err(err) => {
-                    tracing::warn!(error = %err, "could not register the host tier for disk I/O; going on without");
-                    false
-                }
-            };
-            *shared.registered.lock() = Some(ok);
-            shared.registered_cv.notify_all();
-            return;
-        }
+impl handoff::PinnedPool for DiskShared {
+    fn parts(&self) -> (&DiskStore, &BlockLayout, &HostRegion) {
+        (&self.store, &self.host_layout, &self.host_region)
+    }
+
+    fn registered(&self, ok: bool) {
+        *self.registered.lock() = Some(ok);
+        self.registered_cv.notify_all();
     }
 }
 

@@ -244,7 +244,7 @@ class KvbmLeader:
         if work:
             results = self._native.plan_offloads(
                 [
-                    (rid, list(span), st.hashes[first - 1] if first else None, st.lora, st.salt, st.block_ids[first:full])
+                    (rid, span, st.hashes[first - 1] if first else None, st.lora, st.salt, st.block_ids[first:full])
                     for rid, st, first, full, span in work
                 ]
             )
