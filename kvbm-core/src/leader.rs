@@ -24,6 +24,7 @@ pub use crate::plan::{DiskRead, DiskWrite};
 use crate::pool::{
     clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
 };
+use crate::metrics::{add, Metrics};
 use crate::CoreError;
 
 /// Events queued for [`Leader::take_events`] at most (beyond it they are dropped and counted).
@@ -114,6 +115,8 @@ pub struct Leader {
     step: u64,
     /// The plan being built for the current step ([`Self::take_plan`]).
     plan: StepPlan,
+    /// Lookups and hits of prefix matches (the hit rates), matched tokens.
+    metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Leader {
@@ -169,6 +172,7 @@ impl Leader {
             held: VecDeque::new(),
             step: 0,
             plan: StepPlan::default(),
+            metrics: Arc::default(),
         })
     }
 
@@ -187,10 +191,28 @@ impl Leader {
         self.host.count_prefix(&hashes(hashes_))
     }
 
+    /// The leader's counters: prefix lookups and hits per tier (in blocks), matched tokens.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// How many of `hashes`, from the first, the host tier holds, then how many more continue
     /// on disk and can be loaded now (each needs a free or evictable host block to stage it).
-    /// No side effects.
+    /// Changes nothing but the lookup counters.
     pub fn count_prefix_tiers(&self, hashes_: &[u64]) -> (usize, usize) {
+        let (host, disk) = self.count_prefix_tiers_quietly(hashes_);
+        let m = &self.metrics;
+        add(&m.host_lookup_blocks, hashes_.len() as u64);
+        add(&m.host_hit_blocks, host as u64);
+        if self.disk.is_some() {
+            add(&m.disk_lookup_blocks, (hashes_.len() - host) as u64);
+            add(&m.disk_hit_blocks, disk as u64);
+        }
+        add(&m.matched_tokens, ((host + disk) * self.block_size) as u64);
+        (host, disk)
+    }
+
+    fn count_prefix_tiers_quietly(&self, hashes_: &[u64]) -> (usize, usize) {
         let h = hashes(hashes_);
         let host = self.host.count_prefix(&h);
         let disk = self.disk.as_ref().map_or(0, |d| d.count_prefix(&h[host..]));

@@ -77,6 +77,10 @@ pub struct Metrics {
     pub transfer_errors: AtomicU64,
     /// `kvbm_disk_write_failures`: host blocks whose disk write failed or was refused.
     pub disk_write_failures: AtomicU64,
+    /// `kvbm_disk_read_blocks`: disk blocks a worker read into host blocks.
+    pub disk_read_blocks: AtomicU64,
+    /// `kvbm_disk_read_misses`: of those, blocks that failed verification or could not be read.
+    pub disk_read_misses: AtomicU64,
     /// `kvbm_load_errors`: GPU blocks reported to the engine as failed onboards (recomputed).
     pub load_errors: AtomicU64,
     /// `kvbm_transfer_latency_d2h`: per batch, submit to completion.
@@ -114,6 +118,10 @@ pub struct MetricsSnapshot {
     pub transfer_errors: u64,
     /// See [`Metrics::disk_write_failures`].
     pub disk_write_failures: u64,
+    /// See [`Metrics::disk_read_blocks`].
+    pub disk_read_blocks: u64,
+    /// See [`Metrics::disk_read_misses`].
+    pub disk_read_misses: u64,
     /// See [`Metrics::load_errors`].
     pub load_errors: u64,
     /// `kvbm_host_pinned_bytes_ready`: host tier bytes pinned so far.
@@ -145,6 +153,8 @@ impl Metrics {
             offload_deduplicated_blocks: get(&self.offload_deduplicated_blocks),
             transfer_errors: get(&self.transfer_errors),
             disk_write_failures: get(&self.disk_write_failures),
+            disk_read_blocks: get(&self.disk_read_blocks),
+            disk_read_misses: get(&self.disk_read_misses),
             load_errors: get(&self.load_errors),
             host_pinned_bytes_ready: 0,
         }

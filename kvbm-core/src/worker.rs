@@ -35,7 +35,7 @@ use crate::copy::{CopyEngine, CopyJob, CopySide, CopyTicket};
 use crate::disk::{handoff, store_options, DiskOptions};
 use crate::layout::{BlockLayout, KvLayout, TensorView};
 use crate::metrics::{add, Metrics};
-use crate::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan};
+use crate::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan, StepReport};
 use crate::transfer::TransferLimits;
 use crate::CoreError;
 
@@ -166,7 +166,7 @@ impl DiskShared {
             self.wait_for_writes(Some(r.host), Some(r.disk));
         }
         let items: Vec<(u32, u64, u32)> = reads.iter().map(|r| (r.disk, r.key, r.host)).collect();
-        add(&self.metrics.disk_lookup_blocks, reads.len() as u64);
+        add(&self.metrics.disk_read_blocks, reads.len() as u64);
         let read = |items: &[(u32, u64, u32)]| {
             handoff::read_host_ids(&self.store, &self.host_layout, &self.host_region, items)
         };
@@ -189,10 +189,7 @@ impl DiskShared {
             .filter(|(_, l)| !matches!(l, Lookup::Hit))
             .map(|(r, _)| r.host)
             .collect();
-        add(
-            &self.metrics.disk_hit_blocks,
-            (reads.len() - missed.len()) as u64,
-        );
+        add(&self.metrics.disk_read_misses, missed.len() as u64);
         missed
     }
 
@@ -707,10 +704,12 @@ impl Worker {
         Ok(())
     }
 
-    /// `get_finished`: the finished requests whose offloads all completed (vLLM frees their GPU
-    /// blocks only then; a request that never offloaded is not reported), and the requests
-    /// whose asynchronous onboards completed (their failed blocks go to [`Self::take_failed`]).
-    pub fn get_finished(&mut self, finished: &[String]) -> (Vec<String>, Vec<String>) {
+    /// What finished since the last report (vLLM's `get_finished`, then
+    /// `get_block_ids_with_load_errors`): the finished requests (`finished`, vLLM's list for this
+    /// step, remembered until then) whose offloads all completed, so that vLLM may free their GPU
+    /// blocks (a request that never offloaded is not reported); the requests whose asynchronous
+    /// onboards completed; and every GPU block whose onboard failed so far (taken).
+    pub fn report(&mut self, finished: &[String]) -> StepReport {
         for r in self.poll_offloads() {
             self.offloading.remove(&r);
         }
@@ -719,23 +718,28 @@ impl Worker {
                 self.finished_waiting.insert(r.clone());
             }
         }
-        let mut sending: Vec<String> = self
+        let mut finished_offloading: Vec<String> = self
             .finished_waiting
             .iter()
             .filter(|r| !self.offloading.contains(*r))
             .cloned()
             .collect();
-        sending.sort_unstable();
-        for r in &sending {
+        finished_offloading.sort_unstable();
+        for r in &finished_offloading {
             self.finished_waiting.remove(r);
             self.offloaded.remove(r);
         }
-        let mut recving = Vec::new();
+        let mut finished_onboarding = Vec::new();
         for (r, failed) in self.poll_async() {
-            recving.push(r);
+            finished_onboarding.push(r);
             self.failed.extend(failed);
         }
-        (sending, recving)
+        let failed_blocks = self.take_failed();
+        StepReport {
+            finished_offloading,
+            finished_onboarding,
+            failed_blocks,
+        }
     }
 
     /// Waits for everything in flight: offloads, onboards, asynchronous onboards, disk writes.
@@ -923,6 +927,7 @@ impl Worker {
         let mut f = std::mem::take(&mut self.failed);
         f.sort_unstable();
         f.dedup();
+        add(&self.metrics.load_errors, f.len() as u64);
         f
     }
 

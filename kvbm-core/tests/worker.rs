@@ -133,8 +133,8 @@ fn offload_then_onboard_moves_every_byte_in_each_layout() {
         assert_eq!(plan.offloads[0].pairs.len(), 3);
         r.worker.wait_offloads();
         // Finished after its offloads: reported in finished_sending.
-        let (sending, _) = r.worker.get_finished(&["a".to_string()]);
-        assert_eq!(sending, vec!["a".to_string()], "{layout}");
+        let report = r.worker.report(&["a".to_string()]);
+        assert_eq!(report.finished_offloading, vec!["a".to_string()], "{layout}");
         // Another request with the same prefix gets it onboarded into its own GPU blocks.
         let got = r
             .leader
@@ -190,14 +190,15 @@ fn disk_round_trip_is_zero_copy_and_byte_exact_and_async_onboards_overlap() {
         .unwrap();
     r.step(vec![]);
     r.worker.wait_async();
-    let (_, recving) = r.worker.get_finished(&[]);
-    assert_eq!(recving, vec!["b".to_string()]);
-    assert!(r.worker.take_failed().is_empty());
+    let report = r.worker.report(&[]);
+    assert_eq!(report.finished_onboarding, vec!["b".to_string()]);
+    assert!(report.failed_blocks.is_empty());
     for (i, want) in before.iter().enumerate().take(n) {
         assert_eq!(&r.block(10 + i as u32), want, "block {i} from disk");
     }
     assert!(r.metrics.snapshot().onboard_blocks_d2d >= n as u64);
-    assert_eq!(r.metrics.snapshot().disk_cache_hit_rate, 1.0);
+    let m = r.metrics.snapshot();
+    assert_eq!((m.disk_read_blocks, m.disk_read_misses), (n as u64, 0));
 }
 
 #[test]

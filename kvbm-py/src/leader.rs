@@ -249,6 +249,11 @@ impl Leader {
         })
     }
 
+    /// kvbm-core's counters of this leader, under Dynamo's metric names.
+    fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        guard(|| crate::leader_metrics(py, &self.inner.metrics().snapshot()))
+    }
+
     /// Ends a step: blocks handed out two steps ago become evictable again.
     fn end_step(&mut self) -> PyResult<()> {
         guard(|| {

@@ -165,8 +165,8 @@ fn device_kind() -> PyResult<String> {
     })
 }
 
-/// kvbm-core's counters under Dynamo KVBM's metric names (one mapping, used by every exporter).
-pub(crate) fn metrics_dict<'py>(
+/// A worker's kvbm-core counters under Dynamo KVBM's metric names (the copies it made).
+pub(crate) fn worker_metrics<'py>(
     py: Python<'py>,
     m: &kvbm_core::MetricsSnapshot,
 ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
@@ -177,10 +177,24 @@ pub(crate) fn metrics_dict<'py>(
     d.set_item("kvbm_onboard_blocks_d2d", m.onboard_blocks_d2d)?;
     d.set_item("kvbm_offload_bytes_d2h", m.bytes_d2h)?;
     d.set_item("kvbm_onboard_bytes_h2d", m.bytes_h2d)?;
-    d.set_item("kvbm_disk_cache_hit_rate", m.disk_cache_hit_rate)?;
+    d.set_item("kvbm_disk_read_blocks", m.disk_read_blocks)?;
+    d.set_item("kvbm_disk_read_misses", m.disk_read_misses)?;
     d.set_item("kvbm_offload_skipped_blocks", m.offload_skipped_blocks)?;
     d.set_item("kvbm_transfer_errors", m.transfer_errors)?;
     d.set_item("kvbm_disk_write_failures", m.disk_write_failures)?;
+    d.set_item("kvbm_load_errors", m.load_errors)?;
+    Ok(d)
+}
+
+/// The leader's kvbm-core counters under Dynamo KVBM's metric names (what it matched).
+pub(crate) fn leader_metrics<'py>(
+    py: Python<'py>,
+    m: &kvbm_core::MetricsSnapshot,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("kvbm_matched_tokens", m.matched_tokens)?;
+    d.set_item("kvbm_host_cache_hit_rate", m.host_cache_hit_rate)?;
+    d.set_item("kvbm_disk_cache_hit_rate", m.disk_cache_hit_rate)?;
     Ok(d)
 }
 

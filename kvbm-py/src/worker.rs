@@ -351,10 +351,17 @@ impl Worker {
         })
     }
 
-    /// `get_finished`: (finished requests whose offloads all completed, requests whose
-    /// asynchronous onboards completed).
-    fn get_finished(&mut self, finished: Vec<String>) -> PyResult<(Vec<String>, Vec<String>)> {
-        guard(|| Ok(self.inner.get_finished(&finished)))
+    /// What finished since the last report: (finished requests whose offloads all completed,
+    /// requests whose asynchronous onboards completed, GPU blocks whose onboards failed).
+    fn report(&mut self, finished: Vec<String>) -> PyResult<(Vec<String>, Vec<String>, Vec<u32>)> {
+        guard(|| {
+            let r = self.inner.report(&finished);
+            Ok((
+                r.finished_offloading,
+                r.finished_onboarding,
+                r.failed_blocks,
+            ))
+        })
     }
 
     /// Waits for everything in flight.
@@ -541,7 +548,7 @@ impl Worker {
 
     /// kvbm-core's counters of this worker, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| crate::metrics_dict(py, &self.inner.metrics().snapshot()))
+        guard(|| crate::worker_metrics(py, &self.inner.metrics().snapshot()))
     }
 
     /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies

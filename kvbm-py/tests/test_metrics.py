@@ -86,3 +86,22 @@ def test_dyn_log_sets_the_filter_and_a_bad_one_is_named():
     done = run("import kvbm", DYN_LOG="kvbm_core=notalevel")
     assert done.returncode != 0
     assert "DYN_LOG" in done.stderr
+
+
+def test_hit_rates_are_the_leaders_block_counts_per_tier():
+    import kvbm
+
+    leader = kvbm.Leader(4, 8, disk_blocks=8, disk_filter_disabled=True)
+    tokens = list(range(16))
+    hashes = kvbm.sequence_hashes(tokens, 4)
+    blocks = [(h, hashes[i - 1] if i else None, tokens[4 * i : 4 * i + 4]) for i, h in enumerate(hashes)]
+    leader.offload(blocks[:2])  # two blocks in the host tier
+    assert leader.count_prefix_tiers(hashes) == (2, 0)
+    m = leader.metrics()
+    # 2 of 4 blocks hit in host memory; 0 of the 2 looked up past it hit on disk.
+    assert m["kvbm_host_cache_hit_rate"] == 0.5
+    assert m["kvbm_disk_cache_hit_rate"] == 0.0
+    assert m["kvbm_matched_tokens"] == 8
+    leader.take_disk_writes()  # both admitted at once (filter off): now on disk too
+    assert leader.count_prefix_tiers(hashes) == (2, 0)
+    assert leader.metrics()["kvbm_host_cache_hit_rate"] == 0.5

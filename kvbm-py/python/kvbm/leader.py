@@ -164,7 +164,6 @@ class KvbmLeader:
         found = on_host + on_disk
         is_async = on_disk > 0
         self._metrics.inc("kvbm_lookup_tokens", (limit - start) * b)
-        self._metrics.inc("kvbm_matched_tokens", found * b)
         st.match = (start, found, is_async) if found else None
         return found * b, is_async
 
@@ -258,6 +257,7 @@ class KvbmLeader:
         meta = KvbmConnectorMetadata(step=self._step, plan=bytes(plan))
         self._step += 1
         self._metrics.set("kvbm_host_blocks_registered", self._native.counts()["registered"])
+        self._metrics.update(self._native.metrics())
         return meta
 
     def request_finished(self, request: Any, block_ids: Any = None) -> Tuple[bool, Optional[dict]]:
@@ -281,9 +281,6 @@ class KvbmLeader:
             st = self._requests.get(rid)
             if st is not None and st.finished:
                 del self._requests[rid]
-        invalid = getattr(connector_output, "invalid_block_ids", None)
-        if invalid:
-            self._metrics.inc("kvbm_load_errors", len(invalid))
 
     def take_events(self) -> List[KvEvent]:
         return from_tuples(self._native.take_events())

@@ -3,6 +3,10 @@
 ``DYN_KVBM_METRICS=1`` serves them on ``DYN_KVBM_METRICS_PORT`` (default 6880), on 127.0.0.1
 unless ``DYN_KVBM_METRICS_HOST`` says otherwise. Counters keep Dynamo's exact series names (no
 ``_total`` suffix), so they are exposed untyped.
+
+The values are kvbm-core's counters (the leader's matches, a worker's copies), copied in under
+these names by the native ``metrics()`` of each; Python counts only what it alone sees (tokens
+looked up, load errors reported to vLLM).
 """
 
 from __future__ import annotations
@@ -22,8 +26,13 @@ METRICS: Dict[str, Tuple[str, str]] = {
     "kvbm_load_errors": ("counter", "GPU blocks whose load failed (recomputed by the engine)"),
     "kvbm_offload_bytes_d2h": ("counter", "Bytes copied from GPU to host memory"),
     "kvbm_onboard_bytes_h2d": ("counter", "Bytes copied from host memory to the GPU"),
-    "kvbm_host_cache_hit_rate": ("gauge", "Matched over looked-up prompt tokens, host tier"),
-    "kvbm_disk_cache_hit_rate": ("gauge", "Matched over looked-up prompt tokens, disk tier"),
+    "kvbm_host_cache_hit_rate": ("gauge", "Host tier prefix hits over lookups, in blocks"),
+    "kvbm_disk_cache_hit_rate": ("gauge", "Disk tier prefix hits over lookups (past the host tier), in blocks"),
+    "kvbm_disk_read_blocks": ("counter", "Disk blocks read into host memory by this worker"),
+    "kvbm_disk_read_misses": ("counter", "Disk blocks read that failed verification or I/O"),
+    "kvbm_offload_skipped_blocks": ("counter", "Offloads not done (no room, or the queue at its bound)"),
+    "kvbm_transfer_errors": ("counter", "Copy batches that failed"),
+    "kvbm_disk_write_failures": ("counter", "Host blocks whose disk write failed or was refused"),
     "kvbm_host_blocks_registered": ("gauge", "Blocks resident in the host tier"),
     "kvbm_host_blocks_capacity": ("gauge", "Blocks the host tier holds at most"),
 }
@@ -51,11 +60,13 @@ class Metrics:
 
     def snapshot(self) -> Dict[str, float]:
         with self._lock:
-            values = dict(self._values)
-        looked = values["kvbm_lookup_tokens"]
-        if looked:
-            values["kvbm_host_cache_hit_rate"] = values["kvbm_matched_tokens"] / looked
-        return values
+            return dict(self._values)
+
+    def update(self, values: Dict[str, float]) -> None:
+        """Sets every value of ``values`` (a native ``metrics()`` dict) at once."""
+        with self._lock:
+            for name, value in values.items():
+                self._values[name] = float(value)
 
 
 _GLOBAL = Metrics()

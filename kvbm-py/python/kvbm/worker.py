@@ -111,6 +111,7 @@ class KvbmWorker:
         self._layers: Dict[str, int] = {}
         self._meta: Optional[KvbmConnectorMetadata] = None
         self._has_offloads = False
+        self._failed: Set[int] = set()
         self._sync = None
 
     @property
@@ -228,14 +229,15 @@ class KvbmWorker:
         self.native.start_offloads()
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        sending, recving = self.native.get_finished(list(finished_req_ids or ()))
+        # One native report per step: vLLM asks for the load errors right after.
+        sending, recving, failed = self.native.report(list(finished_req_ids or ()))
+        self._failed.update(failed)
         self._report_metrics()
         return (set(sending) or None), (set(recving) or None)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        errors = set(self.native.take_failed())
-        if errors:
-            self._metrics.inc("kvbm_load_errors", len(errors))
+        errors = self._failed | set(self.native.take_failed())
+        self._failed = set()
         return errors
 
     def shutdown(self) -> None:
@@ -245,8 +247,7 @@ class KvbmWorker:
     def _report_metrics(self) -> None:
         """kvbm-core's counters of this worker, exported under Dynamo's names (they are
         cumulative in core: set, not added)."""
-        for name, value in self.native.metrics().items():
-            self._metrics.set(name, value)
+        self._metrics.update(self.native.metrics())
 
 
 __all__: List[str] = ["KvbmWorker", "describe_kv_caches"]
