@@ -38,6 +38,8 @@ pub const MAX_CONCURRENT_TRANSFERS: &str = "DYN_KVBM_MAX_CONCURRENT_TRANSFERS";
 pub const METRICS: &str = "DYN_KVBM_METRICS";
 /// Port of the metrics server.
 pub const METRICS_PORT: &str = "DYN_KVBM_METRICS_PORT";
+/// Address the metrics server binds (default 127.0.0.1).
+pub const METRICS_HOST: &str = "DYN_KVBM_METRICS_HOST";
 /// Log filter (tracing `EnvFilter` syntax).
 pub const LOG: &str = "DYN_LOG";
 
@@ -108,6 +110,10 @@ pub struct KvbmConfig {
     pub transfers_inflight_max: NonZeroUsize,
     /// Port to serve Prometheus metrics on, when enabled. Default off (port 6880 when on).
     pub metrics_port: Option<u16>,
+    /// Address the metrics server binds.
+    pub metrics_host: std::net::IpAddr,
+    /// How the copy streams copy (`KVBM_COPY_COALESCE`, `KVBM_COPY_BATCH`).
+    pub copy: kvbm_cuda::StreamOptions,
     /// Log filter. Default "info".
     pub log_filter: String,
     /// Directory of the disk cache files. Default: `kvbm-<uid>` in the system temp dir
@@ -125,6 +131,53 @@ pub struct KvbmConfig {
     pub kv_events_endpoint: Option<String>,
     /// ZMQ endpoint for replays of KV events. Default none.
     pub kv_events_replay_endpoint: Option<String>,
+}
+
+/// Where to serve the metrics (`DYN_KVBM_METRICS`, `DYN_KVBM_METRICS_PORT`,
+/// `DYN_KVBM_METRICS_HOST`): None when off. Readable without a cache tier configured.
+pub fn metrics_server(
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<(std::net::IpAddr, u16)>, ConfigError> {
+    let on = match lookup(METRICS) {
+        None => false,
+        Some(v) if v.trim().is_empty() => false,
+        Some(v) => {
+            parse_flag(&v).ok_or_else(|| invalid(METRICS, &v, "expected 0, 1, true or false"))?
+        }
+    };
+    let port = match lookup(METRICS_PORT) {
+        None => 6880,
+        Some(v) => v
+            .trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| invalid(METRICS_PORT, &v, "expected a port number from 1 to 65535"))?,
+    };
+    let host = match lookup(METRICS_HOST) {
+        None => std::net::Ipv4Addr::LOCALHOST.into(),
+        Some(v) => v
+            .trim()
+            .parse::<std::net::IpAddr>()
+            .map_err(|_| invalid(METRICS_HOST, &v, "expected an IP address (e.g. 127.0.0.1)"))?,
+    };
+    Ok(on.then_some((host, port)))
+}
+
+/// How the copy streams copy: `KVBM_COPY_COALESCE` and `KVBM_COPY_BATCH` (0 or 1, default 1).
+pub fn copy_options(
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<kvbm_cuda::StreamOptions, ConfigError> {
+    let mut options = kvbm_cuda::StreamOptions::default();
+    for (var, field) in [
+        (kvbm_cuda::COALESCE_ENV, &mut options.coalesce),
+        (kvbm_cuda::BATCH_COPY_ENV, &mut options.batch_copy),
+    ] {
+        if let Some(v) = lookup(var) {
+            *field = parse_flag(&v).ok_or_else(|| invalid(var, &v, "expected 0 or 1"))?;
+        }
+    }
+    Ok(options)
 }
 
 impl KvbmConfig {
@@ -160,22 +213,7 @@ impl KvbmConfig {
             4,
             CONCURRENT_TRANSFERS_MAX,
         )?;
-        let metrics_on = match lookup(METRICS) {
-            None => false,
-            Some(v) => parse_flag(&v)
-                .ok_or_else(|| invalid(METRICS, &v, "expected 0, 1, true or false"))?,
-        };
-        let port = match lookup(METRICS_PORT) {
-            None => 6880,
-            Some(v) => v
-                .trim()
-                .parse::<u16>()
-                .ok()
-                .filter(|&p| p > 0)
-                .ok_or_else(|| {
-                    invalid(METRICS_PORT, &v, "expected a port number from 1 to 65535")
-                })?,
-        };
+        let metrics = metrics_server(&lookup)?;
         let flag = |var: &'static str| match lookup(var) {
             None => Ok(false),
             Some(v) => {
@@ -232,7 +270,9 @@ impl KvbmConfig {
             disk,
             transfer_batch_blocks_max,
             transfers_inflight_max,
-            metrics_port: metrics_on.then_some(port),
+            metrics_port: metrics.map(|(_, port)| port),
+            metrics_host: metrics.map_or(std::net::Ipv4Addr::LOCALHOST.into(), |(host, _)| host),
+            copy: copy_options(&lookup)?,
             log_filter: lookup(LOG).unwrap_or_else(|| "info".to_owned()),
         })
     }

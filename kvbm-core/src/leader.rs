@@ -19,12 +19,12 @@ use std::time::Instant;
 use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 
 use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
+use crate::metrics::{add, Metrics};
 use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
 pub use crate::plan::{DiskRead, DiskWrite};
 use crate::pool::{
     clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
 };
-use crate::metrics::{add, Metrics};
 use crate::CoreError;
 
 /// Events queued for [`Leader::take_events`] at most (beyond it they are dropped and counted).

@@ -77,6 +77,7 @@ impl ManagerOptions {
             limits: TransferLimits {
                 batch_blocks_max: config.transfer_batch_blocks_max.get(),
                 inflight_max: config.transfers_inflight_max.get(),
+                copy: config.copy,
                 ..TransferLimits::default()
             },
             pin_threads: HostRegionOptions::default().pin_threads,
@@ -281,8 +282,8 @@ impl BlockManager {
                 disk.consider(blocks, std::time::Instant::now())
             }) as HostStoredHook
         });
-        let d2h = device.copy_stream(Direction::DeviceToHost)?;
-        let h2d = device.copy_stream(Direction::HostToDevice)?;
+        let d2h = device.copy_stream_with(Direction::DeviceToHost, options.limits.copy)?;
+        let h2d = device.copy_stream_with(Direction::HostToDevice, options.limits.copy)?;
         let engine =
             TransferEngine::new(gpu, host, d2h, h2d, options.limits, metrics.clone(), hook)?;
         Ok(Self {

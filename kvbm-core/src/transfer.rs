@@ -39,6 +39,8 @@ pub struct TransferLimits {
     pub inflight_max: usize,
     /// Batches waiting for a stream slot before further offloads are skipped. Default 1024.
     pub pending_max: usize,
+    /// How the copy streams copy (`KVBM_COPY_COALESCE`, `KVBM_COPY_BATCH`).
+    pub copy: kvbm_cuda::StreamOptions,
 }
 
 impl Default for TransferLimits {
@@ -47,6 +49,7 @@ impl Default for TransferLimits {
             batch_blocks_max: 16,
             inflight_max: 4,
             pending_max: 1024,
+            copy: kvbm_cuda::StreamOptions::default(),
         }
     }
 }

@@ -502,8 +502,8 @@ impl Worker {
                 layout: host_layout.clone(),
                 regions: vec![Region::from(host.clone())],
             },
-            device.copy_stream(Direction::DeviceToHost)?,
-            device.copy_stream(Direction::HostToDevice)?,
+            device.copy_stream_with(Direction::DeviceToHost, options.limits.copy)?,
+            device.copy_stream_with(Direction::HostToDevice, options.limits.copy)?,
             options.limits,
             metrics.clone(),
         )?);

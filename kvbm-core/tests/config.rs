@@ -223,3 +223,35 @@ fn tiers_that_do_not_fit_the_machine_are_refused_naming_the_variable() {
         "100000000000000",
     );
 }
+
+#[test]
+fn copy_options_and_the_metrics_address_are_read_here_too() {
+    let c = load(&[("DYN_KVBM_CPU_CACHE_GB", "1")]).unwrap();
+    assert!(c.copy.coalesce && c.copy.batch_copy);
+    assert_eq!(c.metrics_host.to_string(), "127.0.0.1");
+    let c = load(&[
+        ("DYN_KVBM_CPU_CACHE_GB", "1"),
+        ("KVBM_COPY_COALESCE", "0"),
+        ("KVBM_COPY_BATCH", "false"),
+        ("DYN_KVBM_METRICS", "1"),
+        ("DYN_KVBM_METRICS_HOST", "0.0.0.0"),
+    ])
+    .unwrap();
+    assert!(!c.copy.coalesce && !c.copy.batch_copy);
+    assert_eq!(c.metrics_host.to_string(), "0.0.0.0");
+    for (var, value) in [
+        ("KVBM_COPY_COALESCE", "maybe"),
+        ("KVBM_COPY_BATCH", "2"),
+        ("DYN_KVBM_METRICS_HOST", "localhost:80"),
+    ] {
+        let err = load(&[("DYN_KVBM_CPU_CACHE_GB", "1"), (var, value)]).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains(var) && text.contains(value), "{text}");
+    }
+    // The metrics server's settings read without any cache tier configured.
+    let lookup = |name: &str| (name == "DYN_KVBM_METRICS").then(|| "1".to_owned());
+    assert_eq!(
+        kvbm_core::config::metrics_server(&lookup).unwrap(),
+        Some((std::net::Ipv4Addr::LOCALHOST.into(), 6880))
+    );
+}

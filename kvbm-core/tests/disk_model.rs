@@ -62,6 +62,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
                 batch_blocks_max: 2,
                 inflight_max: 2,
                 pending_max: 8,
+                ..Default::default()
             },
             pin_threads: 1,
             disk: Some(DiskOptions {

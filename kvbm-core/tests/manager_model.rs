@@ -65,6 +65,7 @@ fn run(ops: Vec<Op>, shape: LayerShape) {
             batch_blocks_max: 2,
             inflight_max: 2,
             pending_max: 8,
+            ..Default::default()
         },
     );
     let mut sub = m.subscribe(100_000);
@@ -155,6 +156,7 @@ fn concurrent_stress_from_several_threads() {
             batch_blocks_max: 3,
             inflight_max: 3,
             pending_max: 16,
+            ..Default::default()
         },
     );
     let mut sub = m.subscribe(1_000_000);

@@ -134,7 +134,11 @@ fn offload_then_onboard_moves_every_byte_in_each_layout() {
         r.worker.wait_offloads();
         // Finished after its offloads: reported in finished_sending.
         let report = r.worker.report(&["a".to_string()]);
-        assert_eq!(report.finished_offloading, vec!["a".to_string()], "{layout}");
+        assert_eq!(
+            report.finished_offloading,
+            vec!["a".to_string()],
+            "{layout}"
+        );
         // Another request with the same prefix gets it onboarded into its own GPU blocks.
         let got = r
             .leader

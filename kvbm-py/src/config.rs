@@ -91,6 +91,12 @@ impl Config {
         self.inner.metrics_port
     }
 
+    /// The address the metrics server binds (`DYN_KVBM_METRICS_HOST`).
+    #[getter]
+    fn metrics_host(&self) -> String {
+        self.inner.metrics_host.to_string()
+    }
+
     /// The log filter (`DYN_LOG`).
     #[getter]
     fn log_filter(&self) -> String {
@@ -134,4 +140,25 @@ impl Config {
     fn __repr__(&self) -> String {
         format!("{:?}", self.inner)
     }
+}
+
+/// Where to serve the metrics, from the environment (or `overrides`): (host, port), or None when
+/// `DYN_KVBM_METRICS` is off. Readable without a cache tier configured; a bad value raises
+/// `ConfigError` naming the variable.
+#[pyfunction]
+#[pyo3(signature = (overrides=None))]
+pub(crate) fn metrics_server(
+    overrides: Option<HashMap<String, String>>,
+) -> PyResult<Option<(String, u16)>> {
+    guard(|| {
+        let overrides = overrides.unwrap_or_default();
+        kvbm_core::config::metrics_server(&|name: &str| {
+            overrides
+                .get(name)
+                .cloned()
+                .or_else(|| std::env::var(name).ok())
+        })
+        .map(|s| s.map(|(host, port)| (host.to_string(), port)))
+        .map_err(|e| ConfigError::new_err(e.to_string()))
+    })
 }

@@ -213,6 +213,7 @@ fn _kvbm(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(worker::encode_plan, m)?)?;
     m.add_function(wrap_pyfunction!(worker::decode_plan, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_function(wrap_pyfunction!(config::metrics_server, m)?)?;
     m.add_class::<config::Config>()?;
     m.add_class::<leader::Leader>()?;
     m.add_class::<worker::Worker>()?;

@@ -145,25 +145,27 @@ impl Worker {
     /// With `disk_blocks` above 0 the worker opens its disk cache file `disk_file` in `disk_dir`
     /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk
     /// tier starts empty: what an earlier run left there is overwritten as slots are reused.
-    /// `batch_blocks_max` and `inflight_max` are the copy engine's limits
-    /// (`DYN_KVBM_MAX_TRANSFER_BATCH_SIZE`, `DYN_KVBM_MAX_CONCURRENT_TRANSFERS`);
-    /// `async_onboards_max` asynchronous onboards run at once.
+    /// With `config` (a `Config`), the copy engine's limits and copy options
+    /// (`DYN_KVBM_MAX_TRANSFER_BATCH_SIZE`, `DYN_KVBM_MAX_CONCURRENT_TRANSFERS`,
+    /// `KVBM_COPY_*`) and the disk tier's directory, I/O mode and engine come from it (keywords
+    /// given here win); `async_onboards_max` asynchronous onboards run at once.
     #[new]
-    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=false, disk_engine="auto", batch_blocks_max=None, inflight_max=None, async_onboards_max=4))]
+    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, config=None, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=None, disk_engine=None, batch_blocks_max=None, inflight_max=None, async_onboards_max=4))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         kv_caches: &Bound<'_, PyDict>,
         num_blocks: usize,
         host_blocks: usize,
+        config: Option<PyRef<'_, crate::config::Config>>,
         outer_dim: Option<usize>,
         device: &str,
         device_index: usize,
         disk_blocks: usize,
         disk_dir: Option<String>,
         disk_file: Option<String>,
-        disk_disable_o_direct: bool,
-        disk_engine: &str,
+        disk_disable_o_direct: Option<bool>,
+        disk_engine: Option<&str>,
         batch_blocks_max: Option<usize>,
         inflight_max: Option<usize>,
         async_onboards_max: usize,
@@ -210,25 +212,39 @@ impl Worker {
             let regions =
                 unsafe { kvbm_core::Worker::register_spans(&dev, &placed.spans, device_index) }
                     .map_err(core_err)?;
-            let defaults = TransferLimits::default();
-            let limits = TransferLimits {
-                batch_blocks_max: batch_blocks_max.unwrap_or(defaults.batch_blocks_max),
-                inflight_max: inflight_max.unwrap_or(defaults.inflight_max),
-                ..defaults
-            };
+            let config = config.map(|c| c.inner.clone());
+            let mut limits = TransferLimits::default();
+            if let Some(c) = &config {
+                limits.batch_blocks_max = c.transfer_batch_blocks_max.get();
+                limits.inflight_max = c.transfers_inflight_max.get();
+                limits.copy = c.copy;
+            }
+            limits.batch_blocks_max = batch_blocks_max.unwrap_or(limits.batch_blocks_max);
+            limits.inflight_max = inflight_max.unwrap_or(limits.inflight_max);
             let disk = if disk_blocks > 0 {
-                let dir = disk_dir.map_or_else(kvbm_core::config::default_disk_dir, Into::into);
+                let dir = match (disk_dir, &config) {
+                    (Some(d), _) => d.into(),
+                    (None, Some(c)) => c.disk_dir.clone(),
+                    (None, None) => kvbm_core::config::default_disk_dir(),
+                };
+                let engine = match (disk_engine, &config) {
+                    (Some(e), _) => e
+                        .parse::<kvbm_core::EngineChoice>()
+                        .map_err(|e| crate::DiskError::new_err(e.to_string()))?,
+                    (None, Some(c)) => c.disk_engine,
+                    (None, None) => kvbm_core::EngineChoice::Auto,
+                };
                 Some(DiskOptions {
                     dir,
                     file_name: disk_file
                         .unwrap_or_else(|| format!("kvbm-rank{device_index}.cache")),
                     blocks: disk_blocks,
-                    disable_o_direct: disk_disable_o_direct,
+                    disable_o_direct: disk_disable_o_direct
+                        .or(config.as_ref().map(|c| c.disk_disable_o_direct))
+                        .unwrap_or(false),
                     filter_disabled: false,
                     queue_depth: 16,
-                    engine: disk_engine
-                        .parse::<kvbm_core::EngineChoice>()
-                        .map_err(|e| crate::DiskError::new_err(e.to_string()))?,
+                    engine,
                 })
             } else {
                 None

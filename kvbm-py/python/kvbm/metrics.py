@@ -11,7 +11,6 @@ looked up, load errors reported to vLLM).
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Dict, Optional, Tuple
 
@@ -99,19 +98,13 @@ def _collector(metrics: Metrics):
 def serve_from_env(metrics: Optional[Metrics] = None) -> Optional[int]:
     """Starts the metrics server if ``DYN_KVBM_METRICS`` is on (once per process); returns the
     port, or None when off. A port in use is reported, not fatal."""
-    flag = os.environ.get("DYN_KVBM_METRICS", "").strip().lower()
-    if flag in ("", "0", "false", "no", "off"):
-        return None
-    raw = os.environ.get("DYN_KVBM_METRICS_PORT", "6880")
-    try:
-        port = int(raw)
-        if not 0 <= port <= 65535:
-            raise ValueError
-    except ValueError:
-        from . import ConfigError
+    from . import _kvbm
 
-        raise ConfigError(f"DYN_KVBM_METRICS_PORT={raw!r}: expected a port number (0 to 65535)")
-    host = os.environ.get("DYN_KVBM_METRICS_HOST", "127.0.0.1")
+    # Read and checked by kvbm-core's configuration, like every other variable.
+    server = _kvbm.metrics_server()
+    if server is None:
+        return None
+    host, port = server
     global _SERVER
     with _SERVER_LOCK:
         if _SERVER is not None:

@@ -154,16 +154,12 @@ class KvbmWorker:
             dict(kv_caches),
             num_blocks,
             int(host_blocks),
+            config=config,
             outer_dim=_outer_dim(kcc, shape),
             device=device,
             device_index=index,
             disk_blocks=int(disk_blocks),
-            disk_dir=config.disk_dir if config is not None else None,
             disk_file=f"kvbm-rank{self._rank}.cache",
-            disk_disable_o_direct=config.disk_disable_o_direct if config is not None else False,
-            disk_engine=config.disk_engine if config is not None else "auto",
-            batch_blocks_max=config.max_transfer_batch_size if config is not None else None,
-            inflight_max=config.max_concurrent_transfers if config is not None else None,
         )
         self._layers = {n: i for i, n in enumerate(names)}
         expected = getattr(kcc, "kv_cache_layout", None)
