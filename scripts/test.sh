@@ -35,3 +35,9 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --workspace --no-fail-fast
 fi
+
+echo "== kvbm-bench offload on both engines (block manager; leader and worker as the connector runs them), every byte verified"
+for engine in manager split; do
+  cargo run --quiet -p kvbm-bench -- offload --device emulated --engine "$engine" \
+    --blocks 32 --layers 4 --iterations 1 --host-gb 0.1 >/dev/null
+done

@@ -6,6 +6,12 @@
 //! registration). The yardstick is a single-threaded memcpy of the same bytes, block by block,
 //! between two prefaulted buffers, in the same run. Figures are medians over `--iterations`.
 //!
+//! `--engine split` runs the split engine instead, as the vLLM connector does: kvbm-core's
+//! `Leader` plans each step, the plan crosses as MessagePack bytes, kvbm-core's `Worker` executes
+//! it over GPU memory laid out as vLLM lays it out (the timings include planning, encoding and
+//! decoding). `--engine manager` (the default) runs the `BlockManager`. Both move bytes through
+//! the same copy engine.
+//!
 //! `--layout` is the GPU tier's layout: vLLM 0.33's one backing buffer viewed per layer in one of
 //! its `KVCacheLayout`s (`lbnhc`, the default, `lbhnc`, `lhbnc`, `blhnc`, `blnhc`, `bhlnc`), or
 //! the per-layer tensors of older releases (`outer-first`, `block-first`). The pieces per block
@@ -84,6 +90,14 @@ pub fn memcpy_gbps(blocks: usize, block_bytes: usize, iterations: usize) -> f64 
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum EngineArg {
+    /// kvbm-core's BlockManager (GPU, host and disk pools in one process).
+    Manager,
+    /// kvbm-core's Leader and Worker with plans as bytes, as the vLLM connector runs them.
+    Split,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DeviceArg {
     Auto,
     Cuda,
@@ -125,6 +139,9 @@ pub struct OffloadArgs {
     /// Device back end.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     device: DeviceArg,
+    /// Which engine: the block manager, or the split engine the vLLM connector runs.
+    #[arg(long, value_enum, default_value_t = EngineArg::Manager)]
+    engine: EngineArg,
     /// Blocks per transfer batch.
     #[arg(long, default_value_t = 16)]
     batch_size: usize,
@@ -242,6 +259,12 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         .layout
         .gpu_layout(if args.mla { 1 } else { args.kv_heads });
     let show = !args.json || std::io::IsTerminal::is_terminal(&std::io::stderr());
+    if args.engine == EngineArg::Split {
+        if args.disk_gb > 0.0 {
+            bail!("--engine split measures GPU<->host copies; its disk tier is measured by kvbm-py/bench/bench_connector.py --disk");
+        }
+        return run_split(&args, kv, device, gpu_layout, host_blocks);
+    }
     if !args.disk_gb.is_finite() || args.disk_gb < 0.0 {
         bail!(
             "--disk-gb {} must be a number of GB, 0 or more",
@@ -525,6 +548,217 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         if args.disk_dir.is_none() {
             let _ = std::fs::remove_dir(&disk_dir);
         }
+    }
+    Ok(verified)
+}
+
+/// GPU memory laid out as `gpu_layout` places it, with a block's bytes readable and writable in
+/// canonical order (what the engine's kernels would write).
+struct GpuBlocks {
+    regions: Vec<kvbm_cuda::GpuRegion>,
+    layout: kvbm_core::BlockLayout,
+}
+
+impl GpuBlocks {
+    fn runs(&self, block: u32, mut f: impl FnMut(&kvbm_cuda::GpuRegion, usize, std::ops::Range<usize>)) {
+        self.layout
+            .for_each_run(block as usize, |addr, offset, len, _| {
+                let region = self
+                    .regions
+                    .iter()
+                    .find(|r| addr >= r.addr() && addr + len as u64 <= r.addr() + r.len() as u64)
+                    .expect("the layout was placed in these regions");
+                f(region, (addr - region.addr()) as usize, offset..offset + len);
+            });
+    }
+
+    fn write(&self, block: u32, bytes: &[u8]) -> anyhow::Result<()> {
+        let mut result = Ok(());
+        self.runs(block, |r, at, range| {
+            if result.is_ok() {
+                result = r.write(at, &bytes[range]);
+            }
+        });
+        Ok(result?)
+    }
+
+    fn read(&self, block: u32, out: &mut [u8]) -> anyhow::Result<()> {
+        let mut result = Ok(());
+        self.runs(block, |r, at, range| {
+            if result.is_ok() {
+                result = r.read(at, &mut out[range]);
+            }
+        });
+        Ok(result?)
+    }
+}
+
+/// One step of the split engine: the leader's plan through bytes into the worker, in vLLM
+/// 0.33's order; returns when its offloads and onboards completed.
+fn split_step(leader: &mut kvbm_core::Leader, worker: &mut kvbm_core::Worker) -> anyhow::Result<()> {
+    let plan = leader.take_plan(Vec::new())?;
+    let plan = kvbm_core::StepPlan::from_bytes(&plan.to_bytes())?;
+    worker.bind(plan);
+    worker.handle_preemptions();
+    worker.start_onboards()?;
+    worker.wait_onboards()?;
+    worker.start_offloads()?;
+    worker.wait_offloads();
+    worker.clear();
+    Ok(())
+}
+
+/// `--engine split`: what the vLLM connector runs, timed end to end per direction (plan,
+/// encode, decode, copy, completion).
+fn run_split(
+    args: &OffloadArgs,
+    kv: KvLayout,
+    device: Device,
+    gpu_layout: GpuLayout,
+    host_blocks: usize,
+) -> anyhow::Result<bool> {
+    let n = args.blocks;
+    let bpb = kv.bytes_per_block();
+    let mut regions = Vec::new();
+    for bytes in gpu_layout.allocation_bytes(&kv, n) {
+        regions.push(device.alloc_gpu(bytes).context("allocating GPU memory")?);
+    }
+    let addrs: Vec<u64> = regions.iter().map(|r| r.addr()).collect();
+    let layout = gpu_layout.place(kv, n, &addrs)?;
+    let gpu = GpuBlocks {
+        regions: regions.clone(),
+        layout: layout.clone(),
+    };
+    let device_kind = device.kind().as_str();
+    let description = device.description();
+    let metrics = std::sync::Arc::new(kvbm_core::Metrics::default());
+    let mut worker = kvbm_core::Worker::new(
+        device,
+        kv,
+        layout,
+        regions,
+        kvbm_core::WorkerOptions {
+            host_blocks,
+            limits: TransferLimits {
+                batch_blocks_max: args.batch_size,
+                inflight_max: args.concurrent,
+                ..TransferLimits::default()
+            },
+            ..Default::default()
+        },
+        metrics,
+    )?;
+    let mut leader = kvbm_core::Leader::new(args.block_size, host_blocks, 0, false)?;
+    let hasher = BlockHasher::new(args.block_size, None, None);
+    let tokens: Vec<u32> = (0..(n * args.block_size) as u32).collect();
+    let hashes: Vec<u64> = hasher
+        .sequence_hashes(None, &tokens)
+        .into_iter()
+        .map(|h| h.0)
+        .collect();
+    let show = !args.json || std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let bar = progress(show, n, "fill");
+    let mut buf = vec![0u8; bpb];
+    for (i, &h) in hashes.iter().enumerate() {
+        fill_block(h, &mut buf);
+        gpu.write(i as u32, &buf)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    if !worker.wait_host_ready(Duration::from_secs(600)) {
+        bail!("the host pool was not pinned within 10 minutes");
+    }
+    let (mut d2h, mut h2d) = (Vec::new(), Vec::new());
+    let mut verified = true;
+    let bytes = n * bpb;
+    let ids: Vec<u32> = (0..n as u32).collect();
+    for _ in 0..args.iterations {
+        // The host tier starts empty each round (holds end after two steps), so nothing is
+        // de-duplicated.
+        for _ in 0..3 {
+            split_step(&mut leader, &mut worker)?;
+        }
+        leader.reset()?;
+        let start = Instant::now();
+        let run = kvbm_core::TokenRun {
+            tokens: tokens.clone(),
+            parent: None,
+            lora_name: None,
+            salt: None,
+        };
+        let done = leader.plan_offloads(vec![("bench".into(), run, ids.clone())])?;
+        if done[0].1 != n {
+            bail!("planned {} of {n} offloads", done[0].1);
+        }
+        split_step(&mut leader, &mut worker)?;
+        d2h.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        // Scribble over every GPU block, then onboard each into a different one.
+        buf.fill(0x5A);
+        for &b in &ids {
+            gpu.write(b, &buf)?;
+        }
+        let targets: Vec<u32> = ids.iter().rev().copied().collect();
+        let start = Instant::now();
+        let got = leader.plan_onboard("bench-onboard", &hashes, &targets, false)?;
+        if got != n {
+            bail!("planned {got} of {n} onboards");
+        }
+        split_step(&mut leader, &mut worker)?;
+        h2d.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        if !worker.take_failed().is_empty() {
+            bail!("onboards failed");
+        }
+        let mut expected = vec![0u8; bpb];
+        for (i, &t) in targets.iter().enumerate() {
+            gpu.read(t, &mut buf)?;
+            fill_block(hashes[i], &mut expected);
+            verified &= buf == expected;
+        }
+        // Put the blocks back where they came from for the next round.
+        for (i, &h) in hashes.iter().enumerate() {
+            fill_block(h, &mut buf);
+            gpu.write(i as u32, &buf)?;
+        }
+    }
+    let memcpy = memcpy_gbps(n, bpb, args.iterations);
+    let (d2h_gbps, h2d_gbps) = (median(&d2h), median(&h2d));
+    let runs = gpu.layout.runs_per_block();
+    println!(
+        "kvbm offload, split engine (leader plans as bytes, worker executes): {device_kind} ({description}), {n} blocks of {:.2} MiB ({} layers, layout {}, {runs} pieces per block)",
+        bpb as f64 / (1 << 20) as f64,
+        args.layers,
+        gpu_layout.name(),
+    );
+    println!("medians over {} iterations", args.iterations);
+    println!("{:<10} {:>8} {:>10}", "direction", "GB/s", "x memcpy");
+    for (name, gbps) in [("d2h", d2h_gbps), ("h2d", h2d_gbps), ("memcpy", memcpy)] {
+        println!("{:<10} {:>8.2} {:>10.2}", name, gbps, gbps / memcpy);
+    }
+    println!(
+        "verified: {}",
+        if verified {
+            "every byte of every block"
+        } else {
+            "MISMATCH"
+        }
+    );
+    if args.json {
+        let line = serde_json::json!({
+            "engine": "split",
+            "d2h_gbps": d2h_gbps,
+            "h2d_gbps": h2d_gbps,
+            "memcpy_gbps": memcpy,
+            "d2h_vs_memcpy": d2h_gbps / memcpy,
+            "h2d_vs_memcpy": h2d_gbps / memcpy,
+            "blocks": n,
+            "bytes_per_block": bpb,
+            "pieces_per_block": runs,
+            "layout": gpu_layout.name(),
+            "iterations": args.iterations,
+            "verified": verified,
+            "device": device_kind,
+        });
+        println!("{line}");
     }
     Ok(verified)
 }
