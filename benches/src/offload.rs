@@ -560,7 +560,11 @@ struct GpuBlocks {
 }
 
 impl GpuBlocks {
-    fn runs(&self, block: u32, mut f: impl FnMut(&kvbm_cuda::GpuRegion, usize, std::ops::Range<usize>)) {
+    fn runs(
+        &self,
+        block: u32,
+        mut f: impl FnMut(&kvbm_cuda::GpuRegion, usize, std::ops::Range<usize>),
+    ) {
         self.layout
             .for_each_run(block as usize, |addr, offset, len, _| {
                 let region = self
@@ -568,7 +572,11 @@ impl GpuBlocks {
                     .iter()
                     .find(|r| addr >= r.addr() && addr + len as u64 <= r.addr() + r.len() as u64)
                     .expect("the layout was placed in these regions");
-                f(region, (addr - region.addr()) as usize, offset..offset + len);
+                f(
+                    region,
+                    (addr - region.addr()) as usize,
+                    offset..offset + len,
+                );
             });
     }
 
@@ -595,7 +603,10 @@ impl GpuBlocks {
 
 /// One step of the split engine: the leader's plan through bytes into the worker, in vLLM
 /// 0.33's order; returns when its offloads and onboards completed.
-fn split_step(leader: &mut kvbm_core::Leader, worker: &mut kvbm_core::Worker) -> anyhow::Result<()> {
+fn split_step(
+    leader: &mut kvbm_core::Leader,
+    worker: &mut kvbm_core::Worker,
+) -> anyhow::Result<()> {
     let plan = leader.take_plan(Vec::new())?;
     let plan = kvbm_core::StepPlan::from_bytes(&plan.to_bytes())?;
     worker.bind(plan);

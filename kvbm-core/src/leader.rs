@@ -278,6 +278,25 @@ impl Leader {
         }
     }
 
+    /// Drops blocks a worker reported bad (an offload into a host block or a disk write into a
+    /// disk block failed): each leaves its tier (`BlockRemoved`) once nothing holds it, so it
+    /// is never matched again. Ids not registered (already gone, or reused since) are ignored.
+    /// Returns how many were registered.
+    pub fn discard(&mut self, host: &[u32], disk: &[u32]) -> usize {
+        let mut n = 0;
+        let pools = [(Some(&self.host), host), (self.disk.as_ref(), disk)];
+        for (pool, ids) in pools {
+            let Some(pool) = pool else { continue };
+            for &id in ids {
+                if let Some(block) = pool.lookup_id(crate::pool::BlockId(id)) {
+                    pool.discard(block);
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
     /// Releases what an asynchronous load of `request_id` held (when its load finished); false
     /// for a request that holds nothing.
     pub fn release(&mut self, request_id: &str) -> bool {

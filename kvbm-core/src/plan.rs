@@ -123,6 +123,11 @@ pub struct StepReport {
     pub finished_onboarding: Vec<String>,
     /// GPU blocks whose onboard failed, sorted, without repeats (vLLM recomputes them).
     pub failed_blocks: Vec<u32>,
+    /// Host blocks whose content went bad since the last report (a failed offload or disk
+    /// read), for the leader to drop ([`crate::Leader::discard`]).
+    pub bad_host_blocks: Vec<u32>,
+    /// Disk blocks whose write failed since the last report, for the leader to drop.
+    pub bad_disk_blocks: Vec<u32>,
 }
 
 /// Identity bytes as a MessagePack `bin`, not an array of integers.

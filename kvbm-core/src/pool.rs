@@ -79,6 +79,8 @@ pub struct PoolCounts {
     pub complete: usize,
     /// Registered blocks (idle or held).
     pub registered: usize,
+    /// Blocks discarded (out of the registry) whose holders have not let go yet.
+    pub discarded: usize,
     /// Registered blocks without a holder (evictable).
     pub idle: usize,
     /// Blocks evicted since creation.
@@ -120,6 +122,8 @@ struct PoolState {
     available: usize,
     evictions: u64,
     deduplicated: u64,
+    /// Discarded blocks still held (out of the index, not free yet).
+    discarded: usize,
 }
 
 impl PoolState {
@@ -135,7 +139,10 @@ impl PoolState {
         slot.state = BlockState::Free;
         slot.priority = 0;
         slot.discard = false;
-        self.index.remove(&identity.sequence_hash);
+        // A discarded block left the index already (and its hash may name a newer block now).
+        if self.index.get(&identity.sequence_hash) == Some(&id) {
+            self.index.remove(&identity.sequence_hash);
+        }
         self.free.push(id);
         self.evictions += 1;
         identity.sequence_hash
@@ -247,6 +254,7 @@ impl BlockPool {
                     available: available_blocks,
                     evictions: 0,
                     deduplicated: 0,
+                    discarded: 0,
                 }),
             }),
         }
@@ -495,6 +503,23 @@ impl BlockPool {
         })
     }
 
+    /// Block `id`, now held, if it is registered (for callers that know blocks by id, such as a
+    /// leader told by its workers which of its blocks went bad).
+    pub fn lookup_id(&self, id: BlockId) -> Option<ImmutableBlock> {
+        let mut state = self.shared.state.lock();
+        let slot = state.slots.get(id.index())?;
+        if slot.state != BlockState::Registered || slot.discard {
+            return None;
+        }
+        let hash = slot.identity.as_ref()?.sequence_hash;
+        Self::acquire_locked(&mut state, id);
+        Some(ImmutableBlock {
+            pool: self.shared.clone(),
+            id,
+            hash,
+        })
+    }
+
     /// The registered blocks for `hashes[0..k]`, held together, where `k` is the first miss.
     /// One pool reference for the whole set; dropping it releases every block under one lock.
     pub fn hold_prefix(&self, hashes: &[SequenceHash]) -> HeldBlocks {
@@ -543,11 +568,24 @@ impl BlockPool {
         self.shared.state.lock().slots[block.id.index()].priority = priority;
     }
 
-    /// Gives up a block whose contents turned out to be bad: when its last holder lets go (now,
-    /// if `block` is the only one), it leaves the tier (`BlockRemoved`) instead of going idle.
+    /// Gives up a block whose contents turned out to be bad: it leaves the registry now
+    /// (`BlockRemoved`; no match finds it again), and its slot is freed when its last holder
+    /// lets go (now, if `block` is the only one) instead of going idle.
     pub fn discard(&self, block: ImmutableBlock) {
         assert!(self.owns(&block.pool), "block of another pool");
-        self.shared.state.lock().slots[block.id.index()].discard = true;
+        let mut state = self.shared.state.lock();
+        let id = block.id;
+        let slot = &mut state.slots[id.index()];
+        if !slot.discard {
+            slot.discard = true;
+            if state.index.get(&block.hash) == Some(&id) {
+                state.index.remove(&block.hash);
+                state.discarded += 1;
+                // Published under the lock, like every pool event.
+                publish_removed(&self.shared, vec![block.hash]);
+            }
+        }
+        drop(state);
         drop(block);
     }
 
@@ -571,6 +609,7 @@ impl BlockPool {
             filling: state.filling,
             complete: state.complete,
             registered: state.index.len(),
+            discarded: state.discarded,
             idle: state.policy.len(),
             evictions: state.evictions,
             deduplicated: state.deduplicated,
@@ -718,12 +757,12 @@ fn release_all(pool: &PoolShared, blocks: &[(BlockId, SequenceHash)]) {
     }
     let mut state = pool.state.lock();
     for &(id, _) in blocks {
-        release_locked(pool, &mut state, id);
+        release_locked(&mut state, id);
     }
 }
 
 /// Drops one hold; the last one makes the block idle, or removes it if it was discarded.
-fn release_locked(pool: &PoolShared, state: &mut PoolState, id: BlockId) {
+fn release_locked(state: &mut PoolState, id: BlockId) {
     let slot = &mut state.slots[id.index()];
     slot.holders -= 1;
     if slot.holders > 0 {
@@ -734,8 +773,9 @@ fn release_locked(pool: &PoolShared, state: &mut PoolState, id: BlockId) {
         state.policy.insert(id, priority);
         return;
     }
-    let hash = state.free_registered(id);
-    publish_removed(pool, vec![hash]);
+    // Its removal was announced when it was discarded.
+    state.discarded -= 1;
+    state.free_registered(id);
 }
 
 fn publish_removed(pool: &PoolShared, hashes: Vec<SequenceHash>) {
@@ -883,6 +923,6 @@ impl Clone for ImmutableBlock {
 
 impl Drop for ImmutableBlock {
     fn drop(&mut self) {
-        release_locked(&self.pool, &mut self.pool.state.lock(), self.id);
+        release_locked(&mut self.pool.state.lock(), self.id);
     }
 }

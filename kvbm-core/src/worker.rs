@@ -108,6 +108,27 @@ struct PendingOnboard {
     gpu_blocks: Vec<u32>,
 }
 
+/// Blocks whose content is bad: host blocks (a failed offload or disk read into them), and what
+/// went bad since the last report, for the leader to drop.
+#[derive(Debug, Default)]
+struct BadBlocks {
+    host: HashSet<u32>,
+    /// Registered host blocks whose offload failed (the leader's registry points at garbage).
+    reported_host: Vec<u32>,
+    /// Disk blocks whose write failed or whose read failed verification.
+    reported_disk: Vec<u32>,
+}
+
+impl BadBlocks {
+    /// A host block the leader registered holds garbage.
+    fn offload_failed(&mut self, host: u32) {
+        self.host.insert(host);
+        self.reported_host.push(host);
+    }
+}
+
+type SharedBad = Arc<Mutex<BadBlocks>>;
+
 /// Disk writes queued or running, by the host block they read and the slot they write.
 #[derive(Default)]
 struct DiskPending {
@@ -148,6 +169,7 @@ struct DiskShared {
     pending_cv: Condvar,
     metrics: Arc<Metrics>,
     registered: Mutex<Option<bool>>,
+    bad: SharedBad,
 }
 
 impl DiskShared {
@@ -183,14 +205,25 @@ impl DiskShared {
                 }
             }
         }
-        let missed: Vec<u32> = reads
+        let missed: Vec<(&DiskRead, &Lookup)> = reads
             .iter()
             .zip(&lookups)
             .filter(|(_, l)| !matches!(l, Lookup::Hit))
-            .map(|(r, _)| r.host)
             .collect();
         add(&self.metrics.disk_read_misses, missed.len() as u64);
-        missed
+        let mut bad = self.bad.lock();
+        for r in reads {
+            bad.host.remove(&r.host);
+        }
+        for (r, lookup) in &missed {
+            bad.host.insert(r.host);
+            // A block that failed verification stays bad on disk: the leader drops it. (A slot
+            // that holds another key, or an I/O error, says nothing certain about the block.)
+            if matches!(lookup, Lookup::Miss(kvbm_disk::Miss::Mismatch(_))) {
+                bad.reported_disk.push(r.disk);
+            }
+        }
+        missed.iter().map(|(r, _)| r.host).collect()
     }
 
     /// Writes host blocks to disk, zero-copy; a host block written twice in one batch goes in
@@ -211,21 +244,26 @@ impl DiskShared {
                     metadata: &w.identity,
                 })
                 .collect();
-            let stored = match handoff::write_host_ids(
+            let outcomes = match handoff::write_host_ids(
                 &self.store,
                 &self.host_layout,
                 &self.host_region,
                 &items,
             ) {
-                Ok(outcomes) => outcomes
-                    .iter()
-                    .filter(|o| matches!(o, WriteOutcome::Stored))
-                    .count(),
+                Ok(outcomes) => outcomes,
                 Err(err) => {
                     tracing::warn!(error = %err, blocks = items.len(), "disk write refused");
-                    0
+                    vec![WriteOutcome::Failed(err.to_string()); items.len()]
                 }
             };
+            let failed: Vec<u32> = now
+                .iter()
+                .zip(&outcomes)
+                .filter(|(_, o)| !matches!(o, WriteOutcome::Stored))
+                .map(|(w, _)| w.disk)
+                .collect();
+            let stored = items.len() - failed.len();
+            self.bad.lock().reported_disk.extend(failed);
             add(&self.metrics.offload_blocks_h2d, stored as u64);
             add(
                 &self.metrics.disk_write_failures,
@@ -266,7 +304,7 @@ struct LoaderContext {
     host_stride: usize,
     ready_timeout: Duration,
     disk: Option<Arc<DiskShared>>,
-    bad_host: Arc<Mutex<HashSet<u32>>>,
+    bad: SharedBad,
     metrics: Arc<Metrics>,
     done: Mutex<Vec<OnboardDone>>,
     busy: Mutex<usize>,
@@ -277,19 +315,20 @@ impl LoaderContext {
     /// Runs one asynchronous onboard; returns the GPU blocks that did not get their bytes.
     fn run(&self, job: &AsyncOnboard) -> Vec<u32> {
         if !job.disk_reads.is_empty() {
-            let missed = match &self.disk {
-                Some(disk) => disk.read_into_host(&job.disk_reads),
-                None => job.disk_reads.iter().map(|r| r.host).collect(),
-            };
-            let mut bad = self.bad_host.lock();
-            for r in &job.disk_reads {
-                bad.remove(&r.host);
+            match &self.disk {
+                Some(disk) => {
+                    disk.read_into_host(&job.disk_reads);
+                }
+                None => self
+                    .bad
+                    .lock()
+                    .host
+                    .extend(job.disk_reads.iter().map(|r| r.host)),
             }
-            bad.extend(missed);
         }
         let (bad, good): (Pairs, Pairs) = {
-            let bad_host = self.bad_host.lock();
-            job.pairs.iter().partition(|(h, _)| bad_host.contains(h))
+            let bad = self.bad.lock();
+            job.pairs.iter().partition(|(h, _)| bad.host.contains(h))
         };
         let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
         if good.is_empty() {
@@ -396,10 +435,10 @@ pub struct Worker {
     offload_pending: HashMap<String, usize>,
     /// Requests whose offloads all settled since the last poll.
     offload_done: Vec<String>,
-    bad_host: Arc<Mutex<HashSet<u32>>>,
     /// The onboards in flight, per stage (indexed by the stage's layer).
     onboards: Vec<Option<PendingOnboard>>,
     failed: Vec<u32>,
+    bad: SharedBad,
     bytes_offloaded: u64,
     bytes_onboarded: u64,
     offload_waits: u64,
@@ -507,6 +546,7 @@ impl Worker {
             options.limits,
             metrics.clone(),
         )?);
+        let bad = SharedBad::default();
         let disk = match &options.disk {
             Some(d) if d.blocks > 0 => Some(open_disk(
                 d,
@@ -515,10 +555,10 @@ impl Worker {
                 &host_layout,
                 &host,
                 &metrics,
+                &bad,
             )?),
             _ => None,
         };
-        let bad_host: Arc<Mutex<HashSet<u32>>> = Arc::default();
         let loaders = start_loaders(
             Arc::new(LoaderContext {
                 copies: copies.clone(),
@@ -526,7 +566,7 @@ impl Worker {
                 host_stride: kv.host_stride_bytes(),
                 ready_timeout: options.host_ready_timeout,
                 disk: disk.as_ref().map(|d| d.shared.clone()),
-                bad_host: bad_host.clone(),
+                bad: bad.clone(),
                 metrics: metrics.clone(),
                 done: Mutex::new(Vec::new()),
                 busy: Mutex::new(0),
@@ -551,7 +591,7 @@ impl Worker {
             offloads: Vec::new(),
             offload_pending: HashMap::new(),
             offload_done: Vec::new(),
-            bad_host,
+            bad,
             onboards: (0..n_tensors).map(|_| None).collect(),
             failed: Vec::new(),
             bytes_offloaded: 0,
@@ -624,7 +664,7 @@ impl Worker {
             bytes_onboarded: self.bytes_onboarded,
             offloads_in_flight: self.offloads.len(),
             offload_waits: self.offload_waits,
-            bad_host_blocks: self.bad_host.lock().len(),
+            bad_host_blocks: self.bad.lock().host.len(),
             host_ready_bytes: self.host.ready_bytes(),
             disk_writes_pending: self.disk.as_ref().map_or(0, |d| {
                 d.shared.pending.lock().by_slot.values().sum::<usize>()
@@ -735,10 +775,19 @@ impl Worker {
             self.failed.extend(failed);
         }
         let failed_blocks = self.take_failed();
+        let (bad_host_blocks, bad_disk_blocks) = {
+            let mut bad = self.bad.lock();
+            (
+                std::mem::take(&mut bad.reported_host),
+                std::mem::take(&mut bad.reported_disk),
+            )
+        };
         StepReport {
             finished_offloading,
             finished_onboarding,
             failed_blocks,
+            bad_host_blocks,
+            bad_disk_blocks,
         }
     }
 
@@ -760,9 +809,12 @@ impl Worker {
         // offloaded, and its host block is marked bad so that no later onboard serves it.
         let failed: HashSet<u32> = self.failed.iter().copied().collect();
         let (unloaded, pairs): (Pairs, Pairs) = pairs.iter().partition(|(g, _)| failed.contains(g));
-        self.bad_host
-            .lock()
-            .extend(unloaded.iter().map(|&(_, h)| h));
+        {
+            let mut bad = self.bad.lock();
+            for &(_, h) in &unloaded {
+                bad.offload_failed(h);
+            }
+        }
         if pairs.is_empty() {
             for r in requests {
                 if !self.offload_pending.contains_key(r) {
@@ -791,9 +843,9 @@ impl Worker {
             *self.offload_pending.entry(r.clone()).or_insert(0) += 1;
         }
         {
-            let mut bad = self.bad_host.lock();
+            let mut bad = self.bad.lock();
             for &(_, h) in &pairs {
-                bad.remove(&h);
+                bad.host.remove(&h);
             }
         }
         self.offloads.push(PendingOffload {
@@ -850,8 +902,8 @@ impl Worker {
         self.wait_offloads_touching(&hosts);
         self.wait_onboards()?;
         let (bad, good): (Pairs, Pairs) = {
-            let bad_host = self.bad_host.lock();
-            pairs.iter().partition(|(h, _)| bad_host.contains(h))
+            let bad = self.bad.lock();
+            pairs.iter().partition(|(h, _)| bad.host.contains(h))
         };
         self.failed.extend(bad.iter().map(|&(_, g)| g));
         if good.is_empty() {
@@ -956,11 +1008,12 @@ impl Worker {
         self.wait_offloads_touching(&touched);
         // A write of a host block whose offload failed would store garbage: skipped.
         let writes: Vec<DiskWrite> = {
-            let bad = self.bad_host.lock();
+            let mut bad = self.bad.lock();
+            let (skipped, writes): (Vec<DiskWrite>, Vec<DiskWrite>) =
+                writes.into_iter().partition(|w| bad.host.contains(&w.host));
+            // The leader registered these disk blocks: they hold nothing now.
+            bad.reported_disk.extend(skipped.iter().map(|w| w.disk));
             writes
-                .into_iter()
-                .filter(|w| !bad.contains(&w.host))
-                .collect()
         };
         let disk = self.disk.as_ref().expect("checked above");
         {
@@ -1008,13 +1061,7 @@ impl Worker {
         self.wait_offloads_touching(&touched);
         self.wait_blocks_ready(reads.iter().map(|r| r.host))?;
         let disk = self.disk.as_ref().expect("checked above");
-        let missed = disk.shared.read_into_host(reads);
-        let mut bad = self.bad_host.lock();
-        for r in reads {
-            bad.remove(&r.host);
-        }
-        bad.extend(missed.iter().copied());
-        Ok(missed)
+        Ok(disk.shared.read_into_host(reads))
     }
 
     /// Queues an asynchronous onboard (disk reads into staging host blocks, then host blocks
@@ -1156,9 +1203,11 @@ impl Worker {
             (offload.pairs.len() - failed_blocks) as u64,
         );
         if !outcome.failed.is_empty() {
-            let mut bad = self.bad_host.lock();
+            let mut bad = self.bad.lock();
             for r in &outcome.failed {
-                bad.extend(offload.pairs[r.clone()].iter().map(|&(_, h)| h));
+                for &(_, h) in &offload.pairs[r.clone()] {
+                    bad.offload_failed(h);
+                }
             }
         }
         for r in offload.requests {
@@ -1191,6 +1240,7 @@ fn open_disk(
     host_layout: &BlockLayout,
     host: &HostRegion,
     metrics: &Arc<Metrics>,
+    bad: &SharedBad,
 ) -> Result<DiskSide, CoreError> {
     let (store, _recovered) = DiskStore::open(
         &options.dir,
@@ -1211,6 +1261,7 @@ fn open_disk(
         pending_cv: Condvar::new(),
         metrics: metrics.clone(),
         registered: Mutex::new(None),
+        bad: bad.clone(),
     });
     handoff::register_in_background(Arc::downgrade(&shared), "kvbm-worker-disk-register")
         .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;

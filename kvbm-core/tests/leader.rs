@@ -147,3 +147,43 @@ fn admitted_blocks_go_to_disk_and_come_back_through_staging_blocks() {
     assert!(!leader.release("r"));
     assert_eq!(leader.counts().disk.unwrap().idle, 7);
 }
+
+#[test]
+fn blocks_a_worker_reports_bad_leave_the_registry_at_once_even_while_held() {
+    let mut leader = Leader::new(B, 8, 4, true).unwrap();
+    let done = offload(&mut leader, &[run(0, 3, None)]);
+    let ids: Vec<u32> = done[0].host.iter().flatten().copied().collect();
+    let writes = leader.take_disk_writes().unwrap();
+    assert_eq!(writes.len(), 3);
+    leader.take_events();
+    // The offload into the second host block and the disk write of the third failed.
+    assert_eq!(leader.discard(&[ids[1]], &[writes[2].disk]), 2);
+    // Still held by the step's holds, yet no longer matched, and announced as removed.
+    let (host, _) = leader.count_prefix_tiers(&done[0].hashes);
+    assert_eq!(host, 1, "the prefix ends at the discarded block");
+    let removed: Vec<(Tier, Vec<u64>)> = leader
+        .take_events()
+        .into_iter()
+        .filter_map(|e| match e {
+            KvEvent::BlockRemoved(r) => {
+                Some((r.tier, r.block_hashes.iter().map(|h| h.0).collect()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        removed,
+        vec![
+            (Tier::Host, vec![done[0].hashes[1]]),
+            (Tier::Disk, vec![done[0].hashes[2]])
+        ]
+    );
+    // Ids not registered (or reported twice) are ignored.
+    assert_eq!(leader.discard(&[ids[1], 7], &[3]), 0);
+    // Once the holds end the slots are free again: the tier can take new blocks into them.
+    for _ in 0..3 {
+        leader.end_step();
+    }
+    let c = leader.counts();
+    assert_eq!((c.host.registered, c.host.discarded), (2, 0));
+}

@@ -32,6 +32,7 @@ enum Op {
     CloneImmutable(usize),
     SetPriority(usize, u32),
     EvictIdle(usize),
+    Discard(usize),
     Reset,
 }
 
@@ -51,6 +52,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..8usize).prop_map(Op::CloneImmutable),
         1 => (0..8usize, 0..3u32).prop_map(|(i, p)| Op::SetPriority(i, p)),
         1 => (0..3usize).prop_map(Op::EvictIdle),
+        1 => (0..8usize).prop_map(Op::Discard),
         1 => Just(Op::Reset),
     ]
 }
@@ -60,7 +62,14 @@ enum ModelState {
     Free,
     Filling,
     Complete,
-    Registered { hash: u64, holders: u32 },
+    Registered {
+        hash: u64,
+        holders: u32,
+    },
+    /// Out of the registry, freed when its last holder lets go.
+    Discarded {
+        holders: u32,
+    },
 }
 
 #[derive(Default)]
@@ -109,6 +118,15 @@ impl Model {
         hash
     }
     fn acquire(&mut self, id: u32) {
+        if let ModelState::Discarded { holders } = self.state(id) {
+            self.set(
+                id,
+                ModelState::Discarded {
+                    holders: holders + 1,
+                },
+            );
+            return;
+        }
         let ModelState::Registered { hash, holders } = self.state(id) else {
             panic!("not registered")
         };
@@ -124,6 +142,20 @@ impl Model {
         );
     }
     fn release(&mut self, id: u32) {
+        if let ModelState::Discarded { holders } = self.state(id) {
+            let s = if holders == 1 {
+                ModelState::Free
+            } else {
+                ModelState::Discarded {
+                    holders: holders - 1,
+                }
+            };
+            self.set(id, s);
+            if holders == 1 {
+                self.priority[id as usize] = 0;
+            }
+            return;
+        }
         let ModelState::Registered { hash, holders } = self.state(id) else {
             panic!("not registered")
         };
@@ -345,6 +377,18 @@ fn run(ops: Vec<Op>) {
                 pool.set_priority(&immutables[i], p);
                 model.priority[immutables[i].id().0 as usize] = p;
             }
+            Op::Discard(i) if i < immutables.len() => {
+                let b = immutables.swap_remove(i);
+                let id = b.id().0;
+                pool.discard(b);
+                if let ModelState::Registered { hash, holders } = model.state(id) {
+                    // The first discard takes it out of the registry, announced at once.
+                    model.registered.remove(&hash);
+                    expected_evictions.push(hash);
+                    model.set(id, ModelState::Discarded { holders });
+                }
+                model.release(id);
+            }
             Op::Reset => {
                 let busy = model.count(|s| {
                     matches!(
@@ -352,6 +396,7 @@ fn run(ops: Vec<Op>) {
                         ModelState::Filling
                             | ModelState::Complete
                             | ModelState::Registered { holders: 1.., .. }
+                            | ModelState::Discarded { .. }
                     )
                 });
                 match kvbm_core::clear_across(&[&pool]) {
@@ -388,8 +433,12 @@ fn run(ops: Vec<Op>) {
         // Counts conserved and per-block states agree.
         let c = pool.counts();
         assert_eq!(
-            c.free + c.filling + c.complete + c.registered + c.reserved,
+            c.free + c.filling + c.complete + c.registered + c.discarded + c.reserved,
             CAPACITY
+        );
+        assert_eq!(
+            c.discarded,
+            model.count(|s| matches!(s, ModelState::Discarded { .. }))
         );
         assert_eq!(c.free, model.free());
         assert_eq!(c.filling, model.count(|s| s == ModelState::Filling));
@@ -401,7 +450,9 @@ fn run(ops: Vec<Op>) {
                 ModelState::Free => (BlockState::Free, 0),
                 ModelState::Filling => (BlockState::Filling, 0),
                 ModelState::Complete => (BlockState::Complete, 0),
-                ModelState::Registered { holders, .. } => (BlockState::Registered, holders),
+                ModelState::Registered { holders, .. } | ModelState::Discarded { holders } => {
+                    (BlockState::Registered, holders)
+                }
             };
             assert_eq!(pool.state_of(kvbm_core::BlockId(id)), state, "block {id}");
             assert_eq!(

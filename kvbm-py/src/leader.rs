@@ -119,6 +119,12 @@ impl Leader {
         })
     }
 
+    /// Drops host and disk blocks the workers reported bad (their offload or disk write failed,
+    /// or a disk block failed verification); returns how many were registered.
+    fn discard(&mut self, host: Vec<u32>, disk: Vec<u32>) -> PyResult<usize> {
+        guard(|| Ok(self.inner.discard(&host, &disk)))
+    }
+
     /// Releases what an asynchronous load of `request_id` held (when its load finished).
     fn release(&mut self, request_id: &str) -> PyResult<bool> {
         guard(|| Ok(self.inner.release(request_id)))

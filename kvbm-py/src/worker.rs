@@ -107,6 +107,9 @@ pub(crate) fn describe_kv_caches<'py>(
     })
 }
 
+/// A step report as Python sees it (see `Worker.report`).
+type ReportTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u32>);
+
 /// One disk write as Python passes it: (host, disk, key, identity bytes).
 type DiskWriteTuple = (u32, u32, u64, Vec<u8>);
 
@@ -368,14 +371,17 @@ impl Worker {
     }
 
     /// What finished since the last report: (finished requests whose offloads all completed,
-    /// requests whose asynchronous onboards completed, GPU blocks whose onboards failed).
-    fn report(&mut self, finished: Vec<String>) -> PyResult<(Vec<String>, Vec<String>, Vec<u32>)> {
+    /// requests whose asynchronous onboards completed, GPU blocks whose onboards failed, host
+    /// blocks and disk blocks that went bad, for the leader to drop).
+    fn report(&mut self, finished: Vec<String>) -> PyResult<ReportTuple> {
         guard(|| {
             let r = self.inner.report(&finished);
             Ok((
                 r.finished_offloading,
                 r.finished_onboarding,
                 r.failed_blocks,
+                r.bad_host_blocks,
+                r.bad_disk_blocks,
             ))
         })
     }

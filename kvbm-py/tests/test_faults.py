@@ -90,7 +90,10 @@ class Engine:
         w.clear_connector_metadata()
         self.errors |= errors
         self.recving |= set(recving or ())
-        self.leader.update_connector_output(ConnectorOutput(set(sending or ()), set(recving or ()), errors))
+        bad = w.build_connector_worker_meta()
+        self.leader.update_connector_output(
+            ConnectorOutput(set(sending or ()), set(recving or ()), errors, kv_connector_worker_meta=bad)
+        )
         return meta
 
     def prefill(self, request, ids, seeds):
@@ -209,3 +212,35 @@ def test_a_block_whose_load_failed_is_never_saved_as_if_it_held_data(tmp_path):
     w.wait_onboards()
     assert set(w.take_failed()) == {6}, "the skipped save's host block is never served"
     assert all(np.array_equal(a, b) for a, b in zip(e.read(7), e.read(3)))
+
+
+def test_a_block_whose_offload_could_not_run_is_dropped_by_the_leader(tmp_path):
+    """The leader registers a block when it plans its offload. If the worker cannot fill that
+    host block (here: the GPU block's own load failed in the same step, so its bytes are
+    garbage), the worker reports it through vLLM's worker-to-scheduler channel
+    (build_connector_worker_meta -> update_connector_output) and the leader drops it: the host
+    tier announces its removal and never matches it again."""
+    e = Engine(tmp_path, host_blocks=8, disk_blocks=4)
+    a = Request("A", tokens(1000, 2))
+    e.leader.get_num_new_matched_tokens(a, 0)
+    e.leader.update_state_after_alloc(a, Blocks([4, 5, 6]), 0)
+    out = Out([New("A", a.prompt_token_ids, ([4, 5, 6],), 0)], Cached(), {"A": a.num_tokens}, set())
+    w = e.worker.native
+
+    def failed_load_of_block_5():
+        # GPU block 5 (A's second block) gets a failed load in this step (a disk read that
+        # misses into staging host block 7, then a load from it).
+        assert w.disk_read([(0, 7, 999)]) == [7]
+        w.onboard([(7, 5)])
+        w.wait_onboards()
+
+    e.leader.take_events()
+    e.step(out, forward=failed_load_of_block_5)
+    hashes = kvbm.sequence_hashes(a.prompt_token_ids[: 2 * BLOCK], BLOCK)
+    assert e.errors == {5}
+    # The first block is served from the host tier; the second was dropped, and said so.
+    assert e.leader.native.count_prefix(hashes) == 1
+    removed = [ev for ev in e.leader.take_events() if type(ev).__name__ == "BlockRemoved"]
+    # Its disk copy (admitted at once: the filter is off) was never written: dropped too.
+    assert [(ev.block_hashes, ev.medium) for ev in removed] == [([hashes[1]], "CPU_PINNED"), ([hashes[1]], "DISK")]
+    assert e.leader.native.count_prefix_tiers(hashes) == (1, 0)

@@ -50,3 +50,5 @@ class ConnectorOutput:
     finished_sending: Set[str]
     finished_recving: Set[str]
     invalid_block_ids: Set[int]
+    # vllm/v1/outputs.py KVConnectorOutput: the workers' aggregated KVConnectorWorkerMetadata.
+    kv_connector_worker_meta: object = None

@@ -277,6 +277,10 @@ class KvbmLeader:
             if rid in self._loading:
                 self._loading.discard(rid)
                 self._native.release(rid)
+        bad = getattr(connector_output, "kv_connector_worker_meta", None)
+        if bad is not None and (getattr(bad, "bad_host_blocks", None) or getattr(bad, "bad_disk_blocks", None)):
+            # Blocks a worker could not fill: never matched again.
+            self._native.discard(sorted(bad.bad_host_blocks), sorted(bad.bad_disk_blocks))
         for rid in getattr(connector_output, "finished_sending", None) or ():
             st = self._requests.get(rid)
             if st is not None and st.finished:

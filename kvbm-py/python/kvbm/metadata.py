@@ -22,6 +22,16 @@ except Exception:  # vLLM absent (or a version without it): a plain base.
         pass
 
 
+try:  # vLLM 0.33's channel from the workers back to the scheduler's connector.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+        KVConnectorWorkerMetadata as _WorkerBase,
+    )
+except Exception:
+
+    class _WorkerBase:  # type: ignore[no-redef]
+        pass
+
+
 Pairs = List[Tuple[int, int]]
 
 
@@ -86,3 +96,20 @@ class KvbmConnectorMetadata(_Base):
     @property
     def preempted(self) -> List[str]:
         return self.parts()["preempted"]
+
+
+@dataclass
+class KvbmWorkerMetadata(_WorkerBase):
+    """What a worker tells the leader after a step (vLLM 0.33 aggregates every worker's through
+    ``aggregate`` and hands it to the scheduler's ``update_connector_output``): host blocks whose
+    offload failed and disk blocks whose write or read failed. The leader drops them, so that it
+    never matches a block a worker cannot serve."""
+
+    bad_host_blocks: frozenset = frozenset()
+    bad_disk_blocks: frozenset = frozenset()
+
+    def aggregate(self, other: "KvbmWorkerMetadata") -> "KvbmWorkerMetadata":
+        return KvbmWorkerMetadata(
+            self.bad_host_blocks | getattr(other, "bad_host_blocks", frozenset()),
+            self.bad_disk_blocks | getattr(other, "bad_disk_blocks", frozenset()),
+        )

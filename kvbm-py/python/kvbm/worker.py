@@ -37,7 +37,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from . import _kvbm
 from ._kvbm import LayoutError
-from .metadata import KvbmConnectorMetadata
+from .metadata import KvbmConnectorMetadata, KvbmWorkerMetadata
 from .metrics import Metrics, global_metrics
 
 log = logging.getLogger("kvbm")
@@ -112,6 +112,8 @@ class KvbmWorker:
         self._meta: Optional[KvbmConnectorMetadata] = None
         self._has_offloads = False
         self._failed: Set[int] = set()
+        self._bad_host: Set[int] = set()
+        self._bad_disk: Set[int] = set()
         self._sync = None
 
     @property
@@ -226,8 +228,10 @@ class KvbmWorker:
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         # One native report per step: vLLM asks for the load errors right after.
-        sending, recving, failed = self.native.report(list(finished_req_ids or ()))
+        sending, recving, failed, bad_host, bad_disk = self.native.report(list(finished_req_ids or ()))
         self._failed.update(failed)
+        self._bad_host.update(bad_host)
+        self._bad_disk.update(bad_disk)
         self._report_metrics()
         return (set(sending) or None), (set(recving) or None)
 
@@ -235,6 +239,14 @@ class KvbmWorker:
         errors = self._failed | set(self.native.take_failed())
         self._failed = set()
         return errors
+
+    def build_connector_worker_meta(self) -> Optional[KvbmWorkerMetadata]:
+        """The blocks that went bad since the last step, for the leader to drop (None if none)."""
+        if not self._bad_host and not self._bad_disk:
+            return None
+        meta = KvbmWorkerMetadata(frozenset(self._bad_host), frozenset(self._bad_disk))
+        self._bad_host, self._bad_disk = set(), set()
+        return meta
 
     def shutdown(self) -> None:
         if self._native is not None:

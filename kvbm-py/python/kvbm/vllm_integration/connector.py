@@ -234,6 +234,12 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
             return set()
         return self._worker.get_block_ids_with_load_errors()
 
+    def build_connector_worker_meta(self) -> Any:
+        # Host and disk blocks that went bad in this step, for the leader to drop.
+        if self._worker is None:
+            return None
+        return self._worker.build_connector_worker_meta()
+
     # -- both ---------------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> Any:

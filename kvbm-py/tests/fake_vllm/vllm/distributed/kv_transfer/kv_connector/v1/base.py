@@ -15,6 +15,11 @@ class KVConnectorMetadata:
     pass
 
 
+class KVConnectorWorkerMetadata:
+    def aggregate(self, other):
+        raise NotImplementedError
+
+
 class KVConnectorBase_V1:
     def __init__(self, vllm_config, role, kv_cache_config=None):
         self._vllm_config = vllm_config
@@ -29,6 +34,9 @@ class KVConnectorBase_V1:
 
     def handle_preemptions(self, kv_connector_metadata):
         return
+
+    def build_connector_worker_meta(self):
+        return None
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
