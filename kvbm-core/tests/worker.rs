@@ -333,3 +333,61 @@ fn preemption_waits_for_the_offloads_reading_the_preempted_blocks() {
     r.step(vec![]);
     assert_eq!(r.block(5), before);
 }
+
+#[test]
+fn asynchronous_onboards_run_side_by_side() {
+    // Two disk onboards; the host-to-device stream is held, so the first one's copy cannot
+    // finish. With one loader the second one's disk reads would wait behind it; with several,
+    // they run meanwhile.
+    let mut r = rig("BLNHC", 32, 8, 16);
+    let mut hashes = Vec::new();
+    for (i, first) in [0u32, 1000].into_iter().enumerate() {
+        let gpu: Vec<u32> = (0..2).map(|b| i as u32 * 2 + b).collect();
+        let done = r
+            .leader
+            .plan_offloads(vec![(format!("w{i}"), tokens(first, 2), gpu)])
+            .unwrap();
+        hashes.push(done[0].0.clone());
+    }
+    r.step(vec![]);
+    r.worker.wait_offloads();
+    r.worker.wait_disk();
+    // Evict the host copies (once their holds ended).
+    for _ in 0..3 {
+        r.step(vec![]);
+    }
+    r.leader
+        .plan_offloads(vec![("x".into(), tokens(5000, 8), (16..24).collect())])
+        .unwrap();
+    for _ in 0..3 {
+        r.step(vec![]);
+    }
+    r.worker.wait_offloads();
+    r.worker.wait_disk();
+    assert_eq!(r.leader.count_prefix_tiers(&hashes[0]), (0, 2));
+    let reads_before = r.metrics.snapshot().disk_read_blocks;
+    let hold = r.worker.hold_stream(Direction::HostToDevice).unwrap();
+    r.leader
+        .plan_onboard("a", &hashes[0], &[8, 9], true)
+        .unwrap();
+    r.leader
+        .plan_onboard("b", &hashes[1], &[10, 11], true)
+        .unwrap();
+    let plan = r.leader.take_plan(vec![]).unwrap();
+    r.worker.bind(plan);
+    r.worker.start_onboards().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while r.metrics.snapshot().disk_read_blocks < reads_before + 4 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second onboard's disk reads waited for the first onboard's copy"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(r.worker.report(&[]).finished_onboarding.is_empty());
+    drop(hold);
+    r.worker.wait_async();
+    let mut done = r.worker.report(&[]).finished_onboarding;
+    done.sort();
+    assert_eq!(done, vec!["a".to_string(), "b".to_string()]);
+}
