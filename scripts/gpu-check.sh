@@ -92,6 +92,12 @@ for layout in lbnhc blnhc outer-first; do
   run "offload-$layout" 180 "$BENCH" offload --device "$DEVICE" --layout "$layout" \
     --blocks "$BLOCKS" --host-gb $(( (BLOCKS * 2 + 999) / 1000 + 1 )) --json
 done
+#    The same through the split engine the vLLM connector runs (the leader's plan as bytes, the
+#    worker executing it), LBNHC and BLNHC.
+for layout in lbnhc blnhc; do
+  run "offload-split-$layout" 180 "$BENCH" offload --device "$DEVICE" --engine split \
+    --layout "$layout" --blocks "$BLOCKS" --host-gb $(( (BLOCKS * 2 + 999) / 1000 + 1 )) --json
+done
 
 # 6. The connector's worker side with real tensors (torch CUDA), through the pinned pool and the
 #    disk tier, if Python, torch and the kvbm wheel are here.
