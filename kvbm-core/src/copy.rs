@@ -177,15 +177,15 @@ struct InFlight {
 struct Lane {
     pending: VecDeque<Batch>,
     inflight: VecDeque<InFlight>,
+    /// Batches that failed to launch from a submitting thread, for this lane's progress thread
+    /// to settle (a submitter may hold locks the callbacks take).
+    failed: Vec<(Batch, BatchDone)>,
 }
 
 #[derive(Default)]
 struct EngineState {
     /// Device-to-host, then host-to-device.
     lanes: [Lane; 2],
-    /// Batches that failed to launch from a submitting thread, for the progress thread to
-    /// settle (a submitter may hold locks the callbacks take).
-    failed: Vec<(Batch, BatchDone)>,
     /// Batches failed or finished whose callbacks have not run yet.
     settling: usize,
     shutdown: bool,
@@ -390,7 +390,7 @@ impl CopyEngine {
             });
         }
         let failed = launch_ready(shared, &mut state, job.direction);
-        state.failed.extend(failed);
+        state.lanes[lane].failed.extend(failed);
         shared.work_cv.notify_all();
         Ok(ticket)
     }
@@ -401,8 +401,7 @@ impl CopyEngine {
         while !(state
             .lanes
             .iter()
-            .all(|l| l.pending.is_empty() && l.inflight.is_empty())
-            && state.failed.is_empty()
+            .all(|l| l.pending.is_empty() && l.inflight.is_empty() && l.failed.is_empty())
             && state.settling == 0)
         {
             self.shared.done_cv.wait(&mut state);
@@ -528,12 +527,18 @@ fn settle(shared: &Shared, finished: Vec<(Batch, BatchDone)>) {
             }
         }
         if let Some(cb) = &batch.on_batch {
-            cb(BatchDone {
+            let copy = BatchDone {
                 range: done.range.clone(),
                 latency: done.latency,
                 bytes: done.bytes,
                 error: done.error.clone(),
-            });
+            };
+            // A callback that panics must not take the progress thread (and every waiter on a
+            // ticket) with it: the panic is logged and the batch still counts as done.
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cb(copy)));
+            if ran.is_err() {
+                tracing::error!("a copy batch's callback panicked; the batch is settled anyway");
+            }
         }
         batch.ticket.finish(&done);
     }
@@ -544,15 +549,15 @@ fn settle(shared: &Shared, finished: Vec<(Batch, BatchDone)>) {
 
 /// `direction`'s progress thread: waits on its oldest batch in flight (one stream completes in
 /// order) with no lock held, settles what finished, launches what waits. The thread of the
-/// device-to-host lane also settles batches that failed to launch from a submitter.
+/// lane's thread also settles its batches that failed to launch from a submitter.
 fn progress_loop(shared: &Shared, direction: Direction) {
     let lane = lane_of(direction);
     loop {
         let oldest = {
             let mut state = shared.state.lock();
             loop {
-                if lane == 0 && !state.failed.is_empty() {
-                    let failed = std::mem::take(&mut state.failed);
+                if !state.lanes[lane].failed.is_empty() {
+                    let failed = std::mem::take(&mut state.lanes[lane].failed);
                     drop(state);
                     settle(shared, failed);
                     state = shared.state.lock();

@@ -664,7 +664,8 @@ pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<Immuta
 pub fn clear_across(pools: &[&BlockPool]) -> Result<(), CoreError> {
     let mut states: Vec<_> = pools.iter().map(|p| p.shared.state.lock()).collect();
     for (pool, state) in pools.iter().zip(&states) {
-        let held = state.index.len() - state.policy.len();
+        // Discarded blocks left the index but may still be held.
+        let held = state.index.len() - state.policy.len() + state.discarded;
         if state.filling + state.complete + held > 0 {
             return Err(CoreError::Busy(format!(
                 "{} tier: {} blocks being written, {held} held",

@@ -6,7 +6,9 @@
 //!
 //! Ordering rules (what makes a plan's block ids safe to act on; ARCHITECTURE.md has the why):
 //! - A host block is read (by an onboard or a disk write) or overwritten (by a disk read) only
-//!   after every offload into it completed ([`Worker::wait_offloads_touching`]).
+//!   after every offload into it completed: onboards and disk reads wait for them
+//!   ([`Worker::wait_offloads_touching`]); a disk write is handed to the writer with the
+//!   offload jobs it must wait for, so the step does not wait.
 //! - A host block is overwritten (by an offload or a disk read) only after every queued disk
 //!   write reading it finished, and a disk slot is read only after every queued write into it.
 //! - The GPU blocks an offload reads are not overwritten while it runs: vLLM frees a request's
@@ -184,6 +186,18 @@ impl DiskShared {
     /// or from its host block; returns the host blocks that missed (a block that fails its
     /// checks, another key, an I/O error).
     fn read_into_host(&self, reads: &[DiskRead]) -> Vec<u32> {
+        let mut seen = HashSet::with_capacity(reads.len());
+        if !reads.iter().all(|r| seen.insert(r.host)) {
+            // Two reads into one host block: whichever landed last, one of them would be served
+            // the other's bytes. A plan never asks that; refuse it whole.
+            tracing::warn!(
+                blocks = reads.len(),
+                "disk reads name a host block twice; none served"
+            );
+            let mut bad = self.bad.lock();
+            bad.host.extend(reads.iter().map(|r| r.host));
+            return reads.iter().map(|r| r.host).collect();
+        }
         for r in reads {
             self.wait_for_writes(Some(r.host), Some(r.disk));
         }
@@ -224,6 +238,38 @@ impl DiskShared {
             }
         }
         missed.iter().map(|(r, _)| r.host).collect()
+    }
+
+    /// Runs one write job: waits for the offloads into its host blocks, skips (and reports)
+    /// the writes of host blocks whose offload failed, writes the rest.
+    fn write_job(&self, job: WriteJob) {
+        let mut failed_hosts = HashSet::new();
+        for (ticket, pairs) in &job.after {
+            for r in ticket.wait().failed {
+                failed_hosts.extend(pairs[r].iter().map(|&(_, h)| h));
+            }
+        }
+        let (skipped, writes): (Vec<DiskWrite>, Vec<DiskWrite>) = {
+            let mut bad = self.bad.lock();
+            let (skipped, writes): (Vec<DiskWrite>, Vec<DiskWrite>) = job
+                .writes
+                .into_iter()
+                .partition(|w| failed_hosts.contains(&w.host) || bad.host.contains(&w.host));
+            // A write of garbage is not made; the leader registered these disk blocks, so
+            // they are reported bad.
+            bad.reported_disk.extend(skipped.iter().map(|w| w.disk));
+            (skipped, writes)
+        };
+        if !skipped.is_empty() {
+            add(&self.metrics.disk_write_failures, skipped.len() as u64);
+            let mut p = self.pending.lock();
+            for w in &skipped {
+                p.done(w.host, w.disk);
+            }
+            drop(p);
+            self.pending_cv.notify_all();
+        }
+        self.write_batch(writes);
     }
 
     /// Writes host blocks to disk, zero-copy; a host block written twice in one batch goes in
@@ -279,9 +325,15 @@ impl DiskShared {
     }
 }
 
+/// Disk writes for the writer, with the offload jobs into their host blocks to wait for first.
+struct WriteJob {
+    writes: Vec<DiskWrite>,
+    after: Vec<(CopyTicket, Pairs)>,
+}
+
 struct DiskSide {
     shared: Arc<DiskShared>,
-    jobs: Option<Sender<Vec<DiskWrite>>>,
+    jobs: Option<Sender<WriteJob>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -444,8 +496,6 @@ pub struct Worker {
     offload_waits: u64,
     // vLLM's step: the bound plan and the request bookkeeping of `get_finished`.
     plan: Option<StepPlan>,
-    /// Requests with offloads in flight.
-    offloading: HashSet<String>,
     /// Requests that ever offloaded (their finish waits for their offloads).
     offloaded: HashSet<String>,
     /// Finished requests waiting for their offloads.
@@ -598,7 +648,6 @@ impl Worker {
             bytes_onboarded: 0,
             offload_waits: 0,
             plan: None,
-            offloading: HashSet::new(),
             offloaded: HashSet::new(),
             finished_waiting: HashSet::new(),
         })
@@ -684,8 +733,11 @@ impl Worker {
         self.plan.as_ref()
     }
 
-    /// Drops the bound plan (`clear_connector_metadata`).
+    /// Drops the bound plan (`clear_connector_metadata`), after the step's onboards completed
+    /// (vLLM waited for each layer already; this makes sure nothing of the step still copies
+    /// into host blocks the leader may hand out again).
     pub fn clear(&mut self) {
+        let _ = self.wait_onboards();
         self.plan = None;
     }
 
@@ -702,6 +754,11 @@ impl Worker {
     /// Starts the plan's onboards (`start_load_kv`): its disk reads into staging host blocks,
     /// its synchronous onboards (one job per stage), and its asynchronous onboards; the plan's
     /// load errors are reported by [`Self::take_failed`].
+    ///
+    /// Every part runs even when an earlier one fails: a part that cannot run reports its GPU
+    /// blocks as failed (an asynchronous onboard that cannot be queued is reported finished with
+    /// all its blocks failed), so vLLM never waits for work that will not come. The first error
+    /// is returned after that.
     pub fn start_onboards(&mut self) -> Result<(), CoreError> {
         let Some(plan) = &self.plan else {
             return Ok(());
@@ -711,20 +768,40 @@ impl Worker {
         let pairs: Vec<(u32, u32)> = plan.onboards.iter().flat_map(|o| o.pairs.clone()).collect();
         let asyncs = plan.async_onboards.clone();
         self.failed.extend(load_errors);
+        let mut first_error = None;
         if !reads.is_empty() {
-            self.disk_read(&reads)?;
+            if let Err(e) = self.disk_read(&reads) {
+                // The staging blocks hold nothing: their onboards below fail.
+                self.bad.lock().host.extend(reads.iter().map(|r| r.host));
+                first_error.get_or_insert(e);
+            }
         }
         if !pairs.is_empty() {
-            self.onboard(&pairs)?;
+            if let Err(e) = self.onboard(&pairs) {
+                self.failed.extend(pairs.iter().map(|&(_, g)| g));
+                first_error.get_or_insert(e);
+            }
         }
         for job in asyncs {
-            self.onboard_async(job)?;
+            let (request, gpu): (String, Vec<u32>) = (
+                job.request.clone(),
+                job.pairs.iter().map(|&(_, g)| g).collect(),
+            );
+            if let Err(e) = self.onboard_async(job) {
+                let loaders = self.loaders.as_ref().expect("present until dropped");
+                loaders.context.done.lock().push((request, gpu));
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Starts the plan's offloads after the forward pass (`wait_for_save`), then queues its disk
     /// writes (each after the offloads into its host block).
+    ///
+    /// The plan's requests are tracked (reported in `finished_sending` once finished) even when
+    /// their offload cannot run: its host blocks are then reported bad to the leader. The first
+    /// error is returned after everything ran.
     pub fn start_offloads(&mut self) -> Result<(), CoreError> {
         let Some(plan) = &self.plan else {
             return Ok(());
@@ -732,16 +809,27 @@ impl Worker {
         let pairs: Vec<(u32, u32)> = plan.offloads.iter().flat_map(|o| o.pairs.clone()).collect();
         let requests: Vec<String> = plan.offloads.iter().map(|o| o.request.clone()).collect();
         let writes = plan.disk_writes.clone();
+        let mut first_error = None;
         if !pairs.is_empty() {
-            self.wait_onboards()?;
-            self.offload(&pairs, &requests)?;
-            self.offloading.extend(requests.iter().cloned());
-            self.offloaded.extend(requests);
+            self.offloaded.extend(requests.iter().cloned());
+            let started = self
+                .wait_onboards()
+                .and_then(|_| self.offload(&pairs, &requests));
+            if let Err(e) = started {
+                let nh = self.host_blocks() as u32;
+                let mut bad = self.bad.lock();
+                for &(_, h) in pairs.iter().filter(|&&(_, h)| h < nh) {
+                    bad.offload_failed(h);
+                }
+                first_error.get_or_insert(e);
+            }
         }
         if !writes.is_empty() {
-            self.disk_write(writes)?;
+            if let Err(e) = self.disk_write(writes) {
+                first_error.get_or_insert(e);
+            }
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     /// What finished since the last report (vLLM's `get_finished`, then
@@ -750,9 +838,9 @@ impl Worker {
     /// blocks (a request that never offloaded is not reported); the requests whose asynchronous
     /// onboards completed; and every GPU block whose onboard failed so far (taken).
     pub fn report(&mut self, finished: &[String]) -> StepReport {
-        for r in self.poll_offloads() {
-            self.offloading.remove(&r);
-        }
+        // Settle what completed; a request is done offloading when no job of it is unsettled
+        // (`offload_pending`), whichever path settled its earlier jobs.
+        self.poll_offloads();
         for r in finished {
             if self.offloaded.contains(r) {
                 self.finished_waiting.insert(r.clone());
@@ -761,7 +849,7 @@ impl Worker {
         let mut finished_offloading: Vec<String> = self
             .finished_waiting
             .iter()
-            .filter(|r| !self.offloading.contains(*r))
+            .filter(|r| !self.offload_pending.contains_key(*r))
             .cloned()
             .collect();
         finished_offloading.sort_unstable();
@@ -803,7 +891,10 @@ impl Worker {
 
     /// Starts offloading GPU blocks into host blocks (`(gpu, host)` pairs) on behalf of
     /// `requests` (each counts it as one of its pending offloads).
+    /// Each request is then reported in `finished_offloading` once vLLM says it finished and
+    /// none of its offloads is in flight.
     pub fn offload(&mut self, pairs: &[(u32, u32)], requests: &[String]) -> Result<(), CoreError> {
+        self.offloaded.extend(requests.iter().cloned());
         self.check_pairs(pairs.iter().map(|&(g, h)| (h, g)))?;
         // A GPU block whose onboard failed in this step holds no valid bytes: it is not
         // offloaded, and its host block is marked bad so that no later onboard serves it.
@@ -983,7 +1074,8 @@ impl Worker {
         f
     }
 
-    /// Queues disk writes of host blocks, after the offloads into those host blocks completed.
+    /// Queues disk writes of host blocks; the writer makes each after the offloads into its host
+    /// block completed (and skips it, reporting the disk block bad, if that offload failed).
     /// Waits (at most [`DISK_WRITES_QUEUED_MAX`] queue) when the writer is behind.
     pub fn disk_write(&mut self, writes: Vec<DiskWrite>) -> Result<(), CoreError> {
         if writes.is_empty() {
@@ -1004,17 +1096,15 @@ impl Worker {
                 w.host, w.disk
             )));
         }
+        // The writer waits for the offloads into these host blocks (not this thread: the step
+        // goes on while the copies run).
         let touched: HashSet<u32> = writes.iter().map(|w| w.host).collect();
-        self.wait_offloads_touching(&touched);
-        // A write of a host block whose offload failed would store garbage: skipped.
-        let writes: Vec<DiskWrite> = {
-            let mut bad = self.bad.lock();
-            let (skipped, writes): (Vec<DiskWrite>, Vec<DiskWrite>) =
-                writes.into_iter().partition(|w| bad.host.contains(&w.host));
-            // The leader registered these disk blocks: they hold nothing now.
-            bad.reported_disk.extend(skipped.iter().map(|w| w.disk));
-            writes
-        };
+        let after: Vec<(CopyTicket, Pairs)> = self
+            .offloads
+            .iter()
+            .filter(|o| !o.host_blocks.is_disjoint(&touched))
+            .map(|o| (o.ticket.clone(), o.pairs.clone()))
+            .collect();
         let disk = self.disk.as_ref().expect("checked above");
         {
             let mut p = disk.shared.pending.lock();
@@ -1024,7 +1114,11 @@ impl Worker {
         }
         let jobs = disk.jobs.as_ref().expect("open while the worker lives");
         for chunk in writes.chunks(64) {
-            if jobs.send(chunk.to_vec()).is_err() {
+            let job = WriteJob {
+                writes: chunk.to_vec(),
+                after: after.clone(),
+            };
+            if jobs.send(job).is_err() {
                 let mut p = disk.shared.pending.lock();
                 for w in chunk {
                     p.done(w.host, w.disk);
@@ -1265,14 +1359,13 @@ fn open_disk(
     });
     handoff::register_in_background(Arc::downgrade(&shared), "kvbm-worker-disk-register")
         .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
-    let (jobs, receiver) =
-        crossbeam_channel::bounded::<Vec<DiskWrite>>(DISK_WRITES_QUEUED_MAX / 64);
+    let (jobs, receiver) = crossbeam_channel::bounded::<WriteJob>(DISK_WRITES_QUEUED_MAX / 64);
     let writer = shared.clone();
     let thread = std::thread::Builder::new()
         .name("kvbm-worker-disk".into())
         .spawn(move || {
-            for batch in receiver {
-                writer.write_batch(batch);
+            for job in receiver {
+                writer.write_job(job);
             }
         })
         .map_err(|e| CoreError::Disk(format!("cannot start the disk writer: {e}")))?;

@@ -391,3 +391,27 @@ fn asynchronous_onboards_run_side_by_side() {
     done.sort();
     assert_eq!(done, vec!["a".to_string(), "b".to_string()]);
 }
+
+#[test]
+fn a_request_is_finished_offloading_only_when_no_offload_of_it_is_in_flight() {
+    let mut r = rig("BLNHC", 16, 8, 0);
+    let (p, q) = ("p".to_string(), "q".to_string());
+    // One job for both requests; a preemption of p settles it (and so q's part of it).
+    r.worker
+        .offload(&[(0, 0), (1, 1)], &[p.clone(), q.clone()])
+        .unwrap();
+    assert_eq!(r.worker.wait_offloads_of(std::slice::from_ref(&p)), 1);
+    // q's next offload is still queued when vLLM says q finished.
+    let hold = r.worker.hold_stream(Direction::DeviceToHost).unwrap();
+    r.worker
+        .offload(&[(2, 2)], std::slice::from_ref(&q))
+        .unwrap();
+    let report = r.worker.report(std::slice::from_ref(&q));
+    assert!(
+        report.finished_offloading.is_empty(),
+        "q reported done while its offload still reads its GPU block"
+    );
+    drop(hold);
+    r.worker.wait_offloads();
+    assert_eq!(r.worker.report(&[]).finished_offloading, vec![q]);
+}

@@ -116,8 +116,9 @@ type DiskWriteTuple = (u32, u32, u64, Vec<u8>);
 /// A GPU worker's side of kvbm: kvbm-core's worker over vLLM's tensors.
 #[pyclass(module = "kvbm._kvbm")]
 pub struct Worker {
-    /// Declared before `_tensors`: dropped (its copies finished) first.
-    inner: kvbm_core::Worker,
+    /// Declared before `_tensors`; taken and dropped (its copies finished, its threads joined)
+    /// first, without the GIL, in `Drop`.
+    inner: Option<kvbm_core::Worker>,
     _tensors: Vec<PyObject>,
     /// vLLM's layout name the tensors follow ("BLNHC", ...), or "per-layer tensors".
     layout_name: String,
@@ -264,7 +265,7 @@ impl Worker {
                 .allow_threads(|| kvbm_core::Worker::new(dev, kv, gpu, regions, options, metrics))
                 .map_err(core_err)?;
             Ok(Self {
-                inner,
+                inner: Some(inner),
                 _tensors: tensors,
                 layout_name,
             })
@@ -280,49 +281,49 @@ impl Worker {
     /// Contiguous runs per block on the GPU side: the copies (DMAs) one block takes.
     #[getter]
     fn runs_per_block(&self) -> usize {
-        self.inner.gpu_layout().runs_per_block()
+        self.w().gpu_layout().runs_per_block()
     }
 
     /// Distinct layer pages per block (tensors addressing the same bytes count once).
     #[getter]
     fn distinct_layers(&self) -> usize {
-        self.inner.kv().num_layers
+        self.w().kv().num_layers
     }
 
     /// Tensors (layers) registered.
     #[getter]
     fn num_layers(&self) -> usize {
-        self.inner.num_tensors()
+        self.w().num_tensors()
     }
 
     /// GPU blocks per layer tensor.
     #[getter]
     fn num_blocks(&self) -> usize {
-        self.inner.gpu_layout().num_blocks()
+        self.w().gpu_layout().num_blocks()
     }
 
     /// Host blocks of this worker's shard.
     #[getter]
     fn host_blocks(&self) -> usize {
-        self.inner.host_blocks()
+        self.w().host_blocks()
     }
 
     /// Bytes of one block on this worker (all layers, K and V).
     #[getter]
     fn bytes_per_block(&self) -> usize {
-        self.inner.kv().bytes_per_block()
+        self.w().kv().bytes_per_block()
     }
 
     /// "cuda" or "emulated".
     #[getter]
     fn device_kind(&self) -> &'static str {
-        self.inner.device().kind().as_str()
+        self.w().device().kind().as_str()
     }
 
     /// Disk blocks of this worker's file (0 without a disk tier).
     #[getter]
     fn disk_blocks(&self) -> usize {
-        self.inner.disk_blocks()
+        self.w().disk_blocks()
     }
 
     // -- vLLM's step ------------------------------------------------------------------------
@@ -333,21 +334,21 @@ impl Worker {
         guard(|| {
             let plan = StepPlan::from_bytes(plan).map_err(core_err)?;
             let offloads = !plan.offloads.is_empty();
-            self.inner.bind(plan);
+            self.w_mut().bind(plan);
             Ok(offloads)
         })
     }
 
     /// Drops the bound plan.
     fn clear(&mut self) {
-        self.inner.clear();
+        self.w_mut().clear();
     }
 
     /// Waits for the offloads of the bound plan's preempted requests; returns how many offload
     /// jobs it waited for.
     fn handle_preemptions(&mut self, py: Python<'_>) -> PyResult<usize> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             Ok(py.allow_threads(|| inner.handle_preemptions()))
         })
     }
@@ -355,7 +356,7 @@ impl Worker {
     /// Starts the bound plan's onboards (disk reads, synchronous and asynchronous onboards).
     fn start_onboards(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.start_onboards())
                 .map_err(core_err)
         })
@@ -364,7 +365,7 @@ impl Worker {
     /// Starts the bound plan's offloads and queues its disk writes.
     fn start_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.start_offloads())
                 .map_err(core_err)
         })
@@ -375,7 +376,7 @@ impl Worker {
     /// blocks and disk blocks that went bad, for the leader to drop).
     fn report(&mut self, finished: Vec<String>) -> PyResult<ReportTuple> {
         guard(|| {
-            let r = self.inner.report(&finished);
+            let r = self.w_mut().report(&finished);
             Ok((
                 r.finished_offloading,
                 r.finished_onboarding,
@@ -389,7 +390,7 @@ impl Worker {
     /// Waits for everything in flight.
     fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.shutdown());
             Ok(())
         })
@@ -406,7 +407,7 @@ impl Worker {
         requests: Vec<String>,
     ) -> PyResult<()> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.offload(&pairs, &requests))
                 .map_err(core_err)
         })
@@ -416,7 +417,7 @@ impl Worker {
     /// jobs it waited for.
     fn wait_offloads_of(&mut self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             Ok(py.allow_threads(|| inner.wait_offloads_of(&requests)))
         })
     }
@@ -424,7 +425,7 @@ impl Worker {
     /// Waits for every offload started so far.
     fn wait_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.wait_offloads());
             Ok(())
         })
@@ -432,14 +433,14 @@ impl Worker {
 
     /// Requests whose offloads have all completed since the last call (without waiting).
     fn poll_offloads(&mut self) -> PyResult<Vec<String>> {
-        guard(|| Ok(self.inner.poll_offloads()))
+        guard(|| Ok(self.w_mut().poll_offloads()))
     }
 
     /// Starts onboarding host blocks into GPU blocks (`pairs` of (host, gpu)), one job per
     /// onboard stage, after the offloads into those host blocks completed.
     fn onboard(&mut self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.onboard(&pairs)).map_err(core_err)
         })
     }
@@ -447,7 +448,7 @@ impl Worker {
     /// Waits until layer `layer`'s onboards are in place; False if any failed.
     fn wait_layer(&mut self, py: Python<'_>, layer: usize) -> PyResult<bool> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.wait_layer(layer))
                 .map_err(core_err)
         })
@@ -456,14 +457,14 @@ impl Worker {
     /// Waits for every layer's onboards; False if any failed.
     fn wait_onboards(&mut self, py: Python<'_>) -> PyResult<bool> {
         guard(|| {
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.wait_onboards()).map_err(core_err)
         })
     }
 
     /// GPU blocks whose onboards failed since the last call, sorted, without repeats.
     fn take_failed(&mut self) -> PyResult<Vec<u32>> {
-        guard(|| Ok(self.inner.take_failed()))
+        guard(|| Ok(self.w_mut().take_failed()))
     }
 
     /// Queues disk writes (`writes` of (host, disk, key, identity bytes)) after the offloads
@@ -479,7 +480,7 @@ impl Worker {
                     identity,
                 })
                 .collect();
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.disk_write(writes))
                 .map_err(core_err)
         })
@@ -490,7 +491,7 @@ impl Worker {
     fn disk_read(&mut self, py: Python<'_>, reads: Vec<(u32, u32, u64)>) -> PyResult<Vec<u32>> {
         guard(|| {
             let reads = disk_reads(reads);
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.disk_read(&reads))
                 .map_err(core_err)
         })
@@ -511,7 +512,7 @@ impl Worker {
                 disk_reads: disk_reads(reads),
                 pairs,
             };
-            let inner = &mut self.inner;
+            let inner = self.w_mut();
             py.allow_threads(|| inner.onboard_async(job))
                 .map_err(core_err)
         })
@@ -520,7 +521,7 @@ impl Worker {
     /// Waits until every asynchronous onboard queued so far finished.
     fn wait_async(&self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            let inner = &self.inner;
+            let inner = self.w();
             py.allow_threads(|| inner.wait_async());
             Ok(())
         })
@@ -528,13 +529,13 @@ impl Worker {
 
     /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).
     fn poll_async(&mut self) -> PyResult<Vec<(String, Vec<u32>)>> {
-        guard(|| Ok(self.inner.poll_async()))
+        guard(|| Ok(self.w_mut().poll_async()))
     }
 
     /// Waits until every queued disk write finished.
     fn wait_disk(&self, py: Python<'_>) -> PyResult<()> {
         guard(|| {
-            let inner = &self.inner;
+            let inner = self.w();
             py.allow_threads(|| inner.wait_disk());
             Ok(())
         })
@@ -544,7 +545,7 @@ impl Worker {
     #[pyo3(signature = (timeout_s=300.0))]
     fn wait_host_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         guard(|| {
-            let inner = &self.inner;
+            let inner = self.w();
             let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
             Ok(py.allow_threads(|| inner.wait_host_ready(timeout)))
         })
@@ -554,7 +555,7 @@ impl Worker {
     /// bad_host_blocks, host_ready_bytes, disk_writes_pending, disk_registered.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         guard(|| {
-            let s = self.inner.stats();
+            let s = self.w().stats();
             let d = PyDict::new(py);
             d.set_item("bytes_offloaded", s.bytes_offloaded)?;
             d.set_item("bytes_onboarded", s.bytes_onboarded)?;
@@ -563,14 +564,14 @@ impl Worker {
             d.set_item("bad_host_blocks", s.bad_host_blocks)?;
             d.set_item("host_ready_bytes", s.host_ready_bytes)?;
             d.set_item("disk_writes_pending", s.disk_writes_pending)?;
-            d.set_item("disk_registered", self.inner.disk_registered())?;
+            d.set_item("disk_registered", self.w().disk_registered())?;
             Ok(d)
         })
     }
 
     /// kvbm-core's counters of this worker, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| crate::worker_metrics(py, &self.inner.metrics().snapshot()))
+        guard(|| crate::worker_metrics(py, &self.w().metrics().snapshot()))
     }
 
     /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies
@@ -587,7 +588,7 @@ impl Worker {
                     )))
                 }
             };
-            let hold = self.inner.hold_stream(direction).map_err(core_err)?;
+            let hold = self.w().hold_stream(direction).map_err(core_err)?;
             Ok(CopyHold {
                 hold: Mutex::new(Some(hold)),
             })
@@ -604,6 +605,25 @@ fn disk_reads(reads: Vec<(u32, u32, u64)>) -> Vec<DiskRead> {
         .into_iter()
         .map(|(disk, host, key)| DiskRead { disk, host, key })
         .collect()
+}
+
+impl Worker {
+    fn w(&self) -> &kvbm_core::Worker {
+        self.inner.as_ref().expect("present until dropped")
+    }
+
+    fn w_mut(&mut self) -> &mut kvbm_core::Worker {
+        self.inner.as_mut().expect("present until dropped")
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // Joining the loaders and the disk writer may wait for copies: not with the GIL held.
+        if let Some(inner) = self.inner.take() {
+            Python::with_gil(|py| py.allow_threads(move || drop(inner)));
+        }
+    }
 }
 
 /// A hold on one of a worker's copy streams (see `Worker._hold_stream`).

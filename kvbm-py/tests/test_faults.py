@@ -244,3 +244,31 @@ def test_a_block_whose_offload_could_not_run_is_dropped_by_the_leader(tmp_path):
     # Its disk copy (admitted at once: the filter is off) was never written: dropped too.
     assert [(ev.block_hashes, ev.medium) for ev in removed] == [([hashes[1]], "CPU_PINNED"), ([hashes[1]], "DISK")]
     assert e.leader.native.count_prefix_tiers(hashes) == (1, 0)
+
+
+def test_a_request_aborted_during_its_asynchronous_load_keeps_its_blocks_until_the_load_ends(tmp_path):
+    """vLLM 0.33 frees a finished request's GPU blocks at once unless request_finished says
+    True; an asynchronous load still copies into them, so the leader says True and the blocks
+    are freed when the workers report the request in finished_recving."""
+    e = Engine(tmp_path, host_blocks=5, disk_blocks=16)
+    e.prefill(Request("A", tokens(1000, 5)), list(range(0, 6)), seeds=range(100, 105))
+    e.prefill(Request("B", tokens(5000, 5)), list(range(6, 12)), seeds=range(200, 205))
+    c = Request("C", tokens(1000, 5))
+    n, is_async = e.leader.get_num_new_matched_tokens(c, 0)
+    assert is_async and n == 20
+    e.leader.update_state_after_alloc(c, Blocks(list(range(20, 26))), n)
+    meta = e.leader.build_connector_meta(Out([], Cached(), {}, set()))
+    assert [rid for rid, _, _ in meta.async_onboards] == ["C"]
+    # The client goes away while the load runs.
+    assert e.leader.request_finished(c, (list(range(20, 26)),)) == (True, None)
+    assert "C" in e.leader.tracked_requests()
+    w = e.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    w.native.wait_async()
+    sending, recving = w.get_finished({"C"})
+    w.clear_connector_metadata()
+    assert recving == {"C"} and not sending, "finished through finished_recving, not sending"
+    e.leader.update_connector_output(ConnectorOutput(set(), recving, w.get_block_ids_with_load_errors()))
+    assert "C" not in e.leader.tracked_requests()

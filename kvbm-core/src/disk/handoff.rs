@@ -28,11 +28,31 @@ use kvbm_disk::{
 use crate::layout::{BlockLayout, HEADER_ROOM_BYTES};
 use crate::pool::{ImmutableBlock, MutableBlock};
 
-fn check(store: &DiskStore, host_layout: &BlockLayout) {
-    debug_assert!(
-        store.payload_area_bytes() + HEADER_ROOM_BYTES
-            <= host_layout.block_stride_bytes().unwrap_or(0)
-    );
+/// A store and a host layout fit when every block's payload area and its header room fit in the
+/// host stride; nothing is read or written otherwise.
+fn check(store: &DiskStore, host_layout: &BlockLayout) -> Result<(), DiskError> {
+    let stride = host_layout.block_stride_bytes().unwrap_or(0);
+    if store.payload_area_bytes() + HEADER_ROOM_BYTES > stride {
+        return Err(DiskError::Invalid(format!(
+            "a store of {} payload bytes a block does not fit host blocks of {stride} bytes",
+            store.payload_area_bytes()
+        )));
+    }
+    Ok(())
+}
+
+/// Refuses a host block named twice in one call: two I/Os into (or from the header room of) one
+/// block at once would race.
+fn check_distinct(hosts: impl Iterator<Item = u32>) -> Result<(), DiskError> {
+    let mut seen = std::collections::HashSet::new();
+    for h in hosts {
+        if !seen.insert(h) {
+            return Err(DiskError::Invalid(format!(
+                "host block {h} named twice in one disk call"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Writes held host blocks into disk slots: `(host block, disk slot, metadata)`.
@@ -88,7 +108,8 @@ pub(crate) fn write_host_ids(
     host_region: &HostRegion,
     items: &[HostWrite<'_>],
 ) -> Result<Vec<WriteOutcome>, DiskError> {
-    check(store, host_layout);
+    check(store, host_layout)?;
+    check_distinct(items.iter().map(|w| w.host))?;
     for w in items {
         check_ids(store, host_layout, w.host, w.slot)?;
     }
@@ -131,7 +152,8 @@ pub(crate) fn read_host_ids(
     host_region: &HostRegion,
     items: &[(u32, u64, u32)],
 ) -> Result<Vec<Lookup>, DiskError> {
-    check(store, host_layout);
+    check(store, host_layout)?;
+    check_distinct(items.iter().map(|&(_, _, h)| h))?;
     for &(slot, _, host) in items {
         check_ids(store, host_layout, host, slot)?;
     }

@@ -269,6 +269,13 @@ class KvbmLeader:
             st.finished = True
             st.request = None
             return True, None
+        if request.request_id in self._loading:
+            # Finished (aborted) while its asynchronous load still copies into its GPU blocks:
+            # vLLM keeps them until the workers report the request in finished_recving, which
+            # frees them then (vllm/v1/core/sched/scheduler.py, _update_from_kv_xfer_finished).
+            st.finished = True
+            st.request = None
+            return True, None
         del self._requests[request.request_id]
         return False, None
 
@@ -277,6 +284,9 @@ class KvbmLeader:
             if rid in self._loading:
                 self._loading.discard(rid)
                 self._native.release(rid)
+                st = self._requests.get(rid)
+                if st is not None and st.finished and not st.had_saves:
+                    del self._requests[rid]
         bad = getattr(connector_output, "kv_connector_worker_meta", None)
         if bad is not None and (getattr(bad, "bad_host_blocks", None) or getattr(bad, "bad_disk_blocks", None)):
             # Blocks a worker could not fill: never matched again.

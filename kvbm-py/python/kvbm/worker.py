@@ -150,8 +150,9 @@ class KvbmWorker:
         if device == "cuda":
             import torch  # type: ignore
 
-            stream = torch.cuda.current_stream(index)
-            self._sync = stream.synchronize
+            # The stream current when the step's offloads start (vLLM may run the forward on
+            # another one than at registration).
+            self._sync = lambda: torch.cuda.current_stream(index).synchronize()
         self._native = _kvbm.Worker(
             dict(kv_caches),
             num_blocks,
