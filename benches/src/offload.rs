@@ -405,7 +405,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
                 );
             }
             let start = Instant::now();
-            let host_blocks = m.load_from_disk(matched.blocks)?;
+            let host_blocks = m.onboard_from_disk(matched.blocks)?;
             from_disk_gbps.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
             host_blocks
         } else {

@@ -10,7 +10,7 @@
 //!
 //! Invariants:
 //! - Batches launch in submission order, each direction on its own stream, so that on one stream
-//!   a later batch never overtakes an earlier one (the worker's load stages rely on it).
+//!   a later batch never overtakes an earlier one (the worker's onboard stages rely on it).
 //! - A batch's callback runs before its ticket counts it done: whoever waits on a ticket sees
 //!   what the callback did (the transfer engine registers blocks there).
 //! - Every transfer keeps both sides' regions alive until the stream is done with it.
@@ -62,7 +62,7 @@ pub struct CopyJob {
     pub direction: Direction,
     /// `(source block, target block)`.
     pub pairs: Vec<(u32, u32)>,
-    /// Copy only the runs whose last layer is this one (a load stage, see
+    /// Copy only the runs whose last layer is this one (an onboard stage, see
     /// [`BlockLayout::ready_after`]); `None` copies whole blocks.
     pub stage: Option<u32>,
 }

@@ -3,11 +3,11 @@
 //! and the tiers' events; the bytes live with the workers, which the leader tells what to copy.
 //!
 //! Invariants:
-//! - Block ids handed to workers (loads and saves) stay held for [`HOLD_STEPS`] more steps
+//! - Block ids handed to workers (onboards and offloads) stay held for [`HOLD_STEPS`] more steps
 //!   ([`Leader::end_step`]), so that no block a worker may still be copying is evicted and handed
-//!   out again meanwhile; an asynchronous load's blocks stay held until [`Leader::release`].
-//! - A block is findable (and announced) as soon as its save is planned: workers order their
-//!   copies so that nothing reads a host block before the save into it completed, and a save that
+//!   out again meanwhile; an asynchronous onboard's blocks stay held until [`Leader::release`].
+//! - A block is findable (and announced) as soon as its offload is planned: workers order their
+//!   copies so that nothing reads a host block before the offload into it completed, and an offload that
 //!   could not run leaves its host block unreadable (never served).
 //! - Events come from the pools (one `BlockStored` per run of chained blocks, `BlockRemoved` on
 //!   eviction) through a bounded subscription ([`EVENT_QUEUE_MAX`]); what overflows is counted.
@@ -62,14 +62,14 @@ pub struct TokenRun {
 pub struct Offloaded {
     /// The blocks' sequence hashes.
     pub hashes: Vec<u64>,
-    /// Per block, the host block to save it into, or None (there already, a duplicate, or no
+    /// Per block, the host block to offload it into, or None (there already, a duplicate, or no
     /// block to spare).
     pub host: Vec<Option<u32>>,
 }
 
-/// What a load needs: the host blocks of its host part, then the disk reads of the rest.
+/// What an onboard needs: the host blocks of its host part, then the disk reads of the rest.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LoadPlan {
+pub struct OnboardHolds {
     /// Host blocks holding the first blocks, in order.
     pub host: Vec<u32>,
     /// Disk reads for the blocks after them, in order.
@@ -103,9 +103,9 @@ pub struct Leader {
     admission: Admission,
     /// Host blocks admitted to disk, waiting for `take_disk_writes`.
     admitted: Vec<ImmutableBlock>,
-    /// Staging host blocks of disk loads (never registered), with their step.
+    /// Staging host blocks of disk onboards (never registered), with their step.
     staging: VecDeque<(u64, Vec<MutableBlock>)>,
-    /// What an asynchronous load holds, by request, until `release`.
+    /// What an asynchronous onboard holds, by request, until `release`.
     pinned: HashMap<String, (Vec<ImmutableBlock>, Vec<MutableBlock>)>,
     _publisher: EventPublisher,
     events: EventSubscriber,
@@ -197,7 +197,7 @@ impl Leader {
     }
 
     /// How many of `hashes`, from the first, the host tier holds, then how many more continue
-    /// on disk and can be loaded now (each needs a free or evictable host block to stage it).
+    /// on disk and can be onboarded now (each needs a free or evictable host block to stage it).
     /// Changes nothing but the lookup counters.
     pub fn count_prefix_tiers(&self, hashes_: &[u64]) -> (usize, usize) {
         let (host, disk) = self.count_prefix_tiers_quietly(hashes_);
@@ -218,19 +218,19 @@ impl Leader {
         let disk = self.disk.as_ref().map_or(0, |d| d.count_prefix(&h[host..]));
         let counts = self.host.counts();
         let staging = counts.free + counts.idle;
-        // The host blocks of the host part are idle now but get held for the load.
+        // The host blocks of the host part are idle now but get held for the onboard.
         let staging = staging.saturating_sub(host.min(counts.idle));
         (host, disk.min(staging))
     }
 
-    /// Holds what a load of `hashes` needs: the host blocks of the held prefix, then for the
+    /// Holds what an onboard of `hashes` needs: the host blocks of the held prefix, then for the
     /// blocks continuing it on disk, the disk block, a staging host block to read it into, and
     /// its key. Shorter than asked when blocks were evicted since they were counted or no
     /// staging block is free. Host hits count as sightings for disk admission.
     ///
-    /// The blocks stay held [`HOLD_STEPS`] steps, or, with `request_id` (an asynchronous load,
+    /// The blocks stay held [`HOLD_STEPS`] steps, or, with `request_id` (an asynchronous onboard,
     /// which may take longer), until [`Self::release`].
-    pub fn plan_load(&mut self, hashes_: &[u64], request_id: Option<&str>) -> LoadPlan {
+    pub fn hold_onboard(&mut self, hashes_: &[u64], request_id: Option<&str>) -> OnboardHolds {
         let mut held_blocks = Vec::new();
         let mut staged = Vec::new();
         let h = hashes(hashes_);
@@ -272,7 +272,7 @@ impl Leader {
                 }
             }
         }
-        LoadPlan {
+        OnboardHolds {
             host: host_ids,
             disk_reads: reads,
         }
@@ -297,7 +297,7 @@ impl Leader {
         n
     }
 
-    /// Releases what an asynchronous load of `request_id` held (when its load finished); false
+    /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished); false
     /// for a request that holds nothing.
     pub fn release(&mut self, request_id: &str) -> bool {
         self.pinned.remove(request_id).is_some()
@@ -339,7 +339,7 @@ impl Leader {
     }
 
     /// Registers the blocks not in the host tier yet and returns, per block, the host block id to
-    /// save it into (None when it is there already or the tier has no block to spare).
+    /// offload it into (None when it is there already or the tier has no block to spare).
     pub fn offload(
         &mut self,
         blocks: Vec<OffloadBlock>,
@@ -382,7 +382,7 @@ impl Leader {
     /// The whole offload of a step in one call: per request, the run of its blocks that became
     /// complete, with `hashed` its blocks' sequence hashes ([`Self::hash_runs`]). Registers the
     /// blocks not in the host tier yet and returns per request the hashes and, per block, the host
-    /// block to save it into or None.
+    /// block to offload it into or None.
     pub fn offload_runs(
         &mut self,
         runs: &[TokenRun],
@@ -424,7 +424,7 @@ impl Leader {
     }
 
     /// Plans the onboard of a request's matched blocks into the GPU blocks vLLM allocated for
-    /// them (`gpu`, one per hash): holds what [`Self::plan_load`] holds, pairs host blocks (and
+    /// them (`gpu`, one per hash): holds what [`Self::hold_onboard`] holds, pairs host blocks (and
     /// staging blocks of disk reads) with GPU blocks, and adds it to the step's plan, as an
     /// asynchronous onboard when `asynchronous` (reported in `finished_recving` even when
     /// nothing could be held). GPU blocks that could not be backed (evicted since matched) go to
@@ -443,7 +443,7 @@ impl Leader {
                 hashes_.len()
             )));
         }
-        let plan = self.plan_load(hashes_, asynchronous.then_some(request));
+        let plan = self.hold_onboard(hashes_, asynchronous.then_some(request));
         let got = plan.host.len() + plan.disk_reads.len();
         let pairs: Vec<(u32, u32)> = plan
             .host
@@ -539,7 +539,7 @@ impl Leader {
     }
 
     /// Drops every held block and clears the tiers' registries (one `AllBlocksCleared`).
-    /// Asynchronous loads in flight keep their blocks: the reset is then refused (busy).
+    /// Asynchronous onboards in flight keep their blocks: the reset is then refused (busy).
     pub fn reset(&mut self) -> Result<(), CoreError> {
         self.held.clear();
         self.staging.clear();
@@ -580,7 +580,7 @@ impl Leader {
         })
     }
 
-    /// Registers the planned blocks not in the host tier yet; per block, the host block to save
+    /// Registers the planned blocks not in the host tier yet; per block, the host block to offload
     /// it into, or None (already there, a duplicate in the list, or no block to spare).
     fn register_blocks(&mut self, blocks: Vec<Planned>) -> Result<Vec<Option<u32>>, CoreError> {
         if let Some(b) = blocks.iter().find(|b| b.tokens.len() != self.block_size) {
@@ -616,7 +616,7 @@ impl Leader {
         let mut seen = HashSet::with_capacity(registered.len());
         let now = Instant::now();
         for (block, i) in registered.into_iter().zip(positions) {
-            // A duplicate within this list resolves to the block registered first: save once.
+            // A duplicate within this list resolves to the block registered first: offload once.
             if seen.insert(block.id().0) {
                 out[i] = Some(block.id().0);
                 self.sight(&block, now);

@@ -37,7 +37,7 @@ pub use layout::{
     TensorView, ViewsLayout, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES, RUNS_PER_BLOCK_MAX,
 };
 pub use leader::{
-    DiskRead, DiskWrite, Leader, LeaderCounts, LoadPlan, OffloadBlock, Offloaded, TokenRun,
+    DiskRead, DiskWrite, Leader, LeaderCounts, OffloadBlock, Offloaded, OnboardHolds, TokenRun,
 };
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};

@@ -429,7 +429,7 @@ impl BlockManager {
     }
 
     /// Matches `hashes` below the GPU: host first, and disk blocks continue the prefix where the
-    /// host match stops (what a connector loads beyond the engine's own GPU prefix cache).
+    /// host match stops (what a connector onboards beyond the engine's own GPU prefix cache).
     /// Host hits count as sightings for disk admission.
     pub fn match_lower(&self, hashes: &[SequenceHash]) -> PrefixMatch {
         let mut pools = vec![self.host_pool()];
@@ -452,9 +452,9 @@ impl BlockManager {
         PrefixMatch { blocks }
     }
 
-    /// Loads disk blocks into the host tier (Disk->Host; the host copies then onboard to the GPU
-    /// like any host block). Returns the held host blocks of the prefix that loaded.
-    pub fn load_from_disk(
+    /// Onboards disk blocks into the host tier (Disk->Host; the host copies then onboard to the GPU
+    /// like any host block). Returns the held host blocks of the prefix that onboarded.
+    pub fn onboard_from_disk(
         &self,
         disk_blocks: Vec<ImmutableBlock>,
     ) -> Result<Vec<ImmutableBlock>, CoreError> {
@@ -463,10 +463,10 @@ impl BlockManager {
             .as_deref()
             .ok_or_else(|| CoreError::InvalidArgument("no disk tier".into()))?;
         self.engine.host().refresh_available();
-        disk.load(disk_blocks)
+        disk.onboard_to_host(disk_blocks)
     }
 
-    /// Matches `hashes` in the host tier alone (what a connector loads beyond the engine's own GPU
+    /// Matches `hashes` in the host tier alone (what a connector onboards beyond the engine's own GPU
     /// prefix cache), counting lookups and hits for the hit-rate metrics.
     pub fn match_host(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
         let blocks = self.host_pool().match_prefix(hashes);

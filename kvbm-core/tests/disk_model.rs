@@ -131,7 +131,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
                     .partition(|b| b.tier() == Tier::Host);
                 let mut sources = host;
                 if !disk.is_empty() {
-                    let loaded = m.load_from_disk(disk).unwrap();
+                    let loaded = m.onboard_from_disk(disk).unwrap();
                     // Loaded host copies hold the disk blocks' bytes.
                     let mut buf = vec![0u8; bpb];
                     for b in &loaded {

@@ -107,7 +107,7 @@ fn a_full_gpu_host_disk_host_gpu_cycle_is_byte_exact_and_announced() {
     assert_eq!(matched.count_in(Tier::Disk), 5);
 
     // Disk -> Host, then Host -> GPU into other blocks.
-    let host = m.load_from_disk(matched.blocks).unwrap();
+    let host = m.onboard_from_disk(matched.blocks).unwrap();
     assert_eq!(host.len(), 5);
     check_host_bytes(&m, &host);
     for b in m.allocate_gpu(12).unwrap() {
@@ -223,7 +223,7 @@ fn a_restart_recovers_disk_blocks_and_announces_them() {
     // And the bytes come back.
     let matched = m.match_lower(&hashes(&ids));
     assert_eq!(matched.count_in(Tier::Disk), 4);
-    let host = m.load_from_disk(matched.blocks).unwrap();
+    let host = m.onboard_from_disk(matched.blocks).unwrap();
     check_host_bytes(&m, &host);
 }
 
@@ -252,7 +252,7 @@ fn a_corrupt_disk_block_is_a_miss_that_leaves_the_tier() {
 
     let matched = m.match_lower(&hashes(&ids));
     assert_eq!(matched.count_in(Tier::Disk), 3);
-    let host = m.load_from_disk(matched.blocks).unwrap();
+    let host = m.onboard_from_disk(matched.blocks).unwrap();
     assert_eq!(host.len(), 1, "the loaded prefix ends at the damaged block");
     check_host_bytes(&m, &host);
     assert!(

@@ -59,7 +59,7 @@ fn offloads_are_registered_once_and_matched_in_order() {
     let mut probe = done[0].hashes.clone();
     probe.push(12345);
     assert_eq!(leader.count_prefix_tiers(&probe), (3, 0));
-    let plan = leader.plan_load(&done[0].hashes[..2], None);
+    let plan = leader.hold_onboard(&done[0].hashes[..2], None);
     assert_eq!(
         plan.host,
         done[0].host[..2]
@@ -127,7 +127,7 @@ fn admitted_blocks_go_to_disk_and_come_back_through_staging_blocks() {
         leader.end_step();
     }
     assert_eq!(leader.count_prefix_tiers(&done[0].hashes), (0, 3));
-    let plan = leader.plan_load(&done[0].hashes, Some("r"));
+    let plan = leader.hold_onboard(&done[0].hashes, Some("r"));
     assert!(plan.host.is_empty());
     let keys: Vec<u64> = plan.disk_reads.iter().map(|r| r.key).collect();
     assert_eq!(keys, done[0].hashes);

@@ -21,7 +21,7 @@ type EventTuple = (
     Option<String>,
 );
 
-/// A disk read for a load: (disk block, staging host block, key).
+/// A disk read for an onboard: (disk block, staging host block, key).
 type DiskRead = (u32, u32, u64);
 
 /// A disk write: (host block, disk block, key, identity bytes for the block's header).
@@ -94,22 +94,22 @@ impl Leader {
     }
 
     /// (host, disk): how many of `hashes`, from the first, the host tier holds, then how many
-    /// more continue on disk and can be loaded now. No side effects.
+    /// more continue on disk and can be onboarded now. No side effects.
     fn count_prefix_tiers(&self, hashes: Vec<u64>) -> PyResult<(usize, usize)> {
         guard(|| Ok(self.inner.count_prefix_tiers(&hashes)))
     }
 
-    /// Holds what a load of `hashes` needs: (host blocks of the held prefix, disk reads of
+    /// Holds what an onboard of `hashes` needs: (host blocks of the held prefix, disk reads of
     /// (disk block, staging host block, key) for the blocks continuing it on disk). Held two
-    /// steps, or, with `request_id` (an asynchronous load), until `release(request_id)`.
+    /// steps, or, with `request_id` (an asynchronous onboard), until `release(request_id)`.
     #[pyo3(signature = (hashes, request_id=None))]
-    fn plan_load(
+    fn hold_onboard(
         &mut self,
         hashes: Vec<u64>,
         request_id: Option<String>,
     ) -> PyResult<(Vec<u32>, Vec<DiskRead>)> {
         guard(|| {
-            let plan = self.inner.plan_load(&hashes, request_id.as_deref());
+            let plan = self.inner.hold_onboard(&hashes, request_id.as_deref());
             let reads = plan
                 .disk_reads
                 .iter()
@@ -125,7 +125,7 @@ impl Leader {
         guard(|| Ok(self.inner.discard(&host, &disk)))
     }
 
-    /// Releases what an asynchronous load of `request_id` held (when its load finished).
+    /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished).
     fn release(&mut self, request_id: &str) -> PyResult<bool> {
         guard(|| Ok(self.inner.release(request_id)))
     }
@@ -143,7 +143,7 @@ impl Leader {
     }
 
     /// Registers the blocks ((sequence hash, parent hash, tokens)) not in the host tier yet and
-    /// returns, per block, the host block id to save it into, or None.
+    /// returns, per block, the host block id to offload it into, or None.
     #[pyo3(signature = (blocks, lora_name=None))]
     fn offload(
         &mut self,
@@ -167,7 +167,7 @@ impl Leader {
 
     /// The whole offload of a step in one call: per request (tokens of the blocks that became
     /// complete, the sequence hash before them, LoRA name, cache salt); returns per request
-    /// (the blocks' sequence hashes, the host block to save each into or None). Hashing runs
+    /// (the blocks' sequence hashes, the host block to offload each into or None). Hashing runs
     /// without the GIL.
     fn offload_tokens(
         &mut self,

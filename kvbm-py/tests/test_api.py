@@ -110,8 +110,8 @@ def test_leader_offloads_matches_holds_evicts_and_reports_events():
     assert [e[0] for e in events] == ["removed", "stored"]
     assert events[1][3] == hashes[2], "the stored block names its parent"
     assert len(leader.registered_hashes()) == 3
-    assert leader.plan_load(hashes[:2]) == ([], []), "block 0 was evicted: no prefix"
-    assert len(leader.plan_load(hashes[1:3])[0]) == 2
+    assert leader.hold_onboard(hashes[:2]) == ([], []), "block 0 was evicted: no prefix"
+    assert len(leader.hold_onboard(hashes[1:3])[0]) == 2
     with pytest.raises(kvbm.LayoutError):
         leader.offload([(1, None, [1, 2, 3])])  # 3 tokens in a 4-token block
 
@@ -375,14 +375,14 @@ def test_leader_admits_to_disk_and_matches_host_then_disk():
         leader.end_step()
     # Six blocks on disk, three host blocks to stage them in.
     assert leader.count_prefix_tiers(hashes) == (0, 3)
-    host, reads = leader.plan_load(hashes[:4])
+    host, reads = leader.hold_onboard(hashes[:4])
     assert host == [] and [r[0] for r in reads] == [w[1] for w in writes[:3]]
     assert [r[2] for r in reads] == hashes[:3], "only as many staging host blocks as are free"
     assert len({r[1] for r in reads}) == 3
     with_filter = kvbm.Leader(4, 8, disk_blocks=8)
     with_filter.offload(blocks[:2])
     assert with_filter.take_disk_writes() == [], "seen once: not admitted"
-    with_filter.plan_load(hashes[:2])
+    with_filter.hold_onboard(hashes[:2])
     assert [w[2] for w in with_filter.take_disk_writes()] == hashes[:2], "seen twice: admitted"
 
 
@@ -410,7 +410,7 @@ def test_an_asynchronous_load_holds_its_blocks_until_released():
     leader.take_disk_writes()
     for _ in range(2):
         leader.end_step()
-    host, reads = leader.plan_load(hashes, "req")
+    host, reads = leader.hold_onboard(hashes, "req")
     assert len(host) == 2 and reads == []
     for _ in range(4):
         leader.end_step()

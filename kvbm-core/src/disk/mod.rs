@@ -1,5 +1,5 @@
 //! The disk tier: which host blocks go to disk (admission), writing them there on a worker
-//! thread, loading them back into host blocks, and announcing what a restart recovered.
+//! thread, onboarding them back into host blocks, and announcing what a restart recovered.
 //!
 //! Invariants:
 //! - A disk block becomes findable (and `BlockStored{tier: Disk}` is published) only after its
@@ -8,8 +8,8 @@
 //!   finished.
 //! - The engine's progress thread never waits on the disk: admission hands batches to the
 //!   writer through a bounded queue, and a full queue skips (and counts) the batch.
-//! - A load that misses (a corrupt or vanished disk block) discards that disk block from the
-//!   registry (`BlockRemoved`) and ends the loaded prefix there.
+//! - An onboard that misses (a corrupt or vanished disk block) discards that disk block from the
+//!   registry (`BlockRemoved`) and ends the onboarded prefix there.
 
 pub(crate) mod handoff;
 
@@ -403,9 +403,12 @@ impl DiskTier {
     }
 
     /// Reads disk blocks (a matched prefix, in order) into new host blocks and registers them
-    /// there; returns the held host blocks for the prefix that loaded. A block that misses is
+    /// there; returns the held host blocks for the prefix that onboarded. A block that misses is
     /// discarded from the disk tier and ends the prefix.
-    pub fn load(&self, disk_blocks: Vec<ImmutableBlock>) -> Result<Vec<ImmutableBlock>, CoreError> {
+    pub fn onboard_to_host(
+        &self,
+        disk_blocks: Vec<ImmutableBlock>,
+    ) -> Result<Vec<ImmutableBlock>, CoreError> {
         let shared = &self.shared;
         if let Some(b) = disk_blocks.iter().find(|b| b.tier() != Tier::Disk) {
             return Err(CoreError::InvalidArgument(format!(

@@ -44,8 +44,8 @@ class _Request:
         "block_ids",
         "computed",
         "hashes",
-        "saved_blocks",
-        "had_saves",
+        "offloaded_blocks",
+        "had_offloads",
         "match",
         "lora",
         "salt",
@@ -58,16 +58,16 @@ class _Request:
         self.block_ids: List[int] = []
         self.computed = 0
         self.hashes: List[int] = []
-        # Blocks (from the first) already in the host tier or saved.
-        self.saved_blocks = 0
-        self.had_saves = False
+        # Blocks (from the first) already in the host tier or offloaded.
+        self.offloaded_blocks = 0
+        self.had_offloads = False
         self.match: Optional[Tuple[int, int]] = None
         lora = getattr(request, "lora_request", None)
         self.lora = getattr(lora, "lora_name", None) if lora is not None else None
         self.salt = getattr(request, "cache_salt", None)
         self.finished = False
         # The first block vLLM counts as computed that the leader could not back (a load error):
-        # its GPU bytes are garbage until vLLM recomputes it, so nothing from it on is saved
+        # its GPU bytes are garbage until vLLM recomputes it, so nothing from it on is offloaded
         # while vLLM still counts it computed.
         self.unbacked_from: Optional[int] = None
 
@@ -109,7 +109,7 @@ class KvbmLeader:
         self._metrics = metrics or global_metrics()
         self._metrics.set("kvbm_host_blocks_capacity", host_blocks)
         self._requests: Dict[str, _Request] = {}
-        self._loading: set = set()
+        self._onboarding: set = set()
         self._step = 0
 
     # -- helpers --------------------------------------------------------------------------
@@ -196,10 +196,10 @@ class KvbmLeader:
             st.unbacked_from = start + got
         if is_async:
             # Reported in finished_recving even when nothing could be held (then all failed).
-            self._loading.add(rid)
+            self._onboarding.add(rid)
         # Blocks onboarded from the host tier are there already; those from disk are offloaded
         # again as they complete (a no-op when the host tier still holds them).
-        st.saved_blocks = max(st.saved_blocks, start + got if not is_async else start)
+        st.offloaded_blocks = max(st.offloaded_blocks, start + got if not is_async else start)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         b = self.block_size
@@ -237,7 +237,7 @@ class KvbmLeader:
                     full = min(full, st.unbacked_from)  # vLLM has not rolled back yet
                 else:
                     st.unbacked_from = None  # recomputed from there on: saved as it fills
-            first = st.saved_blocks
+            first = st.offloaded_blocks
             if full > first:
                 work.append((rid, st, first, full, tokens[first * b : full * b]))
         if work:
@@ -250,9 +250,9 @@ class KvbmLeader:
             for (rid, st, first, full, _), (hashes, offloaded) in zip(work, results):
                 del st.hashes[first:]
                 st.hashes.extend(hashes)
-                st.saved_blocks = full
+                st.offloaded_blocks = full
                 if offloaded:
-                    st.had_saves = True
+                    st.had_offloads = True
         plan = self._native.take_plan(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         meta = KvbmConnectorMetadata(step=self._step, plan=bytes(plan))
         self._step += 1
@@ -264,13 +264,13 @@ class KvbmLeader:
         st = self._requests.get(request.request_id)
         if st is None:
             return False, None
-        if st.had_saves:
-            # The workers report it in finished_sending once its saves completed.
+        if st.had_offloads:
+            # The workers report it in finished_sending once its offloads completed.
             st.finished = True
             st.request = None
             return True, None
-        if request.request_id in self._loading:
-            # Finished (aborted) while its asynchronous load still copies into its GPU blocks:
+        if request.request_id in self._onboarding:
+            # Finished (aborted) while its asynchronous onboard still copies into its GPU blocks:
             # vLLM keeps them until the workers report the request in finished_recving, which
             # frees them then (vllm/v1/core/sched/scheduler.py, _update_from_kv_xfer_finished).
             st.finished = True
@@ -281,11 +281,11 @@ class KvbmLeader:
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in getattr(connector_output, "finished_recving", None) or ():
-            if rid in self._loading:
-                self._loading.discard(rid)
+            if rid in self._onboarding:
+                self._onboarding.discard(rid)
                 self._native.release(rid)
                 st = self._requests.get(rid)
-                if st is not None and st.finished and not st.had_saves:
+                if st is not None and st.finished and not st.had_offloads:
                     del self._requests[rid]
         bad = getattr(connector_output, "kv_connector_worker_meta", None)
         if bad is not None and (getattr(bad, "bad_host_blocks", None) or getattr(bad, "bad_disk_blocks", None)):
