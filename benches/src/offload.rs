@@ -26,8 +26,8 @@ use crate::stats::{fill_block, median, percentile};
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbm_core::{
-    BlockManager, GpuLayout, GpuMemory, ImmutableBlock, KvLayout, LayerShape, ManagerOptions,
-    PhysicalLayout, TransferLimits, TransferOutcome,
+    BlockManager, GpuLayout, GpuMemory, KvLayout, LayerShape, ManagerOptions, PhysicalLayout,
+    RegisteredBlock, TransferLimits, TransferOutcome,
 };
 use kvbm_cuda::{BackendChoice, Device};
 use kvbm_events::BlockHasher;
@@ -338,7 +338,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let mut gpu_blocks: Vec<ImmutableBlock> = m.register_gpu(complete)?;
+    let mut gpu_blocks: Vec<RegisteredBlock> = m.register_gpu(complete)?;
     let host = m.host_region().clone();
     if !host.wait_ready(host.len(), Duration::from_secs(600)) {
         bail!("the host tier was not pinned within 10 minutes");

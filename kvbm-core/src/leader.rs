@@ -23,7 +23,7 @@ use crate::metrics::{add, Metrics};
 use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
 pub use crate::plan::{DiskRead, DiskWrite};
 use crate::pool::{
-    clear_across, BlockIdentity, BlockPool, ImmutableBlock, MutableBlock, PoolCounts,
+    clear_across, BlockIdentity, BlockPool, FillingBlock, PoolCounts, RegisteredBlock,
 };
 use crate::CoreError;
 
@@ -102,16 +102,16 @@ pub struct Leader {
     disk: Option<BlockPool>,
     admission: Admission,
     /// Host blocks admitted to disk, waiting for `take_disk_writes`.
-    admitted: Vec<ImmutableBlock>,
+    admitted: Vec<RegisteredBlock>,
     /// Staging host blocks of disk onboards (never registered), with their step.
-    staging: VecDeque<(u64, Vec<MutableBlock>)>,
+    staging: VecDeque<(u64, Vec<FillingBlock>)>,
     /// What an asynchronous onboard holds, by request, until `release`.
-    pinned: HashMap<String, (Vec<ImmutableBlock>, Vec<MutableBlock>)>,
+    pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<FillingBlock>)>,
     _publisher: EventPublisher,
     events: EventSubscriber,
     events_lost: u64,
     /// Blocks handed out, with the step they were handed out in.
-    held: VecDeque<(u64, Vec<ImmutableBlock>)>,
+    held: VecDeque<(u64, Vec<RegisteredBlock>)>,
     step: u64,
     /// The plan being built for the current step ([`Self::take_plan`]).
     plan: StepPlan,
@@ -629,7 +629,7 @@ impl Leader {
 
     /// A sighting of a host block for disk admission; admitted blocks not on disk yet queue for
     /// `take_disk_writes` (held meanwhile).
-    fn sight(&mut self, block: &ImmutableBlock, now: Instant) {
+    fn sight(&mut self, block: &RegisteredBlock, now: Instant) {
         let Some(disk) = &self.disk else {
             return;
         };
@@ -642,7 +642,7 @@ impl Leader {
         }
     }
 
-    fn keep(&mut self, blocks: Vec<ImmutableBlock>) {
+    fn keep(&mut self, blocks: Vec<RegisteredBlock>) {
         if blocks.is_empty() {
             return;
         }

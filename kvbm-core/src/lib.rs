@@ -44,7 +44,7 @@ pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
 pub use plan::{AsyncOnboard, Offload, Onboard, StepPlan, StepReport};
 pub use pool::{
     clear_across, match_across, BlockId, BlockIdentity, BlockPool, BlockState, CompleteBlock,
-    HeldBlocks, ImmutableBlock, MutableBlock, PoolCounts, Rejected,
+    FillingBlock, HeldBlocks, PoolCounts, RegisteredBlock, Rejected,
 };
 pub use worker::{
     check_view_within, default_device_kind, open_device, Worker, WorkerOptions, WorkerStats,

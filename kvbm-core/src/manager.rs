@@ -18,7 +18,7 @@ use crate::disk::{DiskOptions, DiskTier};
 use crate::layout::{BlockLayout, GpuLayout, KvLayout};
 use crate::metrics::{add, Metrics, MetricsSnapshot};
 use crate::pool::{
-    clear_across, match_across, BlockId, BlockPool, CompleteBlock, ImmutableBlock, MutableBlock,
+    clear_across, match_across, BlockId, BlockPool, CompleteBlock, FillingBlock, RegisteredBlock,
 };
 use crate::transfer::{
     HostStoredHook, TierStorage, TransferEngine, TransferLimits, TransferTicket,
@@ -117,7 +117,7 @@ impl ManagerOptions {
 #[derive(Debug, Default)]
 pub struct PrefixMatch {
     /// The matched blocks, held.
-    pub blocks: Vec<ImmutableBlock>,
+    pub blocks: Vec<RegisteredBlock>,
 }
 
 impl PrefixMatch {
@@ -278,7 +278,7 @@ impl BlockManager {
             }
         };
         let hook: Option<HostStoredHook> = disk.clone().map(|disk| {
-            Arc::new(move |blocks: &[ImmutableBlock]| {
+            Arc::new(move |blocks: &[RegisteredBlock]| {
                 disk.consider(blocks, std::time::Instant::now())
             }) as HostStoredHook
         });
@@ -380,7 +380,7 @@ impl BlockManager {
     }
 
     /// Takes `count` GPU blocks for writing (evicting idle ones if needed).
-    pub fn allocate_gpu(&self, count: usize) -> Result<Vec<MutableBlock>, CoreError> {
+    pub fn allocate_gpu(&self, count: usize) -> Result<Vec<FillingBlock>, CoreError> {
         self.gpu_pool().allocate(count)
     }
 
@@ -388,7 +388,7 @@ impl BlockManager {
     pub fn register_gpu(
         &self,
         blocks: Vec<CompleteBlock>,
-    ) -> Result<Vec<ImmutableBlock>, CoreError> {
+    ) -> Result<Vec<RegisteredBlock>, CoreError> {
         self.gpu_pool()
             .register_all(blocks)
             .map_err(|r| CoreError::InvalidArgument(r.reason.into()))
@@ -398,22 +398,22 @@ impl BlockManager {
     pub fn register_gpu_write_through(
         &self,
         blocks: Vec<CompleteBlock>,
-    ) -> Result<(Vec<ImmutableBlock>, TransferTicket), CoreError> {
+    ) -> Result<(Vec<RegisteredBlock>, TransferTicket), CoreError> {
         let registered = self.register_gpu(blocks)?;
         let ticket = self.offload(&registered)?;
         Ok((registered, ticket))
     }
 
     /// Copies registered GPU blocks to the host tier.
-    pub fn offload(&self, blocks: &[ImmutableBlock]) -> Result<TransferTicket, CoreError> {
+    pub fn offload(&self, blocks: &[RegisteredBlock]) -> Result<TransferTicket, CoreError> {
         self.engine.offload(blocks)
     }
 
     /// Copies held host blocks into the given GPU blocks; each becomes a registered GPU block.
     pub fn onboard(
         &self,
-        sources: Vec<ImmutableBlock>,
-        targets: Vec<MutableBlock>,
+        sources: Vec<RegisteredBlock>,
+        targets: Vec<FillingBlock>,
     ) -> Result<TransferTicket, CoreError> {
         self.engine.onboard(sources, targets)
     }
@@ -435,7 +435,7 @@ impl BlockManager {
         let mut pools = vec![self.host_pool()];
         pools.extend(self.disk.as_deref().map(DiskTier::pool));
         let blocks = match_across(&pools, hashes);
-        let host_hits: Vec<ImmutableBlock> = blocks
+        let host_hits: Vec<RegisteredBlock> = blocks
             .iter()
             .filter(|b| b.tier() == Tier::Host)
             .cloned()
@@ -456,8 +456,8 @@ impl BlockManager {
     /// like any host block). Returns the held host blocks of the prefix that onboarded.
     pub fn onboard_from_disk(
         &self,
-        disk_blocks: Vec<ImmutableBlock>,
-    ) -> Result<Vec<ImmutableBlock>, CoreError> {
+        disk_blocks: Vec<RegisteredBlock>,
+    ) -> Result<Vec<RegisteredBlock>, CoreError> {
         let disk = self
             .disk
             .as_deref()
@@ -468,7 +468,7 @@ impl BlockManager {
 
     /// Matches `hashes` in the host tier alone (what a connector onboards beyond the engine's own GPU
     /// prefix cache), counting lookups and hits for the hit-rate metrics.
-    pub fn match_host(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+    pub fn match_host(&self, hashes: &[SequenceHash]) -> Vec<RegisteredBlock> {
         let blocks = self.host_pool().match_prefix(hashes);
         add(&self.metrics.host_lookup_blocks, hashes.len() as u64);
         add(&self.metrics.host_hit_blocks, blocks.len() as u64);

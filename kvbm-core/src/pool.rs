@@ -1,7 +1,7 @@
 //! Per-tier block pools: block ids, their lifecycle, and the tier's registry.
 //!
-//! Lifecycle (DESIGN.md): `Free` -> `Filling` ([`MutableBlock`]) -> `Complete` ([`CompleteBlock`])
-//! -> `Registered` ([`ImmutableBlock`], findable by sequence hash). A registered block with no
+//! Lifecycle (DESIGN.md): `Free` -> `Filling` ([`FillingBlock`]) -> `Complete` ([`CompleteBlock`])
+//! -> `Registered` ([`RegisteredBlock`], findable by sequence hash). A registered block with no
 //! holder is *idle*: it stays findable and may be evicted, which returns it to `Free` and
 //! publishes `BlockRemoved`. Registering publishes `BlockStored`.
 //!
@@ -9,12 +9,12 @@
 //! - Each block is in exactly one state; `free + filling + complete + registered + reserved ==
 //!   capacity`, where reserved blocks are those not yet made available (a host pool grows as its
 //!   memory gets pinned; ids below `available` are usable, and `available` only grows).
-//! - Only a `MutableBlock` may be written; a registered block cannot be (no handle gives access).
+//! - Only a `FillingBlock` may be written; a registered block cannot be (no handle gives access).
 //! - A block with a holder (a handle, or a transfer in flight) is never evicted or reused; the
 //!   eviction policy holds exactly the idle blocks.
 //! - A sequence hash maps to at most one block per tier; registering a hash the tier already holds
 //!   hands back the existing block and frees the new one (de-duplication, no event).
-//! - Dropping an unconsumed `MutableBlock` or `CompleteBlock` returns it to `Free`.
+//! - Dropping an unconsumed `FillingBlock` or `CompleteBlock` returns it to `Free`.
 //! - Events are published under the pool lock, so their order is the order of the state changes.
 //! - This is the one place that mutates pool state; callers hold the lock only inside methods.
 
@@ -292,7 +292,7 @@ impl BlockPool {
 
     /// Takes the given free blocks for writing (to refill blocks whose contents survived a
     /// restart). All or nothing: `InvalidArgument` if any is not free and available.
-    pub fn claim(&self, ids: &[BlockId]) -> Result<Vec<MutableBlock>, CoreError> {
+    pub fn claim(&self, ids: &[BlockId]) -> Result<Vec<FillingBlock>, CoreError> {
         let mut state = self.shared.state.lock();
         let mut wanted = std::collections::HashSet::with_capacity(ids.len());
         for &id in ids {
@@ -311,7 +311,7 @@ impl BlockPool {
         state.filling += ids.len();
         Ok(ids
             .iter()
-            .map(|&id| MutableBlock {
+            .map(|&id| FillingBlock {
                 pool: Some(self.shared.clone()),
                 id,
             })
@@ -319,7 +319,7 @@ impl BlockPool {
     }
 
     /// Takes up to `count` blocks for writing, as many as are free or evictable.
-    pub fn allocate_up_to(&self, count: usize) -> Vec<MutableBlock> {
+    pub fn allocate_up_to(&self, count: usize) -> Vec<FillingBlock> {
         let available = {
             let state = self.shared.state.lock();
             state.free.len() + state.policy.len()
@@ -341,7 +341,7 @@ impl BlockPool {
 
     /// Takes `count` blocks for writing, evicting idle blocks (by policy) when too few are free.
     /// All or nothing: on `Exhausted` nothing changed.
-    pub fn allocate(&self, count: usize) -> Result<Vec<MutableBlock>, CoreError> {
+    pub fn allocate(&self, count: usize) -> Result<Vec<FillingBlock>, CoreError> {
         let mut state = self.shared.state.lock();
         let available = state.free.len() + state.policy.len();
         if count > available {
@@ -361,7 +361,7 @@ impl BlockPool {
         for _ in 0..count {
             let id = state.free.pop().expect("counted as free");
             state.slots[id.index()].state = BlockState::Filling;
-            blocks.push(MutableBlock {
+            blocks.push(FillingBlock {
                 pool: Some(self.shared.clone()),
                 id,
             });
@@ -375,7 +375,7 @@ impl BlockPool {
     pub fn register(
         &self,
         block: CompleteBlock,
-    ) -> Result<ImmutableBlock, Rejected<CompleteBlock>> {
+    ) -> Result<RegisteredBlock, Rejected<CompleteBlock>> {
         self.register_all(vec![block])
             .map(|mut v| v.pop().expect("one in, one out"))
             .map_err(|mut r| Rejected {
@@ -389,7 +389,7 @@ impl BlockPool {
     pub fn register_all(
         &self,
         blocks: Vec<CompleteBlock>,
-    ) -> Result<Vec<ImmutableBlock>, Rejected<Vec<CompleteBlock>>> {
+    ) -> Result<Vec<RegisteredBlock>, Rejected<Vec<CompleteBlock>>> {
         if blocks
             .iter()
             .any(|b| !self.owns(b.pool.as_ref().expect("armed")))
@@ -411,7 +411,7 @@ impl BlockPool {
                 Self::acquire_locked(&mut state, existing);
                 state.free_unregistered(block.id);
                 state.deduplicated += 1;
-                out.push(ImmutableBlock {
+                out.push(RegisteredBlock {
                     pool,
                     id: existing,
                     hash,
@@ -425,7 +425,7 @@ impl BlockPool {
             state.complete -= 1;
             state.index.insert(hash, block.id);
             run = self.extend_run(run, &identity);
-            out.push(ImmutableBlock {
+            out.push(RegisteredBlock {
                 pool,
                 id: block.id,
                 hash,
@@ -492,11 +492,11 @@ impl BlockPool {
     }
 
     /// The block registered under `hash`, now held.
-    pub fn lookup(&self, hash: SequenceHash) -> Option<ImmutableBlock> {
+    pub fn lookup(&self, hash: SequenceHash) -> Option<RegisteredBlock> {
         let mut state = self.shared.state.lock();
         let id = *state.index.get(&hash)?;
         Self::acquire_locked(&mut state, id);
-        Some(ImmutableBlock {
+        Some(RegisteredBlock {
             pool: self.shared.clone(),
             id,
             hash,
@@ -505,7 +505,7 @@ impl BlockPool {
 
     /// Block `id`, now held, if it is registered (for callers that know blocks by id, such as a
     /// leader told by its workers which of its blocks went bad).
-    pub fn lookup_id(&self, id: BlockId) -> Option<ImmutableBlock> {
+    pub fn lookup_id(&self, id: BlockId) -> Option<RegisteredBlock> {
         let mut state = self.shared.state.lock();
         let slot = state.slots.get(id.index())?;
         if slot.state != BlockState::Registered || slot.discard {
@@ -513,7 +513,7 @@ impl BlockPool {
         }
         let hash = slot.identity.as_ref()?.sequence_hash;
         Self::acquire_locked(&mut state, id);
-        Some(ImmutableBlock {
+        Some(RegisteredBlock {
             pool: self.shared.clone(),
             id,
             hash,
@@ -544,7 +544,7 @@ impl BlockPool {
 
     /// The registered blocks for `hashes[0..k]`, each held by its own handle, where `k` is the
     /// first miss.
-    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> Vec<RegisteredBlock> {
         self.hold_prefix(hashes).into_blocks()
     }
 
@@ -563,7 +563,7 @@ impl BlockPool {
     }
 
     /// Sets the eviction priority of a registered block (lower leaves first; default 0).
-    pub fn set_priority(&self, block: &ImmutableBlock, priority: u32) {
+    pub fn set_priority(&self, block: &RegisteredBlock, priority: u32) {
         assert!(self.owns(&block.pool), "block of another pool");
         self.shared.state.lock().slots[block.id.index()].priority = priority;
     }
@@ -571,7 +571,7 @@ impl BlockPool {
     /// Gives up a block whose contents turned out to be bad: it leaves the registry now
     /// (`BlockRemoved`; no match finds it again), and its slot is freed when its last holder
     /// lets go (now, if `block` is the only one) instead of going idle.
-    pub fn discard(&self, block: ImmutableBlock) {
+    pub fn discard(&self, block: RegisteredBlock) {
         assert!(self.owns(&block.pool), "block of another pool");
         let mut state = self.shared.state.lock();
         let id = block.id;
@@ -636,14 +636,14 @@ impl BlockPool {
 /// Matches `hashes` from the first across `pools` (fastest tier first): each block is taken, held,
 /// from the first pool that has it; the match stops at the first hash no pool has. Locks the
 /// pools in the order given, so callers pass them in tier order.
-pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<ImmutableBlock> {
+pub fn match_across(pools: &[&BlockPool], hashes: &[SequenceHash]) -> Vec<RegisteredBlock> {
     let mut states: Vec<_> = pools.iter().map(|p| p.shared.state.lock()).collect();
     let mut out = Vec::with_capacity(hashes.len());
     'hashes: for hash in hashes {
         for (pool, state) in pools.iter().zip(states.iter_mut()) {
             if let Some(&id) = state.index.get(hash) {
                 BlockPool::acquire_locked(state, id);
-                out.push(ImmutableBlock {
+                out.push(RegisteredBlock {
                     pool: pool.shared.clone(),
                     id,
                     hash: *hash,
@@ -733,11 +733,11 @@ impl HeldBlocks {
     }
 
     /// One handle per block; the holds move to the handles.
-    pub fn into_blocks(mut self) -> Vec<ImmutableBlock> {
+    pub fn into_blocks(mut self) -> Vec<RegisteredBlock> {
         let blocks = std::mem::take(&mut self.blocks);
         blocks
             .into_iter()
-            .map(|(id, hash)| ImmutableBlock {
+            .map(|(id, hash)| RegisteredBlock {
                 pool: self.pool.clone(),
                 id,
                 hash,
@@ -790,7 +790,7 @@ fn publish_removed(pool: &PoolShared, hashes: Vec<SequenceHash>) {
 
 /// A block being written. Dropping it returns the block to `Free`.
 #[derive(Debug)]
-pub struct MutableBlock {
+pub struct FillingBlock {
     pool: Option<Arc<PoolShared>>,
     id: BlockId,
 }
@@ -801,7 +801,7 @@ impl std::fmt::Debug for PoolShared {
     }
 }
 
-impl MutableBlock {
+impl FillingBlock {
     /// The block's id in its pool.
     pub fn id(&self) -> BlockId {
         self.id
@@ -829,7 +829,7 @@ impl MutableBlock {
     }
 }
 
-impl Drop for MutableBlock {
+impl Drop for FillingBlock {
     fn drop(&mut self) {
         if let Some(pool) = self.pool.take() {
             pool.state.lock().free_unregistered(self.id);
@@ -867,15 +867,15 @@ impl Drop for CompleteBlock {
 
 /// A held registered block: findable, readable by copies, never written, never evicted while
 /// any clone lives. Dropping the last clone makes it idle.
-pub struct ImmutableBlock {
+pub struct RegisteredBlock {
     pool: Arc<PoolShared>,
     id: BlockId,
     hash: SequenceHash,
 }
 
-impl std::fmt::Debug for ImmutableBlock {
+impl std::fmt::Debug for RegisteredBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ImmutableBlock")
+        f.debug_struct("RegisteredBlock")
             .field("tier", &self.pool.tier)
             .field("id", &self.id)
             .field("sequence_hash", &self.hash)
@@ -883,7 +883,7 @@ impl std::fmt::Debug for ImmutableBlock {
     }
 }
 
-impl ImmutableBlock {
+impl RegisteredBlock {
     /// The block's id in its pool.
     pub fn id(&self) -> BlockId {
         self.id
@@ -911,7 +911,7 @@ impl ImmutableBlock {
     }
 }
 
-impl Clone for ImmutableBlock {
+impl Clone for RegisteredBlock {
     fn clone(&self) -> Self {
         self.pool.state.lock().slots[self.id.index()].holders += 1;
         Self {
@@ -922,7 +922,7 @@ impl Clone for ImmutableBlock {
     }
 }
 
-impl Drop for ImmutableBlock {
+impl Drop for RegisteredBlock {
     fn drop(&mut self) {
         release_locked(&mut self.pool.state.lock(), self.id);
     }

@@ -4,11 +4,11 @@
 //! the same engine the split engine's worker uses.
 //!
 //! Invariants:
-//! - A target block stays a `MutableBlock` (not findable) until its copy's completion was seen;
+//! - A target block stays a `FillingBlock` (not findable) until its copy's completion was seen;
 //!   only then is it registered (and `BlockStored` published). A failed copy returns its targets
 //!   to `Free` and publishes nothing.
-//! - Source blocks are held (`ImmutableBlock`) until the copy completed, so they are never evicted
-//!   or reused under a copy; target blocks are `MutableBlock`s, so they are never handed out twice.
+//! - Source blocks are held (`RegisteredBlock`) until the copy completed, so they are never evicted
+//!   or reused under a copy; target blocks are `FillingBlock`s, so they are never handed out twice.
 //! - At most `inflight_max` batches are on the streams, at most `pending_max` wait behind them;
 //!   offloads beyond that are skipped and counted, never queued without bound.
 //! - The engine lock is never held while waiting for a copy; batches are registered by the copy
@@ -26,7 +26,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::copy::{BatchDone, CopyEngine, CopyJob, CopySide};
 use crate::layout::BlockLayout;
 use crate::metrics::{add, Metrics};
-use crate::pool::{BlockPool, ImmutableBlock, MutableBlock};
+use crate::pool::{BlockPool, FillingBlock, RegisteredBlock};
 use crate::CoreError;
 
 /// Limits of the engine (DESIGN.md's `DYN_KVBM_MAX_TRANSFER_BATCH_SIZE` and
@@ -88,7 +88,7 @@ impl TierStorage {
 /// Called with the host blocks the engine has just registered, or found already resident when
 /// asked to offload them again (each is a sighting). Must not block: it runs on the engine's
 /// progress thread or an offloading caller, under the engine lock.
-pub type HostStoredHook = Arc<dyn Fn(&[ImmutableBlock]) + Send + Sync>;
+pub type HostStoredHook = Arc<dyn Fn(&[RegisteredBlock]) + Send + Sync>;
 
 /// Per-batch timing, for latency figures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +104,7 @@ pub struct BatchLatency {
 pub struct TransferOutcome {
     /// Onboard: the registered target blocks, in request order (held). Offload: empty (the host
     /// copies are registered and idle, findable by hash).
-    pub blocks: Vec<ImmutableBlock>,
+    pub blocks: Vec<RegisteredBlock>,
     /// Blocks copied and registered.
     pub copied: usize,
     /// Blocks not copied because the target tier already held them or they were already queued.
@@ -121,7 +121,7 @@ pub struct TransferOutcome {
 struct TicketState {
     remaining_batches: usize,
     outcome: TransferOutcome,
-    slots: Vec<Option<ImmutableBlock>>,
+    slots: Vec<Option<RegisteredBlock>>,
 }
 
 #[derive(Debug)]
@@ -183,7 +183,7 @@ impl TransferTicket {
     fn finish_batch(
         &self,
         first_slot: usize,
-        blocks: Vec<ImmutableBlock>,
+        blocks: Vec<RegisteredBlock>,
         latency: BatchLatency,
         error: Option<CoreError>,
     ) {
@@ -291,7 +291,7 @@ impl TransferEngine {
 
     /// Copies registered GPU blocks to the host tier (write-through). Blocks the host tier holds
     /// or that are already on their way are no-ops; blocks without room are skipped and counted.
-    pub fn offload(&self, blocks: &[ImmutableBlock]) -> Result<TransferTicket, CoreError> {
+    pub fn offload(&self, blocks: &[RegisteredBlock]) -> Result<TransferTicket, CoreError> {
         if let Some(b) = blocks.iter().find(|b| b.tier() != Tier::Gpu) {
             return Err(CoreError::InvalidArgument(format!(
                 "offload source {b:?} is not a GPU block"
@@ -352,8 +352,8 @@ impl TransferEngine {
     /// order); each target is registered under its source's identity once its copy completed.
     pub fn onboard(
         &self,
-        sources: Vec<ImmutableBlock>,
-        targets: Vec<MutableBlock>,
+        sources: Vec<RegisteredBlock>,
+        targets: Vec<FillingBlock>,
     ) -> Result<TransferTicket, CoreError> {
         if sources.len() != targets.len() {
             return Err(CoreError::InvalidArgument(format!(
@@ -398,8 +398,8 @@ impl TransferEngine {
         &self,
         state: &mut EngineState,
         direction: Direction,
-        sources: Vec<ImmutableBlock>,
-        targets: Vec<MutableBlock>,
+        sources: Vec<RegisteredBlock>,
+        targets: Vec<FillingBlock>,
         deduplicated: usize,
         skipped: usize,
     ) -> Result<TransferTicket, CoreError> {
@@ -416,7 +416,7 @@ impl TransferEngine {
             return Ok(ticket);
         }
         let hashes: Vec<SequenceHash> = match direction {
-            Direction::DeviceToHost => sources.iter().map(ImmutableBlock::sequence_hash).collect(),
+            Direction::DeviceToHost => sources.iter().map(RegisteredBlock::sequence_hash).collect(),
             Direction::HostToDevice => Vec::new(),
         };
         let pairs = sources
@@ -424,7 +424,7 @@ impl TransferEngine {
             .zip(&targets)
             .map(|(s, t)| (s.id().0, t.id().0))
             .collect();
-        let slots: Vec<Mutex<Option<(ImmutableBlock, MutableBlock)>>> = sources
+        let slots: Vec<Mutex<Option<(RegisteredBlock, FillingBlock)>>> = sources
             .into_iter()
             .zip(targets)
             .map(|p| Mutex::new(Some(p)))
@@ -439,7 +439,7 @@ impl TransferEngine {
             shared: ticket.shared.clone(),
         };
         let on_batch = Box::new(move |done: BatchDone| {
-            let taken: Vec<(ImmutableBlock, MutableBlock)> = slots[done.range.clone()]
+            let taken: Vec<(RegisteredBlock, FillingBlock)> = slots[done.range.clone()]
                 .iter()
                 .filter_map(|s| s.lock().take())
                 .collect();
@@ -472,7 +472,7 @@ fn finish_batch(
     shared: &EngineShared,
     direction: Direction,
     done: BatchDone,
-    pairs: Vec<(ImmutableBlock, MutableBlock)>,
+    pairs: Vec<(RegisteredBlock, FillingBlock)>,
     ticket: &TransferTicket,
 ) {
     let n = pairs.len();
@@ -481,7 +481,7 @@ fn finish_batch(
         latency: done.latency,
     };
     let first_slot = done.range.start;
-    let (sources, targets): (Vec<ImmutableBlock>, Vec<MutableBlock>) = pairs.into_iter().unzip();
+    let (sources, targets): (Vec<RegisteredBlock>, Vec<FillingBlock>) = pairs.into_iter().unzip();
     if direction == Direction::DeviceToHost {
         let mut state = shared.state.lock();
         for s in &sources {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use kvbm_core::{
-    BlockManager, DiskOptions, GpuMemory, ImmutableBlock, LayerShape, ManagerOptions,
+    BlockManager, DiskOptions, GpuMemory, LayerShape, ManagerOptions, RegisteredBlock,
     TransferLimits,
 };
 use kvbm_cuda::Device;
@@ -86,7 +86,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
     m.refresh_host_available();
     let bpb = m.kv().bytes_per_block();
     let mut resident: HashSet<(Tier, SequenceHash)> = HashSet::new();
-    let mut held: Vec<ImmutableBlock> = Vec::new();
+    let mut held: Vec<RegisteredBlock> = Vec::new();
     for op in ops {
         match op {
             Op::Store { prompt, len } => {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvbm_core::{
     decode_identity, encode_identity, Admission, BlockIdentity, BlockManager, DiskOptions,
-    GpuMemory, ImmutableBlock, LayerShape, ManagerOptions, TransferLimits,
+    GpuMemory, LayerShape, ManagerOptions, RegisteredBlock, TransferLimits,
 };
 use kvbm_cuda::Device;
 use kvbm_events::{EventPublisher, KvEvent, SequenceHash, Tier};
@@ -54,7 +54,7 @@ fn disk_manager(dir: &Path, filter_disabled: bool, events: EventPublisher) -> Bl
     m
 }
 
-fn store_on_gpu(m: &BlockManager, tokens: &[u32]) -> (Vec<BlockIdentity>, Vec<ImmutableBlock>) {
+fn store_on_gpu(m: &BlockManager, tokens: &[u32]) -> (Vec<BlockIdentity>, Vec<RegisteredBlock>) {
     let ids = identities(tokens);
     let blocks = fill(m, m.allocate_gpu(ids.len()).unwrap(), &ids);
     let (gpu, ticket) = m.register_gpu_write_through(blocks).unwrap();
@@ -67,7 +67,7 @@ fn hashes(ids: &[BlockIdentity]) -> Vec<SequenceHash> {
     ids.iter().map(|i| i.sequence_hash).collect()
 }
 
-fn check_host_bytes(m: &BlockManager, blocks: &[ImmutableBlock]) {
+fn check_host_bytes(m: &BlockManager, blocks: &[RegisteredBlock]) {
     let bpb = m.kv().bytes_per_block();
     let mut buf = vec![0u8; bpb];
     for b in blocks {

@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashSet;
 
 use common::*;
-use kvbm_core::{BlockManager, ImmutableBlock, LayerShape, TransferLimits};
+use kvbm_core::{BlockManager, LayerShape, RegisteredBlock, TransferLimits};
 use kvbm_events::{SequenceHash, Tier};
 use proptest::prelude::*;
 
@@ -42,7 +42,7 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn check_onboarded(m: &BlockManager, blocks: &[ImmutableBlock]) {
+fn check_onboarded(m: &BlockManager, blocks: &[RegisteredBlock]) {
     let bpb = m.kv().bytes_per_block();
     let mut buf = vec![0u8; bpb];
     for b in blocks {
@@ -70,7 +70,7 @@ fn run(ops: Vec<Op>, shape: LayerShape) {
     );
     let mut sub = m.subscribe(100_000);
     let mut resident: HashSet<(Tier, SequenceHash)> = HashSet::new();
-    let mut held: Vec<ImmutableBlock> = Vec::new();
+    let mut held: Vec<RegisteredBlock> = Vec::new();
     for op in ops {
         match op {
             Op::Store {
@@ -166,7 +166,7 @@ fn concurrent_stress_from_several_threads() {
             s.spawn(move || {
                 use rand::{Rng, SeedableRng};
                 let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ t);
-                let mut held: Vec<ImmutableBlock> = Vec::new();
+                let mut held: Vec<RegisteredBlock> = Vec::new();
                 for _ in 0..150 {
                     let prompt = rng.gen_range(0..6);
                     let len = rng.gen_range(1..4);

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
 use kvbm_core::{
-    BlockIdentity, BlockPool, BlockState, CompleteBlock, HeldBlocks, ImmutableBlock, MutableBlock,
+    BlockIdentity, BlockPool, BlockState, CompleteBlock, FillingBlock, HeldBlocks, RegisteredBlock,
 };
 use kvbm_events::{EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 use proptest::prelude::*;
@@ -226,9 +226,9 @@ fn run(ops: Vec<Op>) {
     let mut sub = events.subscribe(100_000);
     let pool = BlockPool::new(Tier::Host, CAPACITY, 4, Some(events));
     let mut model = Model::new();
-    let mut mutables: Vec<MutableBlock> = Vec::new();
+    let mut mutables: Vec<FillingBlock> = Vec::new();
     let mut completes: Vec<(CompleteBlock, u64)> = Vec::new();
-    let mut immutables: Vec<ImmutableBlock> = Vec::new();
+    let mut immutables: Vec<RegisteredBlock> = Vec::new();
     let mut held_sets: Vec<HeldBlocks> = Vec::new();
     let mut resident: HashSet<u64> = HashSet::new();
 

@@ -10,9 +10,9 @@
 //! (a fully contiguous layout, 4 KiB-aligned strides, the store's payload area no larger than the
 //! block's). The region is moved into each I/O's keep-alive, so it outlives the I/O, and the disk
 //! tier keeps a clone for as long as the store (and its registration of the region) lives. The
-//! block states keep everyone else off those bytes: a write's source is an `ImmutableBlock`
+//! block states keep everyone else off those bytes: a write's source is an `RegisteredBlock`
 //! (registered, never written, never evicted while held; its header room is written only by the
-//! one disk write of that hash at a time), and a read's target is a `MutableBlock` (owned by this
+//! one disk write of that hash at a time), and a read's target is a `FillingBlock` (owned by this
 //! read alone). The worker's ordering rules (see `crate::worker`) give the same exclusivity to the
 //! block ids of a plan: a host block is never written by a copy or a disk read while a disk write
 //! reads it, nor read while a disk read writes it. Every id is checked against the host layout and
@@ -26,7 +26,7 @@ use kvbm_disk::{
 };
 
 use crate::layout::{BlockLayout, HEADER_ROOM_BYTES};
-use crate::pool::{ImmutableBlock, MutableBlock};
+use crate::pool::{FillingBlock, RegisteredBlock};
 
 /// A store and a host layout fit when every block's payload area and its header room fit in the
 /// host stride; nothing is read or written otherwise.
@@ -60,7 +60,7 @@ pub(crate) fn write_host_blocks(
     store: &DiskStore,
     host_layout: &BlockLayout,
     host_region: &HostRegion,
-    items: &[(&ImmutableBlock, u32, Vec<u8>)],
+    items: &[(&RegisteredBlock, u32, Vec<u8>)],
 ) -> Result<Vec<WriteOutcome>, DiskError> {
     let ids: Vec<HostWrite<'_>> = items
         .iter()
@@ -134,7 +134,7 @@ pub(crate) fn read_into_host_blocks(
     store: &DiskStore,
     host_layout: &BlockLayout,
     host_region: &HostRegion,
-    items: &[(u32, u64, &MutableBlock)],
+    items: &[(u32, u64, &FillingBlock)],
 ) -> Result<Vec<Lookup>, DiskError> {
     let ids: Vec<(u32, u64, u32)> = items
         .iter()

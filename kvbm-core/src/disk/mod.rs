@@ -27,7 +27,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::layout::{BlockLayout, KvLayout};
 use crate::metrics::{add, Metrics};
-use crate::pool::{BlockId, BlockIdentity, BlockPool, ImmutableBlock};
+use crate::pool::{BlockId, BlockIdentity, BlockPool, RegisteredBlock};
 use crate::CoreError;
 
 /// A block is admitted to disk when its decayed sighting count reaches this: a second sighting
@@ -237,7 +237,7 @@ struct DiskShared {
 /// The disk tier and its writer thread.
 pub struct DiskTier {
     shared: Arc<DiskShared>,
-    sender: Option<Sender<Vec<ImmutableBlock>>>,
+    sender: Option<Sender<Vec<RegisteredBlock>>>,
     writer: Option<JoinHandle<()>>,
 }
 
@@ -321,7 +321,7 @@ impl DiskTier {
         // first writes go without fixed buffers rather than wait for the whole pool.
         handoff::register_in_background(Arc::downgrade(&shared), "kvbm-disk-register")
             .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
-        let (sender, receiver) = crossbeam_channel::bounded::<Vec<ImmutableBlock>>(DISK_QUEUE_MAX);
+        let (sender, receiver) = crossbeam_channel::bounded::<Vec<RegisteredBlock>>(DISK_QUEUE_MAX);
         let worker_shared = shared.clone();
         let writer = std::thread::Builder::new()
             .name("kvbm-disk-writer".into())
@@ -350,7 +350,7 @@ impl DiskTier {
 
     /// Sightings of host blocks: each admitted one that is not on disk yet is held and queued for
     /// writing. Never blocks: a full queue skips the batch (counted).
-    pub fn consider(&self, host_blocks: &[ImmutableBlock], now: Instant) {
+    pub fn consider(&self, host_blocks: &[RegisteredBlock], now: Instant) {
         let mut admitted = Vec::new();
         {
             let mut admission = self.shared.admission.lock();
@@ -407,8 +407,8 @@ impl DiskTier {
     /// discarded from the disk tier and ends the prefix.
     pub fn onboard_to_host(
         &self,
-        disk_blocks: Vec<ImmutableBlock>,
-    ) -> Result<Vec<ImmutableBlock>, CoreError> {
+        disk_blocks: Vec<RegisteredBlock>,
+    ) -> Result<Vec<RegisteredBlock>, CoreError> {
         let shared = &self.shared;
         if let Some(b) = disk_blocks.iter().find(|b| b.tier() != Tier::Disk) {
             return Err(CoreError::InvalidArgument(format!(
@@ -417,7 +417,7 @@ impl DiskTier {
         }
         let targets = shared.host_pool.allocate_up_to(disk_blocks.len());
         let n = targets.len();
-        let items: Vec<(u32, u64, &crate::pool::MutableBlock)> = disk_blocks
+        let items: Vec<(u32, u64, &crate::pool::FillingBlock)> = disk_blocks
             .iter()
             .zip(&targets)
             .map(|(d, t)| (d.id().0, d.sequence_hash().0, t))
@@ -454,16 +454,16 @@ impl DiskTier {
 
 impl DiskShared {
     /// Writes admitted host blocks to free (or evicted) disk slots and registers them there.
-    fn write_batch(&self, host_blocks: Vec<ImmutableBlock>) {
+    fn write_batch(&self, host_blocks: Vec<RegisteredBlock>) {
         let slots = self.pool.allocate_up_to(host_blocks.len());
         let skipped = host_blocks.len() - slots.len();
         add(&self.metrics.offload_skipped_blocks, skipped as u64);
         let identities: Vec<BlockIdentity> = host_blocks
             .iter()
             .take(slots.len())
-            .map(ImmutableBlock::identity)
+            .map(RegisteredBlock::identity)
             .collect();
-        let items: Vec<(&ImmutableBlock, u32, Vec<u8>)> = host_blocks
+        let items: Vec<(&RegisteredBlock, u32, Vec<u8>)> = host_blocks
             .iter()
             .zip(&slots)
             .zip(&identities)
@@ -500,10 +500,10 @@ impl DiskShared {
 
     /// The batch is done (written, failed or skipped): its host blocks are released *before*
     /// anyone waiting for idleness is told, and its hashes may be admitted again.
-    fn finish(&self, host_blocks: Vec<ImmutableBlock>) {
+    fn finish(&self, host_blocks: Vec<RegisteredBlock>) {
         let hashes: Vec<SequenceHash> = host_blocks
             .iter()
-            .map(ImmutableBlock::sequence_hash)
+            .map(RegisteredBlock::sequence_hash)
             .collect();
         drop(host_blocks);
         {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvbm_core::{
-    BlockIdentity, BlockManager, BlockPool, CompleteBlock, GpuMemory, KvLayout, LayerShape,
-    ManagerOptions, MutableBlock, TransferLimits,
+    BlockIdentity, BlockManager, BlockPool, CompleteBlock, FillingBlock, GpuMemory, KvLayout,
+    LayerShape, ManagerOptions, TransferLimits,
 };
 use kvbm_cuda::Device;
 use kvbm_events::{BlockHasher, EventSubscriber, KvEvent, SequenceHash, Tier};
@@ -80,7 +80,7 @@ pub fn block_bytes(hash: SequenceHash, len: usize) -> Vec<u8> {
 /// Writes each block's bytes and completes it.
 pub fn fill(
     m: &BlockManager,
-    blocks: Vec<MutableBlock>,
+    blocks: Vec<FillingBlock>,
     ids: &[BlockIdentity],
 ) -> Vec<CompleteBlock> {
     blocks
