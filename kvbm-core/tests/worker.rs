@@ -415,3 +415,70 @@ fn a_request_is_finished_offloading_only_when_no_offload_of_it_is_in_flight() {
     r.worker.wait_offloads();
     assert_eq!(r.worker.report(&[]).finished_offloading, vec![q]);
 }
+
+#[test]
+fn a_failed_copy_fails_exactly_its_blocks_and_is_never_served() {
+    // The worker is handed only the first half of the engine's KV cache (BLNHC: blocks 0..4),
+    // so every copy touching a block of the second half is refused by the stream, as a real DMA
+    // fault fails its batch; one block a batch here, so exactly those blocks fail.
+    let device = Device::emulated();
+    let kv = kv();
+    let gpu_layout = GpuLayout::Paged {
+        layout: "BLNHC".parse::<PhysicalLayout>().unwrap(),
+        num_heads: 2,
+    };
+    let blocks = 8;
+    let [bytes] = gpu_layout.allocation_bytes(&kv, blocks)[..] else {
+        panic!("one allocation")
+    };
+    let gpu = device.alloc_gpu(bytes).unwrap();
+    let layout = gpu_layout.place(kv, blocks, &[gpu.addr()]).unwrap();
+    #[allow(unsafe_code)]
+    // SAFETY: the span is the first half of `gpu`, which outlives the worker (dropped last).
+    let half = unsafe { Worker::register_spans(&device, &[(gpu.addr(), bytes / 2)], 0) }.unwrap();
+    let metrics = Arc::new(Metrics::default());
+    let mut worker = Worker::new(
+        device,
+        kv,
+        layout,
+        half,
+        WorkerOptions {
+            host_blocks: 4,
+            limits: kvbm_core::TransferLimits {
+                batch_blocks_max: 1,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+        metrics.clone(),
+    )
+    .unwrap();
+    assert!(worker.wait_host_ready(std::time::Duration::from_secs(30)));
+    let mut noise = vec![0u8; bytes];
+    rand::rngs::SmallRng::seed_from_u64(3).fill_bytes(&mut noise);
+    gpu.write(0, &noise).unwrap();
+    let block_bytes = bytes / blocks;
+    let block = |b: usize| {
+        let mut out = vec![0u8; block_bytes];
+        gpu.read(b * block_bytes, &mut out).unwrap();
+        out
+    };
+    // Block 1 offloads; block 6's offload fails: its host block is bad and reported.
+    worker
+        .offload(&[(1, 0), (6, 1)], &["r".to_string()])
+        .unwrap();
+    worker.wait_offloads();
+    let report = worker.report(&["r".to_string()]);
+    assert_eq!(report.finished_offloading, vec!["r".to_string()]);
+    assert_eq!(report.bad_host_blocks, vec![1]);
+    // Onboards: host 0 -> GPU 2 works; host 0 -> GPU 7 fails its copy; host 1 (bad) -> GPU 3 is
+    // never copied. Exactly GPU 3 and 7 are reported, and GPU 3 keeps what it held.
+    let (one, three) = (block(1), block(3));
+    worker.onboard(&[(0, 2), (0, 7), (1, 3)]).unwrap();
+    worker.wait_onboards().unwrap();
+    assert_eq!(worker.take_failed(), vec![3, 7]);
+    assert_eq!(block(2), one, "the good copy is served");
+    assert_eq!(block(3), three, "nothing is copied from a bad host block");
+    assert_eq!(metrics.snapshot().transfer_errors, 2);
+    drop(worker);
+}
