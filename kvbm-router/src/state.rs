@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::Receiver;
+use crossbeam_channel::{Receiver, Sender};
 use kvbm_events::router::{
     select, Candidate, KvIndex, LoadTracker, Overlap, WorkerKey, WorkerLoad,
 };
@@ -171,9 +171,21 @@ struct LoadTrack {
     last_expiry: Instant,
 }
 
+/// What the pump is asked to do besides applying events: forget a worker's blocks (in order
+/// with the events, so that the pump stays the index's one writer), then say so.
+struct Forget {
+    worker: WorkerKey,
+    done: Sender<()>,
+}
+
+/// Forget requests queued for the pump at most (unregistering callers wait their turn).
+const FORGET_QUEUE_MAX: usize = 64;
+
 /// The router: owns the subscriber and the pump thread; cheap to share through an `Arc`.
 pub struct Router {
     shared: Arc<Shared>,
+    /// Requests to the pump to drop a worker's blocks.
+    forget: Sender<Forget>,
     /// `Some` until dropped.
     subscriber: Option<ZmqSubscriber>,
     pump: Option<JoinHandle<()>>,
@@ -214,10 +226,11 @@ impl Router {
         // they drop show up as sequence gaps, filled by replay.
         let (sink, events) = crossbeam_channel::bounded(ROUTER_EVENT_QUEUE_MAX);
         let subscriber = ZmqSubscriber::start(Vec::new(), sink)?;
+        let (forget, forgets) = crossbeam_channel::bounded(FORGET_QUEUE_MAX);
         let pump_shared = shared.clone();
         let pump = std::thread::Builder::new()
             .name("kvbm-router-pump".into())
-            .spawn(move || pump_loop(&pump_shared, &events))
+            .spawn(move || pump_loop(&pump_shared, &events, &forgets))
             .map_err(|e| TransportError::Zmq {
                 call: "spawn",
                 endpoint: String::new(),
@@ -225,6 +238,7 @@ impl Router {
             })?;
         let router = Self {
             shared,
+            forget,
             subscriber: Some(subscriber),
             pump: Some(pump),
         };
@@ -285,10 +299,14 @@ impl Router {
     }
 
     /// Stops following a worker and forgets its blocks and load. False if it was not registered.
+    /// Returns once the pump (the index's one writer) dropped the worker's blocks.
     pub fn unregister(&self, key: WorkerKey) -> bool {
         self.subscriber().remove(key);
         let known = self.shared.workers.lock().remove(&key).is_some();
-        self.shared.index.write().remove_worker(key);
+        let (done, dropped) = crossbeam_channel::bounded(1);
+        if self.forget.send(Forget { worker: key, done }).is_ok() {
+            let _ = dropped.recv();
+        }
         self.shared.load.lock().tracker.drop_worker(key);
         self.shared
             .metrics
@@ -516,9 +534,29 @@ fn event_type(event: &WireEvent) -> &'static str {
     }
 }
 
-fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>) {
+/// The one writer of the index: applies the subscriber's events and the forget requests of
+/// `unregister`, in the order they arrive; ends when the subscriber is gone.
+fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Receiver<Forget>) {
     let m = &shared.metrics;
-    while let Ok(event) = events.recv() {
+    loop {
+        let event = crossbeam_channel::select! {
+            recv(events) -> event => match event {
+                Ok(event) => event,
+                Err(_) => return,
+            },
+            recv(forgets) -> forget => match forget {
+                Ok(Forget { worker, done }) => {
+                    shared.index.write().remove_worker(worker);
+                    let _ = done.send(());
+                    continue;
+                }
+                // The router is going: only events are left to drain.
+                Err(_) => match events.recv() {
+                    Ok(event) => event,
+                    Err(_) => return,
+                },
+            },
+        };
         let worker = match &event {
             SubscriberEvent::Batch { worker, .. }
             | SubscriberEvent::Undecodable { worker, .. }
