@@ -1361,14 +1361,9 @@ fn open_disk(
         .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
     let (jobs, receiver) = crossbeam_channel::bounded::<WriteJob>(DISK_WRITES_QUEUED_MAX / 64);
     let writer = shared.clone();
-    let thread = std::thread::Builder::new()
-        .name("kvbm-worker-disk".into())
-        .spawn(move || {
-            for job in receiver {
-                writer.write_job(job);
-            }
-        })
-        .map_err(|e| CoreError::Disk(format!("cannot start the disk writer: {e}")))?;
+    let thread = crate::disk::spawn_writer("kvbm-worker-disk", receiver, move |job| {
+        writer.write_job(job)
+    })?;
     Ok(DiskSide {
         shared,
         jobs: Some(jobs),

@@ -179,6 +179,22 @@ pub fn decode_identity(hash: SequenceHash, bytes: &[u8]) -> Option<BlockIdentity
     })
 }
 
+/// Starts the thread that takes `receiver`'s jobs one at a time until every sender is gone.
+pub(crate) fn spawn_writer<T: Send + 'static>(
+    name: &str,
+    receiver: crossbeam_channel::Receiver<T>,
+    mut run: impl FnMut(T) + Send + 'static,
+) -> Result<JoinHandle<()>, CoreError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            for job in receiver {
+                run(job);
+            }
+        })
+        .map_err(|e| CoreError::Disk(format!("cannot start {name}: {e}")))
+}
+
 /// The store options of a disk tier for blocks of `kv` in the order `geometry_id` names.
 pub(crate) fn store_options(options: &DiskOptions, kv: KvLayout, geometry_id: u64) -> StoreOptions {
     StoreOptions {
@@ -323,14 +339,9 @@ impl DiskTier {
             .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
         let (sender, receiver) = crossbeam_channel::bounded::<Vec<RegisteredBlock>>(DISK_QUEUE_MAX);
         let worker_shared = shared.clone();
-        let writer = std::thread::Builder::new()
-            .name("kvbm-disk-writer".into())
-            .spawn(move || {
-                for batch in receiver {
-                    worker_shared.write_batch(batch);
-                }
-            })
-            .map_err(|e| CoreError::Disk(format!("cannot start the disk writer: {e}")))?;
+        let writer = spawn_writer("kvbm-disk-writer", receiver, move |batch| {
+            worker_shared.write_batch(batch)
+        })?;
         Ok(Self {
             shared,
             sender: Some(sender),
