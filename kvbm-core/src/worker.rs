@@ -1357,7 +1357,8 @@ fn open_disk(
         registered: Mutex::new(None),
         bad: bad.clone(),
     });
-    handoff::register_in_background(Arc::downgrade(&shared), "kvbm-worker-disk-register")
+    let region = shared.host_region.clone();
+    handoff::register_in_background(Arc::downgrade(&shared), region, "kvbm-worker-disk-register")
         .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
     let (jobs, receiver) = crossbeam_channel::bounded::<WriteJob>(DISK_WRITES_QUEUED_MAX / 64);
     let writer = shared.clone();

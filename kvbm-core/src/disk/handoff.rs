@@ -207,18 +207,23 @@ pub(crate) trait PinnedPool: Send + Sync + 'static {
 }
 
 /// Registers the owner's host region with its store once the region is fully pinned, on a
-/// background thread that does not keep the owner alive: the first I/Os go without fixed
-/// buffers rather than wait for the whole pool.
+/// background thread that does not keep the owner alive while it waits (so that dropping the
+/// owner closes its store, and releases its file lock, at once): the first I/Os go without
+/// fixed buffers rather than wait for the whole pool.
 pub(crate) fn register_in_background<T: PinnedPool>(
     weak: std::sync::Weak<T>,
+    region: HostRegion,
     name: &str,
 ) -> std::io::Result<()> {
     std::thread::Builder::new()
         .name(name.into())
         .spawn(move || loop {
-            let Some(owner) = weak.upgrade() else { return };
-            let (store, layout, region) = owner.parts();
+            if weak.strong_count() == 0 {
+                return;
+            }
             if region.wait_ready(region.len(), std::time::Duration::from_millis(100)) {
+                let Some(owner) = weak.upgrade() else { return };
+                let (store, layout, region) = owner.parts();
                 let ok = match register_host_region(store, layout, region) {
                     Ok(()) => {
                         tracing::info!(

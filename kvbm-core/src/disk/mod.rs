@@ -335,7 +335,8 @@ impl DiskTier {
         });
         // Register the host region with io_uring once it is fully pinned, in the background: the
         // first writes go without fixed buffers rather than wait for the whole pool.
-        handoff::register_in_background(Arc::downgrade(&shared), "kvbm-disk-register")
+        let region = shared.host_region.clone();
+        handoff::register_in_background(Arc::downgrade(&shared), region, "kvbm-disk-register")
             .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
         let (sender, receiver) = crossbeam_channel::bounded::<Vec<RegisteredBlock>>(DISK_QUEUE_MAX);
         let worker_shared = shared.clone();
