@@ -22,6 +22,7 @@ pub mod manager;
 pub mod metrics;
 pub mod plan;
 pub mod pool;
+pub mod requests;
 pub mod transfer;
 pub mod worker;
 

@@ -187,3 +187,212 @@ fn blocks_a_worker_reports_bad_leave_the_registry_at_once_even_while_held() {
     let c = leader.counts();
     assert_eq!((c.host.registered, c.host.discarded), (2, 0));
 }
+
+mod requests {
+    use kvbm_core::requests::{Requests, Scheduled};
+    use kvbm_core::Leader;
+
+    use super::B;
+
+    fn tokens(first: u32, n: usize) -> Vec<u32> {
+        (first..first + n as u32).collect()
+    }
+
+    /// One step: the scheduled requests, then the tokens of the spans asked for.
+    fn step(
+        req: &mut Requests,
+        leader: &mut Leader,
+        scheduled: Vec<Scheduled>,
+        work: &[(String, usize, Vec<u32>)],
+    ) -> kvbm_core::StepPlan {
+        let w: Vec<(String, usize, usize)> = work
+            .iter()
+            .map(|(r, n, t)| (r.clone(), *n, t.len()))
+            .collect();
+        let spans = req.schedule(scheduled, &w);
+        let toks = spans
+            .iter()
+            .map(|s| work[s.index].2[s.first_token..s.end_token].to_vec())
+            .collect();
+        req.offload_spans(leader, toks).unwrap();
+        leader.take_plan(vec![]).unwrap()
+    }
+
+    #[test]
+    fn requests_offload_as_blocks_complete_and_match_later_prompts() {
+        let mut leader = Leader::new(B, 16, 0, false).unwrap();
+        let mut req = Requests::new(B);
+        // A: a 10-token prompt in GPU blocks 0..3, prefilled in one step: 2 full blocks.
+        let a = tokens(100, 10);
+        assert_eq!(
+            req.match_prefix(&leader, "a", &a[..8], 0, 10, None, None)
+                .unwrap(),
+            (0, false)
+        );
+        assert!(!req.allocated(&mut leader, "a", vec![0, 1, 2], 0).unwrap());
+        let plan = step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::New {
+                request: "a".into(),
+                block_ids: vec![0, 1, 2],
+                computed: 0,
+                lora: None,
+                salt: None,
+            }],
+            &[("a".into(), 10, a.clone())],
+        );
+        assert_eq!(plan.offloads.len(), 1);
+        assert_eq!(
+            plan.offloads[0]
+                .pairs
+                .iter()
+                .map(|p| p.0)
+                .collect::<Vec<_>>(),
+            vec![0, 1]
+        );
+        // Two decode steps: the third block completes at token 12, offloaded once.
+        let mut a2 = a.clone();
+        a2.extend([7, 8]);
+        let plan = step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::Cached {
+                request: "a".into(),
+                new_block_ids: None,
+                resumed: false,
+                computed: 10,
+            }],
+            &[("a".into(), 2, a2.clone())],
+        );
+        assert_eq!(
+            plan.offloads[0].pairs,
+            vec![(2, plan.offloads[0].pairs[0].1)]
+        );
+        assert!(
+            req.finished("a"),
+            "it offloaded: vLLM waits for finished_sending"
+        );
+        req.connector_output(&mut leader, &[], &["a".to_string()]);
+        assert!(req.tracked().is_empty());
+        // B shares A's first 12 tokens: 3 blocks match (not the block of its last token).
+        let mut b = a2[..12].to_vec();
+        b.extend([1, 2, 3]);
+        assert_eq!(
+            req.match_prefix(&leader, "b", &b[..12], 0, 15, None, None)
+                .unwrap(),
+            (12, false)
+        );
+        assert!(!req
+            .allocated(&mut leader, "b", vec![5, 6, 7, 8], 12)
+            .unwrap());
+        let plan = leader.take_plan(vec![]).unwrap();
+        assert_eq!(
+            plan.onboards[0]
+                .pairs
+                .iter()
+                .map(|p| p.1)
+                .collect::<Vec<_>>(),
+            vec![5, 6, 7]
+        );
+        // A request that never offloaded is forgotten at once.
+        assert!(!req.finished("b"));
+        assert!(req.tracked().is_empty());
+    }
+
+    #[test]
+    fn unbacked_blocks_are_not_offloaded_until_vllm_recomputes_them() {
+        let mut leader = Leader::new(B, 4, 0, false).unwrap();
+        let mut req = Requests::new(B);
+        let a = tokens(0, 13);
+        req.match_prefix(&leader, "a", &a[..12], 0, 13, None, None)
+            .unwrap();
+        req.allocated(&mut leader, "a", vec![0, 1, 2, 3], 0)
+            .unwrap();
+        step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::New {
+                request: "a".into(),
+                block_ids: vec![0, 1, 2, 3],
+                computed: 0,
+                lora: None,
+                salt: None,
+            }],
+            &[("a".into(), 13, a.clone())],
+        );
+        for _ in 0..3 {
+            leader.take_plan(vec![]).unwrap();
+        }
+        // B matches all 3; A's blocks are evicted before B's allocation (4 new blocks fill the
+        // tier), so the onboard backs none of them: B's blocks from 0 on are unbacked.
+        let (found, _) = req
+            .match_prefix(&leader, "b", &a[..12], 0, 13, None, None)
+            .unwrap();
+        assert_eq!(found, 12);
+        let other = tokens(1000, 16);
+        req.match_prefix(&leader, "x", &other[..12], 0, 16, None, None)
+            .unwrap();
+        step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::New {
+                request: "x".into(),
+                block_ids: vec![20, 21, 22, 23],
+                computed: 0,
+                lora: None,
+                salt: None,
+            }],
+            &[("x".into(), 16, other)],
+        );
+        req.allocated(&mut leader, "b", vec![8, 9, 10, 11], 12)
+            .unwrap();
+        let plan = leader.take_plan(vec![]).unwrap();
+        assert_eq!(
+            plan.load_errors.len(),
+            3 - plan.onboards.iter().map(|o| o.pairs.len()).sum::<usize>()
+        );
+        let backed: usize = plan.onboards.iter().map(|o| o.pairs.len()).sum();
+        assert!(backed < 3, "something was evicted");
+        // vLLM still counts the unbacked blocks computed: nothing from there is offloaded.
+        let plan = step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::New {
+                request: "b".into(),
+                block_ids: vec![8, 9, 10, 11],
+                computed: 12,
+                lora: None,
+                salt: None,
+            }],
+            &[("b".into(), 1, a.clone())],
+        );
+        let offloaded: Vec<u32> = plan
+            .offloads
+            .iter()
+            .flat_map(|o| o.pairs.iter().map(|p| p.0))
+            .collect();
+        assert!(
+            offloaded.iter().all(|&g| (g as usize) < 8 + backed),
+            "{offloaded:?}"
+        );
+        // vLLM rolled back to the first unbacked block and recomputes: offloaded as it fills.
+        let plan = step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::Cached {
+                request: "b".into(),
+                new_block_ids: None,
+                resumed: false,
+                computed: backed * B,
+            }],
+            &[("b".into(), 13 - backed * B, a.clone())],
+        );
+        let offloaded: Vec<u32> = plan
+            .offloads
+            .iter()
+            .flat_map(|o| o.pairs.iter().map(|p| p.0))
+            .collect();
+        assert_eq!(offloaded, (8 + backed as u32..11).collect::<Vec<_>>());
+    }
+}

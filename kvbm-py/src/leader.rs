@@ -3,6 +3,7 @@
 //! through `core_err`, hashing without the GIL.
 
 use kvbm_core::leader::{self as core, OffloadBlock, TokenRun};
+use kvbm_core::requests::{Requests, Scheduled};
 use kvbm_core::{KvEvent, Tier};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -41,6 +42,11 @@ type OffloadRunTuple = (
     Vec<u32>,
 );
 
+/// A new request: (id, GPU block ids, computed tokens, LoRA name, cache salt).
+type NewTuple = (String, Vec<u32>, usize, Option<String>, Option<String>);
+/// A cached request: (id, new GPU block ids or None, resumed, computed tokens).
+type CachedTuple = (String, Option<Vec<u32>>, bool, usize);
+
 /// Per request: (the blocks' sequence hashes, the host block per block or None).
 type OffloadedTuple = (Vec<u64>, Vec<Option<u32>>);
 
@@ -48,6 +54,8 @@ type OffloadedTuple = (Vec<u64>, Vec<Option<u32>>);
 #[pyclass(module = "kvbm._kvbm")]
 pub struct Leader {
     inner: core::Leader,
+    /// The per-request bookkeeping of vLLM's scheduler side.
+    requests: Requests,
 }
 
 impl std::fmt::Debug for Leader {
@@ -71,7 +79,10 @@ impl Leader {
     ) -> PyResult<Self> {
         guard(|| {
             core::Leader::new(block_size, host_blocks, disk_blocks, disk_filter_disabled)
-                .map(|inner| Self { inner })
+                .map(|inner| Self {
+                    inner,
+                    requests: Requests::new(block_size),
+                })
                 .map_err(core_err)
         })
     }
@@ -253,6 +264,124 @@ impl Leader {
             let plan = self.inner.take_plan(preempted).map_err(core_err)?;
             Ok(crate::worker::plan_bytes(py, &plan))
         })
+    }
+
+    // -- vLLM's scheduler side, per request ---------------------------------------------------
+
+    /// Blocks of `request` already hashed: `match_request` takes the tokens after them.
+    fn hashed_blocks(&self, request: &str) -> usize {
+        self.requests.hashed_blocks(request)
+    }
+
+    /// `get_num_new_matched_tokens`: `new_tokens` are the request's tokens after its hashed
+    /// blocks (whole blocks, up to the block of its last token). Returns (tokens found on host
+    /// and disk after `num_computed`, asynchronous).
+    #[pyo3(signature = (request, new_tokens, num_computed, num_tokens, lora_name=None, cache_salt=None))]
+    fn match_request(
+        &mut self,
+        request: &str,
+        new_tokens: Vec<u32>,
+        num_computed: usize,
+        num_tokens: usize,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> PyResult<(usize, bool)> {
+        guard(|| {
+            self.requests
+                .match_prefix(
+                    &self.inner,
+                    request,
+                    &new_tokens,
+                    num_computed,
+                    num_tokens,
+                    lora_name,
+                    cache_salt,
+                )
+                .map_err(core_err)
+        })
+    }
+
+    /// `update_state_after_alloc`: the request's GPU block ids and the external tokens vLLM
+    /// granted; plans the onboard of its match. Returns whether it is asynchronous.
+    fn allocated(
+        &mut self,
+        request: &str,
+        block_ids: Vec<u32>,
+        num_external_tokens: usize,
+    ) -> PyResult<bool> {
+        guard(|| {
+            self.requests
+                .allocated(&mut self.inner, request, block_ids, num_external_tokens)
+                .map_err(core_err)
+        })
+    }
+
+    /// `build_connector_meta`, first half: the scheduler's new requests ((id, block ids,
+    /// computed tokens, LoRA, salt)) and cached ones ((id, new block ids or None, resumed,
+    /// computed tokens)), and per scheduled request (id, scheduled tokens, its token count).
+    /// Returns the spans (index into `work`, first token, end token) whose tokens
+    /// `offload_spans` takes, in that order.
+    fn schedule(
+        &mut self,
+        new: Vec<NewTuple>,
+        cached: Vec<CachedTuple>,
+        work: Vec<(String, usize, usize)>,
+    ) -> PyResult<Vec<(usize, usize, usize)>> {
+        guard(|| {
+            let mut scheduled: Vec<Scheduled> = new
+                .into_iter()
+                .map(
+                    |(request, block_ids, computed, lora, salt)| Scheduled::New {
+                        request,
+                        block_ids,
+                        computed,
+                        lora,
+                        salt,
+                    },
+                )
+                .collect();
+            scheduled.extend(cached.into_iter().map(
+                |(request, new_block_ids, resumed, computed)| Scheduled::Cached {
+                    request,
+                    new_block_ids,
+                    resumed,
+                    computed,
+                },
+            ));
+            Ok(self
+                .requests
+                .schedule(scheduled, &work)
+                .into_iter()
+                .map(|s| (s.index, s.first_token, s.end_token))
+                .collect())
+        })
+    }
+
+    /// `build_connector_meta`, second half: the tokens of each span `schedule` returned.
+    /// Hashing and registration run without the GIL.
+    fn offload_spans(&mut self, py: Python<'_>, tokens: Vec<Vec<u32>>) -> PyResult<()> {
+        guard(|| {
+            let (requests, inner) = (&mut self.requests, &mut self.inner);
+            py.allow_threads(|| requests.offload_spans(inner, tokens))
+                .map_err(core_err)
+        })
+    }
+
+    /// `request_finished`: True when vLLM must keep the request's blocks until the workers
+    /// report it.
+    fn request_finished(&mut self, request: &str) -> bool {
+        self.requests.finished(request)
+    }
+
+    /// `update_connector_output`: asynchronous onboards that ended, finished offloads.
+    fn connector_output(&mut self, finished_recving: Vec<String>, finished_sending: Vec<String>) {
+        self.requests
+            .connector_output(&mut self.inner, &finished_recving, &finished_sending);
+    }
+
+    /// The requests tracked (finished ones wait for their workers).
+    fn tracked_requests(&self) -> Vec<String> {
+        self.requests.tracked()
     }
 
     /// kvbm-core's counters of this leader, under Dynamo's metric names.

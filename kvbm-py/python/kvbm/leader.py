@@ -2,25 +2,30 @@
 
 :class:`KvbmLeader` follows vLLM's scheduler through the connector contract (see
 ``DynamoConnector``) using only the attributes it reads from vLLM's objects, so tests can drive
-it with plain stand-ins.
+it with plain stand-ins. It only converts: the per-request bookkeeping (GPU block ids, computed
+tokens, hashes, how far each request is offloaded, its match, its holds), the tiers, the
+registry and the step's plan are kvbm-core's (``kvbm_core::requests``, ``kvbm_core::leader``);
+Python keeps each request object for its tokens and hands over only the tokens of the blocks
+kvbm-core asks for.
 
 What it does each step:
 
 - ``get_num_new_matched_tokens``: counts the prompt's full blocks, after vLLM's own GPU prefix
   hit, that the host tier holds and then those continuing on disk, stopping at the first miss
-  and never covering the whole prompt (vLLM must compute at least one token). No side effects.
+  and never covering the whole prompt (vLLM must compute at least one token).
 - ``update_state_after_alloc``: holds the matched host and disk blocks and pairs them with the
   GPU blocks vLLM allocated (disk blocks through staging host blocks). A match held in host
-  memory only is loaded synchronously within the worker's step (answered with async False); one
-  that reaches the disk tier is loaded asynchronously (async True): the worker reads the disk and
-  copies in the background, vLLM holds the request until the workers report it in
+  memory only is onboarded synchronously within the worker's step (answered with async False);
+  one that reaches the disk tier is onboarded asynchronously (async True): the worker reads the
+  disk and copies in the background, vLLM holds the request until the workers report it in
   ``finished_recving``, and its blocks stay held until then.
 - ``build_connector_meta``: for every scheduled request, the blocks that become complete in this
   step are registered in the host tier (write-through offload) and paired with their GPU blocks
-  for the workers to save; host blocks admitted to disk (seen twice) get a disk block to be
-  written to.
-- ``request_finished``: True when the request had saves, which the workers then report in
-  ``finished_sending`` once they completed; until then vLLM keeps its GPU blocks.
+  for the workers to offload; host blocks admitted to disk (seen twice) get a disk block to be
+  written to. The plan goes to the workers as bytes.
+- ``request_finished``: True when offloads of the request were planned (the workers report it in
+  ``finished_sending`` once they completed) or its asynchronous onboard still runs (reported in
+  ``finished_recving``); until then vLLM keeps its GPU blocks.
 """
 
 from __future__ import annotations
@@ -34,42 +39,6 @@ from .metadata import KvbmConnectorMetadata
 from .metrics import Metrics, global_metrics
 
 log = logging.getLogger("kvbm")
-
-
-class _Request:
-    """What the leader tracks of one request."""
-
-    __slots__ = (
-        "request",
-        "block_ids",
-        "computed",
-        "hashes",
-        "offloaded_blocks",
-        "had_offloads",
-        "match",
-        "lora",
-        "salt",
-        "finished",
-        "unbacked_from",
-    )
-
-    def __init__(self, request: Any) -> None:
-        self.request = request
-        self.block_ids: List[int] = []
-        self.computed = 0
-        self.hashes: List[int] = []
-        # Blocks (from the first) already in the host tier or offloaded.
-        self.offloaded_blocks = 0
-        self.had_offloads = False
-        self.match: Optional[Tuple[int, int]] = None
-        lora = getattr(request, "lora_request", None)
-        self.lora = getattr(lora, "lora_name", None) if lora is not None else None
-        self.salt = getattr(request, "cache_salt", None)
-        self.finished = False
-        # The first block vLLM counts as computed that the leader could not back (a load error):
-        # its GPU bytes are garbage until vLLM recomputes it, so nothing from it on is offloaded
-        # while vLLM still counts it computed.
-        self.unbacked_from: Optional[int] = None
 
 
 def _tokens(request: Any):
@@ -108,151 +77,83 @@ class KvbmLeader:
         )
         self._metrics = metrics or global_metrics()
         self._metrics.set("kvbm_host_blocks_capacity", host_blocks)
-        self._requests: Dict[str, _Request] = {}
-        self._onboarding: set = set()
+        # The request objects (or vLLM's NewRequestData), for their tokens: kvbm-core's leader
+        # keeps everything else of a request (block ids, computed tokens, hashes, offloads).
+        self._objs: Dict[str, Any] = {}
         self._step = 0
 
     # -- helpers --------------------------------------------------------------------------
 
     @property
     def native(self) -> "_kvbm.Leader":
-        """The native host tier (counts, registered hashes)."""
+        """The native leader (tiers, registry, per-request bookkeeping)."""
         return self._native
-
-    def _state(self, request: Any) -> _Request:
-        rid = request.request_id
-        st = self._requests.get(rid)
-        if st is None:
-            st = _Request(request)
-            self._requests[rid] = st
-        else:
-            st.request = request
-        return st
-
-    def _hashes(self, st: _Request, blocks: int) -> List[int]:
-        """Sequence hashes of the request's first ``blocks`` full blocks (computed once)."""
-        have = len(st.hashes)
-        if blocks > have:
-            b = self.block_size
-            tokens = _tokens(st.request)[have * b : blocks * b]
-            st.hashes.extend(
-                _kvbm.sequence_hashes(
-                    list(tokens),
-                    b,
-                    st.lora,
-                    st.salt,
-                    st.hashes[-1] if st.hashes else None,
-                )
-            )
-        return st.hashes
 
     # -- the contract -----------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> Tuple[Optional[int], bool]:
-        st = self._state(request)
+        rid = request.request_id
+        self._objs[rid] = request
         b = self.block_size
+        num_tokens = request.num_tokens
+        limit = max(0, (num_tokens - 1) // b)
+        have = self._native.hashed_blocks(rid)
+        new_tokens = list(_tokens(request)[have * b : limit * b]) if limit > have else []
+        lora = getattr(request, "lora_request", None)
+        found, is_async = self._native.match_request(
+            rid,
+            new_tokens,
+            num_computed_tokens,
+            num_tokens,
+            getattr(lora, "lora_name", None) if lora is not None else None,
+            getattr(request, "cache_salt", None),
+        )
         start = num_computed_tokens // b
-        # Never the whole prompt: vLLM computes at least the last token.
-        limit = max(0, (request.num_tokens - 1) // b)
-        if limit <= start:
-            st.match = None
-            return 0, False
-        hashes = self._hashes(st, limit)
-        on_host, on_disk = self._native.count_prefix_tiers(hashes[start:limit])
-        found = on_host + on_disk
-        is_async = on_disk > 0
-        self._metrics.inc("kvbm_lookup_tokens", (limit - start) * b)
-        st.match = (start, found, is_async) if found else None
-        return found * b, is_async
+        if limit > start:
+            self._metrics.inc("kvbm_lookup_tokens", (limit - start) * b)
+        return found, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        st = self._state(request)
-        ids = _group0(blocks)
-        if ids:
-            st.block_ids = ids
-        if num_external_tokens <= 0 or st.match is None:
-            st.match = None
-            return
-        start, found, is_async = st.match
-        st.match = None
-        wanted = min(found, num_external_tokens // self.block_size)
-        if len(ids) < start + wanted:
-            log.warning(
-                "request %s: %d GPU blocks for %d loaded blocks from %d; not loading",
-                request.request_id,
-                len(ids),
-                wanted,
-                start,
-            )
-            return
-        rid = request.request_id
-        got = self._native.plan_onboard(
-            rid, st.hashes[start : start + wanted], ids[start : start + wanted], bool(is_async)
-        )
-        if got < wanted:
-            # Evicted since they were counted: vLLM must recompute these (the plan reports them).
-            st.unbacked_from = start + got
-        if is_async:
-            # Reported in finished_recving even when nothing could be held (then all failed).
-            self._onboarding.add(rid)
-        # Blocks onboarded from the host tier are there already; those from disk are offloaded
-        # again as they complete (a no-op when the host tier still holds them).
-        st.offloaded_blocks = max(st.offloaded_blocks, start + got if not is_async else start)
+        self._objs[request.request_id] = request
+        self._native.allocated(request.request_id, _group0(blocks), max(0, int(num_external_tokens)))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
-        b = self.block_size
-        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-            st = self._requests.get(new.req_id)
-            if st is None:
-                st = _Request(new)  # never asked about (e.g. no prompt blocks): tokens from here
-                self._requests[new.req_id] = st
-            st.block_ids = _group0(new.block_ids)
-            st.computed = new.num_computed_tokens
+        objs = self._objs
+        new = []
+        for req in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            if req.req_id not in objs:
+                objs[req.req_id] = req  # never asked about (e.g. no prompt blocks): tokens from here
+            lora = getattr(req, "lora_request", None)
+            new.append(
+                (
+                    req.req_id,
+                    _group0(req.block_ids),
+                    req.num_computed_tokens,
+                    getattr(lora, "lora_name", None) if lora is not None else None,
+                    getattr(objs[req.req_id], "cache_salt", None),
+                )
+            )
+        cached_out = []
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
             resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
-            for i, rid in enumerate(cached.req_ids):
-                st = self._requests.get(rid)
-                if st is None:
-                    continue
-                new_ids = cached.new_block_ids[i]
-                if rid in resumed:
-                    st.block_ids = _group0(new_ids)
-                elif new_ids is not None:
-                    st.block_ids.extend(_group0(new_ids))
-                st.computed = cached.num_computed_tokens[i]
-        # Blocks that complete in this step, per request: hashed, registered and paired in one
-        # native call for the whole step, whatever the number of requests.
+            for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+                ids = None if new_ids is None else _group0(new_ids)
+                cached_out.append((rid, ids, rid in resumed, computed))
         work = []
+        get = objs.get
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
-            st = self._requests.get(rid)
-            if st is None:
-                continue
-            tokens = _tokens(st.request)
-            full = min((st.computed + scheduled) // b, len(st.block_ids), len(tokens) // b)
-            if st.unbacked_from is not None:
-                if st.computed > st.unbacked_from * b:
-                    full = min(full, st.unbacked_from)  # vLLM has not rolled back yet
-                else:
-                    st.unbacked_from = None  # recomputed from there on: saved as it fills
-            first = st.offloaded_blocks
-            if full > first:
-                work.append((rid, st, first, full, tokens[first * b : full * b]))
-        if work:
-            results = self._native.plan_offloads(
-                [
-                    (rid, span, st.hashes[first - 1] if first else None, st.lora, st.salt, st.block_ids[first:full])
-                    for rid, st, first, full, span in work
-                ]
+            obj = get(rid)
+            if obj is not None:
+                work.append((rid, scheduled, len(_tokens(obj))))
+        # kvbm-core decides which blocks complete; it takes only their tokens.
+        spans = self._native.schedule(new, cached_out, work)
+        if spans:
+            self._native.offload_spans(
+                [list(_tokens(objs[work[i][0]])[first:end]) for i, first, end in spans]
             )
-            for (rid, st, first, full, _), (hashes, offloaded) in zip(work, results):
-                del st.hashes[first:]
-                st.hashes.extend(hashes)
-                st.offloaded_blocks = full
-                if offloaded:
-                    st.had_offloads = True
         plan = self._native.take_plan(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         meta = KvbmConnectorMetadata(step=self._step, plan=bytes(plan))
         self._step += 1
@@ -261,40 +162,22 @@ class KvbmLeader:
         return meta
 
     def request_finished(self, request: Any, block_ids: Any = None) -> Tuple[bool, Optional[dict]]:
-        st = self._requests.get(request.request_id)
-        if st is None:
-            return False, None
-        if st.had_offloads:
-            # The workers report it in finished_sending once its offloads completed.
-            st.finished = True
-            st.request = None
-            return True, None
-        if request.request_id in self._onboarding:
-            # Finished (aborted) while its asynchronous onboard still copies into its GPU blocks:
-            # vLLM keeps them until the workers report the request in finished_recving, which
-            # frees them then (vllm/v1/core/sched/scheduler.py, _update_from_kv_xfer_finished).
-            st.finished = True
-            st.request = None
-            return True, None
-        del self._requests[request.request_id]
-        return False, None
+        # True while offloads of it or its asynchronous load may still touch its GPU blocks:
+        # vLLM then keeps them until the workers report it (finished_sending, or
+        # finished_recving for a load; vllm/v1/core/sched/scheduler.py,
+        # _update_from_kv_xfer_finished).
+        self._objs.pop(request.request_id, None)
+        return self._native.request_finished(request.request_id), None
 
     def update_connector_output(self, connector_output: Any) -> None:
-        for rid in getattr(connector_output, "finished_recving", None) or ():
-            if rid in self._onboarding:
-                self._onboarding.discard(rid)
-                self._native.release(rid)
-                st = self._requests.get(rid)
-                if st is not None and st.finished and not st.had_offloads:
-                    del self._requests[rid]
         bad = getattr(connector_output, "kv_connector_worker_meta", None)
         if bad is not None and (getattr(bad, "bad_host_blocks", None) or getattr(bad, "bad_disk_blocks", None)):
             # Blocks a worker could not fill: never matched again.
             self._native.discard(sorted(bad.bad_host_blocks), sorted(bad.bad_disk_blocks))
-        for rid in getattr(connector_output, "finished_sending", None) or ():
-            st = self._requests.get(rid)
-            if st is not None and st.finished:
-                del self._requests[rid]
+        recving = list(getattr(connector_output, "finished_recving", None) or ())
+        sending = list(getattr(connector_output, "finished_sending", None) or ())
+        if recving or sending:
+            self._native.connector_output(recving, sending)
 
     def take_events(self) -> List[KvEvent]:
         return from_tuples(self._native.take_events())
@@ -311,8 +194,8 @@ class KvbmLeader:
     # -- inspection -------------------------------------------------------------------------
 
     def tracked_requests(self) -> List[str]:
-        """Request ids the leader still tracks (finished ones wait for their saves)."""
-        return list(self._requests)
+        """Request ids the leader still tracks (finished ones wait for their workers)."""
+        return self._native.tracked_requests()
 
     def counts(self) -> Dict[str, int]:
         return dict(self._native.counts())
