@@ -89,7 +89,7 @@ done
 # 5. Through the block manager (allocation, piece lists, completion, registration): Qwen3-0.6B
 #    blocks (1.75 MiB) in vLLM 0.33's LBNHC and BLNHC, and the older per-layer outer-first.
 for layout in lbnhc blnhc outer-first; do
-  run "offload-$layout" 180 "$BENCH" offload --device "$DEVICE" --layout "$layout" \
+  run "offload-$layout" 180 "$BENCH" offload --device "$DEVICE" --engine manager --layout "$layout" \
     --blocks "$BLOCKS" --host-gb $(( (BLOCKS * 2 + 999) / 1000 + 1 )) --json
 done
 #    The same through the split engine the vLLM connector runs (the leader's plan as bytes, the

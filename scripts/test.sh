@@ -36,8 +36,10 @@ else
   cargo test --workspace --no-fail-fast
 fi
 
-echo "== kvbm-bench offload on both engines (block manager; leader and worker as the connector runs them), every byte verified"
+echo "== kvbm-bench offload on both engines (leader and worker as the connector runs them; block manager), with and without a disk tier, every byte verified"
 for engine in manager split; do
-  cargo run --quiet -p kvbm-bench -- offload --device emulated --engine "$engine" \
-    --blocks 32 --layers 4 --iterations 1 --host-gb 0.1 >/dev/null
+  for disk_gb in 0 0.1; do
+    cargo run --quiet -p kvbm-bench -- offload --device emulated --engine "$engine" \
+      --blocks 32 --layers 4 --iterations 1 --host-gb 0.1 --disk-gb "$disk_gb" >/dev/null
+  done
 done

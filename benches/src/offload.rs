@@ -6,11 +6,12 @@
 //! registration). The yardstick is a single-threaded memcpy of the same bytes, block by block,
 //! between two prefaulted buffers, in the same run. Figures are medians over `--iterations`.
 //!
-//! `--engine split` runs the split engine instead, as the vLLM connector does: kvbm-core's
-//! `Leader` plans each step, the plan crosses as MessagePack bytes, kvbm-core's `Worker` executes
-//! it over GPU memory laid out as vLLM lays it out (the timings include planning, encoding and
-//! decoding). `--engine manager` (the default) runs the `BlockManager`. Both move bytes through
-//! the same copy engine.
+//! `--engine split` (the default) runs what the vLLM connector runs: kvbm-core's `Leader` plans
+//! each step, the plan crosses as MessagePack bytes, kvbm-core's `Worker` executes it over GPU
+//! memory laid out as vLLM lays it out (the timings include planning, encoding and decoding);
+//! with a disk tier, blocks come back from disk asynchronously (disk -> staging host -> GPU), as
+//! the connector onboards them. `--engine manager` runs the `BlockManager` (GPU, host and disk
+//! pools in one process). Both move bytes through the same copy engine and disk hand-off.
 //!
 //! `--layout` is the GPU tier's layout: vLLM 0.33's one backing buffer viewed per layer in one of
 //! its `KVCacheLayout`s (`lbnhc`, the default, `lbhnc`, `lhbnc`, `blhnc`, `blnhc`, `bhlnc`), or
@@ -139,8 +140,9 @@ pub struct OffloadArgs {
     /// Device back end.
     #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     device: DeviceArg,
-    /// Which engine: the block manager, or the split engine the vLLM connector runs.
-    #[arg(long, value_enum, default_value_t = EngineArg::Manager)]
+    /// Which engine: the split engine the vLLM connector runs (the default), or the block
+    /// manager.
+    #[arg(long, value_enum, default_value_t = EngineArg::Split)]
     engine: EngineArg,
     /// Blocks per transfer batch.
     #[arg(long, default_value_t = 16)]
@@ -259,12 +261,6 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         .layout
         .gpu_layout(if args.mla { 1 } else { args.kv_heads });
     let show = !args.json || std::io::IsTerminal::is_terminal(&std::io::stderr());
-    if args.engine == EngineArg::Split {
-        if args.disk_gb > 0.0 {
-            bail!("--engine split measures GPU<->host copies; its disk tier is measured by kvbm-py/bench/bench_connector.py --disk");
-        }
-        return run_split(&args, kv, device, gpu_layout, host_blocks);
-    }
     if !args.disk_gb.is_finite() || args.disk_gb < 0.0 {
         bail!(
             "--disk-gb {} must be a number of GB, 0 or more",
@@ -297,6 +293,9 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
     } else {
         None
     };
+    if args.engine == EngineArg::Split {
+        return run_split(&args, kv, device, gpu_layout, host_blocks, disk, &disk_dir);
+    }
     let m = BlockManager::new(
         device,
         ManagerOptions {
@@ -627,7 +626,11 @@ fn run_split(
     device: Device,
     gpu_layout: GpuLayout,
     host_blocks: usize,
+    disk: Option<kvbm_core::DiskOptions>,
+    disk_dir: &std::path::Path,
 ) -> anyhow::Result<bool> {
+    let disk_blocks = disk.as_ref().map_or(0, |d| d.blocks);
+    let file_name = disk.as_ref().map(|d| d.file_name.clone());
     let n = args.blocks;
     let bpb = kv.bytes_per_block();
     let mut regions = Vec::new();
@@ -655,11 +658,28 @@ fn run_split(
                 inflight_max: args.concurrent,
                 ..TransferLimits::default()
             },
+            disk,
             ..Default::default()
         },
         metrics,
     )?;
-    let mut leader = kvbm_core::Leader::new(args.block_size, host_blocks, 0, false)?;
+    // With a disk tier every host block goes to disk at once (the filter off), as in the
+    // manager's cycle.
+    let mut leader =
+        kvbm_core::Leader::new(args.block_size, host_blocks, disk_blocks, disk_blocks > 0)?;
+    let _zmq = match &args.kv_events_endpoint {
+        None => None,
+        Some(endpoint) => Some(
+            kvbm_events::ZmqPublisher::start(
+                leader.publisher(),
+                kvbm_events::PublisherConfig::new(
+                    endpoint.clone(),
+                    args.kv_events_replay_endpoint.clone(),
+                ),
+            )
+            .context("publishing KV events over ZMQ")?,
+        ),
+    };
     let hasher = BlockHasher::new(args.block_size, None, None);
     let tokens: Vec<u32> = (0..(n * args.block_size) as u32).collect();
     let hashes: Vec<u64> = hasher
@@ -679,7 +699,7 @@ fn run_split(
     if !worker.wait_host_ready(Duration::from_secs(600)) {
         bail!("the host pool was not pinned within 10 minutes");
     }
-    let (mut d2h, mut h2d) = (Vec::new(), Vec::new());
+    let (mut d2h, mut h2d, mut to_disk) = (Vec::new(), Vec::new(), Vec::new());
     let mut verified = true;
     let bytes = n * bpb;
     let ids: Vec<u32> = (0..n as u32).collect();
@@ -703,6 +723,22 @@ fn run_split(
         }
         split_step(&mut leader, &mut worker)?;
         d2h.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+        if disk_blocks > 0 {
+            // The disk writes started with the step; the pipeline ends with the last.
+            worker.wait_disk();
+            to_disk.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
+            // Only the disk copies are left once the host holds end.
+            for _ in 0..3 {
+                split_step(&mut leader, &mut worker)?;
+            }
+            leader.evict_idle_host();
+            if leader.count_prefix_tiers(&hashes) != (0, n) {
+                bail!(
+                    "the blocks are not on disk alone: {:?}",
+                    leader.count_prefix_tiers(&hashes)
+                );
+            }
+        }
         // Scribble over every GPU block, then onboard each into a different one.
         buf.fill(0x5A);
         for &b in &ids {
@@ -710,11 +746,22 @@ fn run_split(
         }
         let targets: Vec<u32> = ids.iter().rev().copied().collect();
         let start = Instant::now();
-        let got = leader.plan_onboard("bench-onboard", &hashes, &targets, false)?;
+        // From disk, as the connector does it: asynchronously (disk reads into staging host
+        // blocks, then host to GPU), reported when done.
+        let asynchronous = disk_blocks > 0;
+        let got = leader.plan_onboard("bench-onboard", &hashes, &targets, asynchronous)?;
         if got != n {
             bail!("planned {got} of {n} onboards");
         }
         split_step(&mut leader, &mut worker)?;
+        if asynchronous {
+            worker.wait_async();
+            let report = worker.report(&[]);
+            if report.finished_onboarding != ["bench-onboard"] || !report.failed_blocks.is_empty() {
+                bail!("the onboard from disk failed: {report:?}");
+            }
+            leader.release("bench-onboard");
+        }
         h2d.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
         if !worker.take_failed().is_empty() {
             bail!("onboards failed");
@@ -742,8 +789,15 @@ fn run_split(
     );
     println!("medians over {} iterations", args.iterations);
     println!("{:<10} {:>8} {:>10}", "direction", "GB/s", "x memcpy");
-    for (name, gbps) in [("d2h", d2h_gbps), ("h2d", h2d_gbps), ("memcpy", memcpy)] {
+    let h2d_name = if disk_blocks > 0 { "disk->gpu" } else { "h2d" };
+    for (name, gbps) in [("d2h", d2h_gbps), (h2d_name, h2d_gbps), ("memcpy", memcpy)] {
         println!("{:<10} {:>8.2} {:>10.2}", name, gbps, gbps / memcpy);
+    }
+    if disk_blocks > 0 {
+        println!(
+            "disk tier: gpu->host->disk pipeline {:.2} GB/s; the onboard above is disk->host->gpu (asynchronous, as the connector onboards from disk)",
+            median(&to_disk)
+        );
     }
     println!(
         "verified: {}",
@@ -756,6 +810,8 @@ fn run_split(
     if args.json {
         let line = serde_json::json!({
             "engine": "split",
+            "disk_write_pipeline_gbps": (disk_blocks > 0).then(|| median(&to_disk)),
+            "onboard_from_disk": disk_blocks > 0,
             "d2h_gbps": d2h_gbps,
             "h2d_gbps": h2d_gbps,
             "memcpy_gbps": memcpy,
@@ -770,6 +826,15 @@ fn run_split(
             "device": device_kind,
         });
         println!("{line}");
+    }
+    drop(worker); // finishes its disk writes and closes the file
+    if let Some(file) = file_name {
+        let _ = std::fs::remove_file(disk_dir.join(&file));
+        let _ =
+            std::fs::remove_file(disk_dir.join(format!("{file}{}", kvbm_disk::CHECKPOINT_SUFFIX)));
+        if args.disk_dir.is_none() {
+            let _ = std::fs::remove_dir(disk_dir);
+        }
     }
     Ok(verified)
 }

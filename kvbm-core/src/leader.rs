@@ -107,7 +107,7 @@ pub struct Leader {
     staging: VecDeque<(u64, Vec<FillingBlock>)>,
     /// What an asynchronous onboard holds, by request, until `release`.
     pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<FillingBlock>)>,
-    _publisher: EventPublisher,
+    publisher: EventPublisher,
     events: EventSubscriber,
     events_lost: u64,
     /// Blocks handed out, with the step they were handed out in.
@@ -166,7 +166,7 @@ impl Leader {
             admitted: Vec::new(),
             staging: VecDeque::new(),
             pinned: HashMap::new(),
-            _publisher: publisher,
+            publisher,
             events,
             events_lost: 0,
             held: VecDeque::new(),
@@ -295,6 +295,18 @@ impl Leader {
             }
         }
         n
+    }
+
+    /// The tiers' event publisher (subscribe to follow the host and disk tiers' events, e.g. with
+    /// a ZMQ publisher).
+    pub fn publisher(&self) -> &EventPublisher {
+        &self.publisher
+    }
+
+    /// Evicts every idle host block (a benchmark's way to leave only the disk copies); returns
+    /// how many left.
+    pub fn evict_idle_host(&self) -> usize {
+        self.host.evict_idle(usize::MAX)
     }
 
     /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished); false
