@@ -28,6 +28,17 @@ use crate::CoreError;
 /// Target size of one pinning chunk; rounded to whole host blocks.
 pub const HOST_PIN_CHUNK_BYTES: usize = 256 << 20;
 
+/// How a host pool of blocks `stride` bytes apart is pinned: in chunks of whole blocks (about
+/// [`HOST_PIN_CHUNK_BYTES`]), so that no block straddles two pinned (CUDA-registered) chunks and
+/// every block moves as one DMA, on `pin_threads` threads, with huge pages.
+pub fn host_pin_options(stride: usize, pin_threads: usize) -> HostRegionOptions {
+    HostRegionOptions {
+        chunk_bytes: HOST_PIN_CHUNK_BYTES.div_ceil(stride).max(1) * stride,
+        pin_threads: pin_threads.max(1),
+        huge_pages: true,
+    }
+}
+
 /// Where the GPU tier's memory comes from.
 #[derive(Debug)]
 pub enum GpuMemory {
@@ -229,14 +240,8 @@ impl BlockManager {
         let host_bytes = stride
             .checked_mul(options.host_blocks)
             .ok_or_else(|| CoreError::InvalidArgument("host tier size overflows".into()))?;
-        let host_region = device.alloc_host(
-            host_bytes,
-            HostRegionOptions {
-                chunk_bytes: HOST_PIN_CHUNK_BYTES.div_ceil(stride).max(1) * stride,
-                pin_threads: options.pin_threads.max(1),
-                huge_pages: true,
-            },
-        )?;
+        let host_region =
+            device.alloc_host(host_bytes, host_pin_options(stride, options.pin_threads))?;
         let host = TierStorage {
             pool: BlockPool::with_policy(
                 Tier::Host,

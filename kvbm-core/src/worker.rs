@@ -575,7 +575,14 @@ impl Worker {
             .host_blocks
             .checked_mul(kv.host_stride_bytes())
             .ok_or_else(|| CoreError::InvalidArgument("host pool size overflows".into()))?;
-        let host = device.alloc_host(host_bytes, HostRegionOptions::default())?;
+        // Whole blocks per pinned chunk: no block straddles two CUDA registrations.
+        let host = device.alloc_host(
+            host_bytes,
+            crate::manager::host_pin_options(
+                kv.host_stride_bytes(),
+                HostRegionOptions::default().pin_threads,
+            ),
+        )?;
         let host_layout = BlockLayout::host(kv, options.host_blocks, host.addr());
         let ready_after = gpu_layout.ready_after();
         let mut stages = Vec::new();
@@ -694,6 +701,11 @@ impl Worker {
     /// no disk tier).
     pub fn disk_registered(&self) -> Option<bool> {
         self.disk.as_ref().and_then(|d| *d.shared.registered.lock())
+    }
+
+    /// This rank's pinned host pool.
+    pub fn host_region(&self) -> &HostRegion {
+        &self.host
     }
 
     /// The copy engine (its streams, limits and queue depths).

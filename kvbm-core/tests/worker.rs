@@ -482,3 +482,39 @@ fn a_failed_copy_fails_exactly_its_blocks_and_is_never_served() {
     assert_eq!(metrics.snapshot().transfer_errors, 2);
     drop(worker);
 }
+
+#[test]
+fn the_host_pool_is_pinned_in_whole_blocks() {
+    // Qwen3-0.6B blocks (1.75 MiB, a host stride that does not divide 256 MiB): a chunk of the
+    // pool pinned (CUDA-registered) at once holds whole blocks, so no block straddles two.
+    let device = Device::emulated();
+    let kv = KvLayout::new(28, 2, 16, 1024, 2).unwrap();
+    let gpu_layout = GpuLayout::Paged {
+        layout: "BLNHC".parse::<PhysicalLayout>().unwrap(),
+        num_heads: 8,
+    };
+    let [bytes] = gpu_layout.allocation_bytes(&kv, 2)[..] else {
+        panic!("one allocation")
+    };
+    let gpu = device.alloc_gpu(bytes).unwrap();
+    let layout = gpu_layout.place(kv, 2, &[gpu.addr()]).unwrap();
+    let worker = Worker::new(
+        device,
+        kv,
+        layout,
+        vec![gpu],
+        WorkerOptions {
+            host_blocks: 2,
+            ..Default::default()
+        },
+        Arc::new(Metrics::default()),
+    )
+    .unwrap();
+    let stride = kv.host_stride_bytes();
+    assert_ne!(
+        (256 << 20) % stride,
+        0,
+        "the test needs a stride that does not divide 256 MiB"
+    );
+    assert_eq!(worker.host_region().chunk_bytes() % stride, 0);
+}
