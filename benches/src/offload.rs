@@ -503,14 +503,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             stats.read_corrupt
         );
     }
-    println!(
-        "verified: {}",
-        if verified {
-            "every byte of every block"
-        } else {
-            "MISMATCH"
-        }
-    );
+    print_verified(verified);
     if args.json {
         let line = serde_json::json!({
             "d2h_gbps": d2h_gbps,
@@ -598,6 +591,15 @@ impl GpuBlocks {
         });
         Ok(result?)
     }
+}
+
+fn print_verified(verified: bool) {
+    let what = if verified {
+        "every byte of every block"
+    } else {
+        "MISMATCH"
+    };
+    println!("verified: {what}");
 }
 
 /// One step of the split engine: the leader's plan through bytes into the worker, in vLLM
@@ -799,14 +801,7 @@ fn run_split(
             median(&to_disk)
         );
     }
-    println!(
-        "verified: {}",
-        if verified {
-            "every byte of every block"
-        } else {
-            "MISMATCH"
-        }
-    );
+    print_verified(verified);
     if args.json {
         let line = serde_json::json!({
             "engine": "split",

@@ -500,11 +500,18 @@ impl Leader {
                 gpu.len()
             )));
         }
-        let token_runs: Vec<TokenRun> = runs.iter().map(|(_, run, _)| run.clone()).collect();
+        let mut requests = Vec::with_capacity(runs.len());
+        let mut token_runs = Vec::with_capacity(runs.len());
+        let mut gpus = Vec::with_capacity(runs.len());
+        for (request, run, gpu) in runs {
+            requests.push(request);
+            token_runs.push(run);
+            gpus.push(gpu);
+        }
         let hashed = Self::hash_runs(b, &token_runs)?;
         let offloaded = self.offload_runs(&token_runs, hashed)?;
-        let mut out = Vec::with_capacity(runs.len());
-        for ((request, _, gpu), o) in runs.into_iter().zip(offloaded) {
+        let mut out = Vec::with_capacity(requests.len());
+        for ((request, gpu), o) in requests.into_iter().zip(gpus).zip(offloaded) {
             let pairs: Vec<(u32, u32)> = gpu
                 .iter()
                 .zip(&o.host)

@@ -13,6 +13,8 @@
 
 use std::collections::HashMap;
 
+use kvbm_events::{BlockHasher, SequenceHash};
+
 use crate::leader::{Leader, TokenRun};
 use crate::CoreError;
 
@@ -370,13 +372,9 @@ fn extend_hashes(
     if need == 0 {
         return Ok(());
     }
-    let run = TokenRun {
-        tokens: tokens[..need * block_size].to_vec(),
-        parent: r.hashes.last().copied(),
-        lora_name: r.lora.clone(),
-        salt: r.salt.clone(),
-    };
-    let hashed = Leader::hash_runs(block_size, std::slice::from_ref(&run))?;
-    r.hashes.extend(hashed.into_iter().flatten());
+    let hasher = BlockHasher::new(block_size, r.lora.as_deref(), r.salt.as_deref());
+    let parent = r.hashes.last().copied().map(SequenceHash);
+    let hashed = hasher.sequence_hashes(parent, &tokens[..need * block_size]);
+    r.hashes.extend(hashed.into_iter().map(|h| h.0));
     Ok(())
 }

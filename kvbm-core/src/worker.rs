@@ -290,18 +290,8 @@ impl DiskShared {
                     metadata: &w.identity,
                 })
                 .collect();
-            let outcomes = match handoff::write_host_ids(
-                &self.store,
-                &self.host_layout,
-                &self.host_region,
-                &items,
-            ) {
-                Ok(outcomes) => outcomes,
-                Err(err) => {
-                    tracing::warn!(error = %err, blocks = items.len(), "disk write refused");
-                    vec![WriteOutcome::Failed(err.to_string()); items.len()]
-                }
-            };
+            let outcomes =
+                handoff::write_host_ids(&self.store, &self.host_layout, &self.host_region, &items);
             let failed: Vec<u32> = now
                 .iter()
                 .zip(&outcomes)
@@ -771,14 +761,19 @@ impl Worker {
     /// blocks as failed (an asynchronous onboard that cannot be queued is reported finished with
     /// all its blocks failed), so vLLM never waits for work that will not come. The first error
     /// is returned after that.
+    ///
+    /// The onboard parts are taken out of the bound plan (each runs once).
     pub fn start_onboards(&mut self) -> Result<(), CoreError> {
-        let Some(plan) = &self.plan else {
+        let Some(plan) = &mut self.plan else {
             return Ok(());
         };
-        let load_errors = plan.load_errors.clone();
-        let reads = plan.disk_reads.clone();
-        let pairs: Vec<(u32, u32)> = plan.onboards.iter().flat_map(|o| o.pairs.clone()).collect();
-        let asyncs = plan.async_onboards.clone();
+        let load_errors = std::mem::take(&mut plan.load_errors);
+        let reads = std::mem::take(&mut plan.disk_reads);
+        let pairs: Vec<(u32, u32)> = std::mem::take(&mut plan.onboards)
+            .into_iter()
+            .flat_map(|o| o.pairs)
+            .collect();
+        let asyncs = std::mem::take(&mut plan.async_onboards);
         self.failed.extend(load_errors);
         let mut first_error = None;
         if !reads.is_empty() {
@@ -815,12 +810,16 @@ impl Worker {
     /// their offload cannot run: its host blocks are then reported bad to the leader. The first
     /// error is returned after everything ran.
     pub fn start_offloads(&mut self) -> Result<(), CoreError> {
-        let Some(plan) = &self.plan else {
+        let Some(plan) = &mut self.plan else {
             return Ok(());
         };
-        let pairs: Vec<(u32, u32)> = plan.offloads.iter().flat_map(|o| o.pairs.clone()).collect();
-        let requests: Vec<String> = plan.offloads.iter().map(|o| o.request.clone()).collect();
-        let writes = plan.disk_writes.clone();
+        let mut pairs = Vec::new();
+        let mut requests = Vec::with_capacity(plan.offloads.len());
+        for o in std::mem::take(&mut plan.offloads) {
+            pairs.extend(o.pairs);
+            requests.push(o.request);
+        }
+        let writes = std::mem::take(&mut plan.disk_writes);
         let mut first_error = None;
         if !pairs.is_empty() {
             self.offloaded.extend(requests.iter().cloned());

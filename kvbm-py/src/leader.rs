@@ -2,7 +2,7 @@
 //! disk tiers of block ids). Conversions only: tuples and dicts in and out, core's errors
 //! through `core_err`, hashing without the GIL.
 
-use kvbm_core::leader::{self as core, OffloadBlock, TokenRun};
+use kvbm_core::leader::{self as core, OffloadBlock};
 use kvbm_core::requests::{Requests, Scheduled};
 use kvbm_core::{KvEvent, Tier};
 use pyo3::prelude::*;
@@ -28,27 +28,10 @@ type DiskRead = (u32, u32, u64);
 /// A disk write: (host block, disk block, key, identity bytes for the block's header).
 type DiskWrite = (u32, u32, u64, Vec<u8>);
 
-/// One request's newly complete blocks: (their tokens, the hash before them, LoRA, salt).
-type TokenRunTuple = (Vec<u32>, Option<u64>, Option<String>, Option<String>);
-
-/// One request's offload: (request id, tokens of its newly complete blocks, the hash before
-/// them, LoRA, salt, their GPU blocks).
-type OffloadRunTuple = (
-    String,
-    Vec<u32>,
-    Option<u64>,
-    Option<String>,
-    Option<String>,
-    Vec<u32>,
-);
-
 /// A new request: (id, GPU block ids, computed tokens, LoRA name, cache salt).
 type NewTuple = (String, Vec<u32>, usize, Option<String>, Option<String>);
 /// A cached request: (id, new GPU block ids or None, resumed, computed tokens).
 type CachedTuple = (String, Option<Vec<u32>>, bool, usize);
-
-/// Per request: (the blocks' sequence hashes, the host block per block or None).
-type OffloadedTuple = (Vec<u64>, Vec<Option<u32>>);
 
 /// The scheduler side's host and disk tiers (kvbm-core's leader).
 #[pyclass(module = "kvbm._kvbm")]
@@ -172,83 +155,6 @@ impl Leader {
                 .collect();
             self.inner
                 .offload(blocks, lora_name.as_deref())
-                .map_err(core_err)
-        })
-    }
-
-    /// The whole offload of a step in one call: per request (tokens of the blocks that became
-    /// complete, the sequence hash before them, LoRA name, cache salt); returns per request
-    /// (the blocks' sequence hashes, the host block to offload each into or None). Hashing runs
-    /// without the GIL.
-    fn offload_tokens(
-        &mut self,
-        py: Python<'_>,
-        requests: Vec<TokenRunTuple>,
-    ) -> PyResult<Vec<OffloadedTuple>> {
-        guard(|| {
-            let runs: Vec<TokenRun> = requests
-                .into_iter()
-                .map(|(tokens, parent, lora_name, salt)| TokenRun {
-                    tokens,
-                    parent,
-                    lora_name,
-                    salt,
-                })
-                .collect();
-            let block_size = self.inner.block_size();
-            let hashed = py
-                .allow_threads(|| core::Leader::hash_runs(block_size, &runs))
-                .map_err(core_err)?;
-            let done = self.inner.offload_runs(&runs, hashed).map_err(core_err)?;
-            Ok(done.into_iter().map(|o| (o.hashes, o.host)).collect())
-        })
-    }
-
-    /// Plans the onboard of `request`'s matched blocks (`hashes`) into the GPU blocks vLLM
-    /// allocated for them (`gpu_blocks`, one per hash) in this step's plan; asynchronous (disk)
-    /// onboards are reported in `finished_recving`. GPU blocks that cannot be backed any more
-    /// become the plan's load errors. Returns how many blocks, from the first, are backed.
-    fn plan_onboard(
-        &mut self,
-        request: &str,
-        hashes: Vec<u64>,
-        gpu_blocks: Vec<u32>,
-        asynchronous: bool,
-    ) -> PyResult<usize> {
-        guard(|| {
-            self.inner
-                .plan_onboard(request, &hashes, &gpu_blocks, asynchronous)
-                .map_err(core_err)
-        })
-    }
-
-    /// The step's offloads in one call: per request (request id, tokens of the blocks that
-    /// became complete, the sequence hash before them, LoRA name, cache salt, their GPU
-    /// blocks). Returns per request (the blocks' sequence hashes, blocks offloaded). Runs
-    /// without the GIL.
-    fn plan_offloads(
-        &mut self,
-        py: Python<'_>,
-        runs: Vec<OffloadRunTuple>,
-    ) -> PyResult<Vec<(Vec<u64>, usize)>> {
-        guard(|| {
-            let runs = runs
-                .into_iter()
-                .map(|(request, tokens, parent, lora_name, salt, gpu)| {
-                    (
-                        request,
-                        TokenRun {
-                            tokens,
-                            parent,
-                            lora_name,
-                            salt,
-                        },
-                        gpu,
-                    )
-                })
-                .collect();
-            let inner = &mut self.inner;
-            py.allow_threads(|| inner.plan_offloads(runs))
                 .map_err(core_err)
         })
     }

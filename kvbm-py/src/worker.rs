@@ -715,13 +715,12 @@ pub(crate) fn decode_plan<'py>(py: Python<'py>, plan: &[u8]) -> PyResult<Bound<'
         d.set_item("step", p.step)?;
         d.set_item("preempted", p.preempted.clone())?;
         d.set_item("disk_reads", reads(&p.disk_reads))?;
-        d.set_item(
-            "onboards",
-            p.onboards
-                .iter()
-                .map(|o| (o.request.clone(), o.pairs.clone()))
-                .collect::<Vec<_>>(),
-        )?;
+        let onboards: Vec<RequestPairs> = p
+            .onboards
+            .into_iter()
+            .map(|o| (o.request, o.pairs))
+            .collect();
+        d.set_item("onboards", onboards)?;
         d.set_item(
             "async_onboards",
             p.async_onboards
@@ -729,13 +728,12 @@ pub(crate) fn decode_plan<'py>(py: Python<'py>, plan: &[u8]) -> PyResult<Bound<'
                 .map(|o| (o.request.clone(), reads(&o.disk_reads), o.pairs.clone()))
                 .collect::<Vec<_>>(),
         )?;
-        d.set_item(
-            "offloads",
-            p.offloads
-                .iter()
-                .map(|o| (o.request.clone(), o.pairs.clone()))
-                .collect::<Vec<_>>(),
-        )?;
+        let offloads: Vec<RequestPairs> = p
+            .offloads
+            .into_iter()
+            .map(|o| (o.request, o.pairs))
+            .collect();
+        d.set_item("offloads", offloads)?;
         d.set_item(
             "disk_writes",
             p.disk_writes

@@ -436,3 +436,22 @@ def test_sizes_that_do_not_fit_the_machine_name_the_variable(tmp_path, variable,
     with pytest.raises(kvbm.ConfigError, match=f"{variable}=.{value}.*do not fit"):
         KvbmWorker(config=config).register_kv_caches(make_caches("BLNHC", 2, 4, 4, 2, 8))
     assert list(tmp_path.iterdir()) == [], "nothing was created"
+
+
+def test_the_type_stubs_name_exactly_the_native_api():
+    """_kvbm.pyi is what editors and type checkers see: every public name of the native classes
+    and functions is in it, and nothing it names is missing from the module."""
+    import ast
+    import os
+
+    import kvbm._kvbm as native
+
+    stub = ast.parse(open(os.path.join(os.path.dirname(kvbm.__file__), "_kvbm.pyi")).read())
+    for node in stub.body:
+        if isinstance(node, ast.ClassDef) and node.name in ("Leader", "Worker", "Config", "CopyHold"):
+            declared = {n.name for n in node.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"}
+            real = {n for n in dir(getattr(native, node.name)) if not n.startswith("__")}
+            assert declared == real, (node.name, sorted(declared ^ real))
+    functions = {n.name for n in stub.body if isinstance(n, ast.FunctionDef)}
+    real = {n for n in dir(native) if callable(getattr(native, n)) and n[0].islower()}
+    assert functions == real, sorted(functions ^ real)

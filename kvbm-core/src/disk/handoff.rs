@@ -61,7 +61,7 @@ pub(crate) fn write_host_blocks(
     host_layout: &BlockLayout,
     host_region: &HostRegion,
     items: &[(&RegisteredBlock, u32, Vec<u8>)],
-) -> Result<Vec<WriteOutcome>, DiskError> {
+) -> Vec<WriteOutcome> {
     let ids: Vec<HostWrite<'_>> = items
         .iter()
         .map(|(block, slot, metadata)| HostWrite {
@@ -101,8 +101,22 @@ fn check_ids(
 }
 
 /// Writes host blocks into disk slots, by id (the caller keeps copies off them meanwhile; see
-/// the module header). An id outside the pools refuses the whole call.
+/// the module header): one outcome per item. A call refused as a whole (an id outside the pools,
+/// a host block named twice, a store that does not fit) fails every item, logged once.
 pub(crate) fn write_host_ids(
+    store: &DiskStore,
+    host_layout: &BlockLayout,
+    host_region: &HostRegion,
+    items: &[HostWrite<'_>],
+) -> Vec<WriteOutcome> {
+    try_write_host_ids(store, host_layout, host_region, items).unwrap_or_else(|err| {
+        tracing::warn!(error = %err, blocks = items.len(), "disk write refused");
+        vec![WriteOutcome::Failed(err.to_string()); items.len()]
+    })
+}
+
+/// [`write_host_ids`], with a refusal of the whole call as an error.
+fn try_write_host_ids(
     store: &DiskStore,
     host_layout: &BlockLayout,
     host_region: &HostRegion,

@@ -481,18 +481,8 @@ impl DiskShared {
             .zip(&identities)
             .map(|((h, s), identity)| (h, s.id().0, encode_identity(identity)))
             .collect();
-        let outcomes = match handoff::write_host_blocks(
-            &self.store,
-            &self.host_layout,
-            &self.host_region,
-            &items,
-        ) {
-            Ok(outcomes) => outcomes,
-            Err(err) => {
-                tracing::warn!(error = %err, "disk write refused");
-                vec![WriteOutcome::Failed(err.to_string()); items.len()]
-            }
-        };
+        let outcomes =
+            handoff::write_host_blocks(&self.store, &self.host_layout, &self.host_region, &items);
         drop(items);
         let mut complete = Vec::new();
         for ((slot, identity), outcome) in slots.into_iter().zip(identities).zip(outcomes) {
