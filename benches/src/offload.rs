@@ -217,9 +217,11 @@ fn wait_with_progress(
     counter: impl Fn() -> u64,
     base: u64,
 ) -> TransferOutcome {
-    while !ticket.is_done() {
+    // Polled finely: a coarse poll would add up to its period to a copy that takes
+    // milliseconds (and a hidden bar is not polled at all).
+    while !bar.is_hidden() && !ticket.is_done() {
         bar.set_position(counter().saturating_sub(base));
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(Duration::from_micros(200));
     }
     bar.finish_and_clear();
     ticket.wait()
@@ -356,8 +358,8 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
     for _ in 0..args.iterations {
         // Offload (the lower tiers start empty each round, so nothing is de-duplicated).
         m.host_pool().evict_idle(usize::MAX);
-        if let Some(disk) = m.disk() {
-            disk.pool().evict_idle(usize::MAX);
+        if let Some(disk) = m.disk_pool() {
+            disk.evict_idle(usize::MAX);
         }
         let bar = progress(show, args.blocks, "offload d2h");
         let base = counter(&metrics.offload_blocks_d2h);
@@ -373,7 +375,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             bail!("offloaded {} of {} blocks", outcome.copied, args.blocks);
         }
         d2h.record(bytes, elapsed, &outcome);
-        if m.disk().is_some() {
+        if m.disk_pool().is_some() {
             // The disk writer started with the first host blocks; wait for the last.
             m.wait_idle();
             to_disk_gbps.push(bytes as f64 / start.elapsed().as_secs_f64() / 1e9);
@@ -392,7 +394,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
 
         let bar = progress(show, args.blocks, "onboard h2d");
         let base = counter(&metrics.onboard_blocks_h2d);
-        let sources = if m.disk().is_some() {
+        let sources = if m.disk_pool().is_some() {
             // Only the disk copies are left: bring them up to the host tier first.
             m.host_pool().evict_idle(usize::MAX);
             let matched = m.match_lower(&hashes);
@@ -485,12 +487,11 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         "{:<10} {:>8.2} {:>10.2} {:>10} {:>10}",
         "memcpy", memcpy_gbps, 1.0, "-", "-"
     );
-    let disk_summary = m.disk().map(|d| {
-        let stats = d.store().stats();
+    let disk_summary = m.with_disk_store(|store| {
         (
-            d.store().engine().kind().as_str(),
-            format!("{:?}", d.store().file().io_mode()),
-            stats,
+            store.engine().kind().as_str(),
+            format!("{:?}", store.file().io_mode()),
+            store.stats(),
         )
     });
     if let Some((engine, io_mode, stats)) = &disk_summary {
@@ -530,7 +531,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
         });
         println!("{line}");
     }
-    if m.disk().is_some() {
+    if m.disk_pool().is_some() {
         drop(gpu_blocks);
         drop(m); // finishes disk writes and leaves a checkpoint
         let _ = std::fs::remove_file(disk_dir.join("kvbm-bench.cache"));

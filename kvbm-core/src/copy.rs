@@ -1,6 +1,6 @@
-//! The copy engine: the one place where blocks move between the GPU and the host pool. Both the
-//! block manager's transfer engine (blocks from pools) and the split engine's worker (block ids
-//! from a leader's plan) submit their copies here.
+//! The copy engine: the one place where blocks move between the GPU and the host pool. Its one
+//! caller is the worker (block ids from a leader's plan), whether it serves the vLLM connector or
+//! the block manager.
 //!
 //! A job is a list of block pairs in one direction, cut into batches of at most
 //! `batch_blocks_max` blocks; at most `inflight_max` batches are on the copy streams at once and
@@ -12,7 +12,7 @@
 //! - Batches launch in submission order, each direction on its own stream, so that on one stream
 //!   a later batch never overtakes an earlier one (the worker's onboard stages rely on it).
 //! - A batch's callback runs before its ticket counts it done: whoever waits on a ticket sees
-//!   what the callback did (the transfer engine registers blocks there).
+//!   what the callback did (the block manager registers onboarded blocks there).
 //! - Every transfer keeps both sides' regions alive until the stream is done with it.
 
 use std::collections::VecDeque;
@@ -43,6 +43,8 @@ pub struct CopySide {
 pub struct BatchDone {
     /// The batch's positions in the job's pairs.
     pub range: Range<usize>,
+    /// The batch's pairs (for the callback; empty on the ticket's copy).
+    pub pairs: Vec<(u32, u32)>,
     /// From submission to the stream until its completion was seen.
     pub latency: Duration,
     /// Bytes the batch copied (or was to copy).
@@ -492,6 +494,7 @@ fn launch_ready(
             Err(err) => {
                 let done = BatchDone {
                     range: batch.range.clone(),
+                    pairs: Vec::new(),
                     latency: Duration::ZERO,
                     bytes: 0,
                     error: Some(CoreError::TransferFailed(err.to_string())),
@@ -510,7 +513,7 @@ fn settle(shared: &Shared, finished: Vec<(Batch, BatchDone)>) {
         return;
     }
     let n = finished.len();
-    for (batch, done) in finished {
+    for (mut batch, done) in finished {
         let m = &shared.metrics;
         match (&done.error, batch.direction) {
             (Some(err), d) => {
@@ -529,6 +532,7 @@ fn settle(shared: &Shared, finished: Vec<(Batch, BatchDone)>) {
         if let Some(cb) = &batch.on_batch {
             let copy = BatchDone {
                 range: done.range.clone(),
+                pairs: std::mem::take(&mut batch.pairs),
                 latency: done.latency,
                 bytes: done.bytes,
                 error: done.error.clone(),
@@ -601,6 +605,7 @@ fn progress_loop(shared: &Shared, direction: Direction) {
                 let f = inflight.remove(i).expect("index in range");
                 let done = BatchDone {
                     range: f.batch.range.clone(),
+                    pairs: Vec::new(),
                     latency: f.started.elapsed(),
                     bytes: f.bytes,
                     error,

@@ -39,7 +39,7 @@ pub enum CoreError {
     /// The disk tier failed to open or to run.
     #[error("disk tier: {0}")]
     Disk(String),
-    /// The transfer engine has shut down.
-    #[error("the transfer engine has shut down")]
+    /// The copy engine has shut down.
+    #[error("the copy engine has shut down")]
     EngineClosed,
 }

@@ -2,10 +2,16 @@
 //! block *ids* of the host and disk tiers, their registry, holds, LRU eviction, disk admission
 //! and the tiers' events; the bytes live with the workers, which the leader tells what to copy.
 //!
+//! The block manager is one leader and one worker in one process; the vLLM connector runs the
+//! leader in the scheduler process and a worker per GPU.
+//!
 //! Invariants:
-//! - Block ids handed to workers (onboards and offloads) stay held for [`HOLD_STEPS`] more steps
-//!   ([`Leader::end_step`]), so that no block a worker may still be copying is evicted and handed
+//! - Block ids handed to workers (onboards and offloads) stay held for `hold_steps` more steps
+//!   ([`Leader::end_step`]; [`HOLD_STEPS`] across processes, where the leader does not see when
+//!   a worker is done), so that no block a worker may still be copying is evicted and handed
 //!   out again meanwhile; an asynchronous onboard's blocks stay held until [`Leader::release`].
+//!   A worker in the same process orders its copies itself (see `crate::worker`), so the block
+//!   manager holds for 0 steps.
 //! - A block is findable (and announced) as soon as its offload is planned: workers order their
 //!   copies so that nothing reads a host block before the offload into it completed, and an offload that
 //!   could not run leaves its host block unreadable (never served).
@@ -30,8 +36,24 @@ use crate::CoreError;
 /// Events queued for [`Leader::take_events`] at most (beyond it they are dropped and counted).
 pub const EVENT_QUEUE_MAX: usize = 1 << 20;
 
-/// Steps a block handed to workers stays held.
+/// Steps a block handed to workers in other processes stays held.
 pub const HOLD_STEPS: u64 = 2;
+
+/// What a leader manages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaderOptions {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks of the host tier (at least 1).
+    pub host_blocks: usize,
+    /// Blocks of the disk tier (0: none).
+    pub disk_blocks: usize,
+    /// Admit every host block to disk on first sight.
+    pub disk_filter_disabled: bool,
+    /// Steps a block handed to workers stays held ([`HOLD_STEPS`] for workers in other
+    /// processes).
+    pub hold_steps: u64,
+}
 
 /// One block to offload: its sequence hash, its parent's, and its tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +98,17 @@ pub struct OnboardHolds {
     pub disk_reads: Vec<DiskRead>,
 }
 
+/// Where an offload's blocks go.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placed {
+    /// Per block, the host block to offload it into, or None.
+    pub host: Vec<Option<u32>>,
+    /// Blocks the host tier held already (or named twice).
+    pub deduplicated: usize,
+    /// Blocks with no host block to spare.
+    pub skipped: usize,
+}
+
 /// The counts of both tiers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LeaderCounts {
@@ -85,14 +118,6 @@ pub struct LeaderCounts {
     pub disk: Option<PoolCounts>,
     /// Events dropped because nobody took them in time.
     pub events_lost: u64,
-}
-
-/// A block about to be registered in the host tier.
-struct Planned {
-    hash: u64,
-    parent: Option<u64>,
-    tokens: Arc<[u32]>,
-    lora: Option<Arc<str>>,
 }
 
 /// The logical host and disk tiers of a split engine.
@@ -108,8 +133,10 @@ pub struct Leader {
     /// What an asynchronous onboard holds, by request, until `release`.
     pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<FillingBlock>)>,
     publisher: EventPublisher,
-    events: EventSubscriber,
+    /// The leader's own subscription ([`Self::take_events`]), when it made its publisher.
+    events: Option<EventSubscriber>,
     events_lost: u64,
+    hold_steps: u64,
     /// Blocks handed out, with the step they were handed out in.
     held: VecDeque<(u64, Vec<RegisteredBlock>)>,
     step: u64,
@@ -143,18 +170,45 @@ impl Leader {
         disk_blocks: usize,
         disk_filter_disabled: bool,
     ) -> Result<Self, CoreError> {
-        if block_size == 0 {
-            return Err(CoreError::InvalidArgument(
-                "block_size must be at least 1".into(),
-            ));
+        let publisher = EventPublisher::new();
+        let events = publisher.subscribe(EVENT_QUEUE_MAX);
+        let mut leader = Self::with_publisher(
+            LeaderOptions {
+                block_size,
+                host_blocks,
+                disk_blocks,
+                disk_filter_disabled,
+                hold_steps: HOLD_STEPS,
+            },
+            publisher,
+        )?;
+        leader.events = Some(events);
+        Ok(leader)
+    }
+
+    /// A leader publishing its tiers' events through `publisher` (the caller subscribes;
+    /// [`Self::take_events`] returns nothing).
+    pub fn with_publisher(
+        options: LeaderOptions,
+        publisher: EventPublisher,
+    ) -> Result<Self, CoreError> {
+        let LeaderOptions {
+            block_size,
+            host_blocks,
+            disk_blocks,
+            disk_filter_disabled,
+            hold_steps,
+        } = options;
+        if block_size == 0 || host_blocks == 0 {
+            return Err(CoreError::InvalidArgument(format!(
+                "block_size {block_size} and host_blocks {host_blocks} must be at least 1"
+            )));
         }
         if host_blocks.max(disk_blocks) >= u32::MAX as usize {
             return Err(CoreError::InvalidArgument(format!(
                 "{host_blocks} host / {disk_blocks} disk blocks: block ids are 32-bit"
             )));
         }
-        let publisher = EventPublisher::new();
-        let events = publisher.subscribe(EVENT_QUEUE_MAX);
         let host = BlockPool::new(Tier::Host, host_blocks, block_size, Some(publisher.clone()));
         let disk = (disk_blocks > 0)
             .then(|| BlockPool::new(Tier::Disk, disk_blocks, block_size, Some(publisher.clone())));
@@ -167,8 +221,9 @@ impl Leader {
             staging: VecDeque::new(),
             pinned: HashMap::new(),
             publisher,
-            events,
+            events: None,
             events_lost: 0,
+            hold_steps,
             held: VecDeque::new(),
             step: 0,
             plan: StepPlan::default(),
@@ -297,6 +352,110 @@ impl Leader {
         n
     }
 
+    /// The offload of blocks a GPU tier holds (the block manager's): registers those not in the
+    /// host tier yet and returns, per block, the host block to offload it into, or None (see
+    /// [`Self::offload`]).
+    pub fn offload_identities(&mut self, blocks: Vec<BlockIdentity>) -> Result<Placed, CoreError> {
+        self.register_blocks(blocks)
+    }
+
+    /// Counts into `metrics` (shared with whoever exports them) from now on.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Sightings of host blocks (prefix hits) for disk admission.
+    pub fn sight_host(&mut self, blocks: &[RegisteredBlock]) {
+        let now = Instant::now();
+        for b in blocks.iter().filter(|b| b.tier() == Tier::Host) {
+            self.sight(b, now);
+        }
+    }
+
+    /// Staging host blocks for reading held disk blocks (in order; fewer when the host tier
+    /// has no block to spare): the reads, and the blocks to register once they landed
+    /// ([`Self::register_staged`]).
+    pub fn stage_disk_reads(
+        &mut self,
+        disk_blocks: &[RegisteredBlock],
+    ) -> Result<(Vec<DiskRead>, Vec<FillingBlock>), CoreError> {
+        if let Some(b) = disk_blocks.iter().find(|b| b.tier() != Tier::Disk) {
+            return Err(CoreError::InvalidArgument(format!(
+                "{b:?} is not a disk block"
+            )));
+        }
+        let staging = self.host.allocate_up_to(disk_blocks.len());
+        let reads = disk_blocks
+            .iter()
+            .zip(&staging)
+            .map(|(d, h)| DiskRead {
+                disk: d.id().0,
+                host: h.id().0,
+                key: d.sequence_hash().0,
+            })
+            .collect();
+        Ok((reads, staging))
+    }
+
+    /// Registers staging host blocks whose disk reads landed, under their disk blocks'
+    /// identities; returns them held.
+    pub fn register_staged(
+        &mut self,
+        staged: Vec<(FillingBlock, BlockIdentity)>,
+    ) -> Result<Vec<RegisteredBlock>, CoreError> {
+        self.host
+            .register_all(staged.into_iter().map(|(b, id)| b.complete(id)).collect())
+            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))
+    }
+
+    /// Adopts what a worker's disk file held when it opened (`(disk block, key, metadata)`):
+    /// each block with a readable identity is registered in the disk tier and announced
+    /// (`BlockStored{tier: Disk}`). Only for a leader whose disk tier is empty and one worker
+    /// (another rank's file may hold other blocks). Returns how many were adopted.
+    pub fn adopt_disk(&mut self, found: Vec<(u32, u64, Vec<u8>)>) -> Result<usize, CoreError> {
+        let Some(disk) = &self.disk else {
+            return Ok(0);
+        };
+        let total = found.len();
+        let found: Vec<(crate::pool::BlockId, BlockIdentity)> = found
+            .into_iter()
+            .filter_map(|(slot, key, metadata)| {
+                Some((
+                    crate::pool::BlockId(slot),
+                    crate::disk::decode_identity(SequenceHash(key), &metadata)?,
+                ))
+            })
+            .collect();
+        if found.len() < total {
+            tracing::warn!(
+                unreadable = total - found.len(),
+                "recovered disk blocks without a readable identity were dropped"
+            );
+        }
+        let ids: Vec<crate::pool::BlockId> = found.iter().map(|(id, _)| *id).collect();
+        let claimed = disk.claim(&ids)?;
+        let complete = claimed
+            .into_iter()
+            .zip(found)
+            .map(|(b, (_, identity))| b.complete(identity))
+            .collect();
+        let adopted = disk
+            .register_all(complete)
+            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))?;
+        Ok(adopted.len())
+    }
+
+    /// The host tier's pool.
+    pub fn host_pool(&self) -> &BlockPool {
+        &self.host
+    }
+
+    /// The disk tier's pool, if any.
+    pub fn disk_pool(&self) -> Option<&BlockPool> {
+        self.disk.as_ref()
+    }
+
     /// The tiers' event publisher (subscribe to follow the host and disk tiers' events, e.g. with
     /// a ZMQ publisher).
     pub fn publisher(&self) -> &EventPublisher {
@@ -360,14 +519,14 @@ impl Leader {
         let lora: Option<Arc<str>> = lora_name.map(Arc::from);
         let planned = blocks
             .into_iter()
-            .map(|b| Planned {
-                hash: b.hash,
-                parent: b.parent,
+            .map(|b| BlockIdentity {
+                sequence_hash: SequenceHash(b.hash),
+                parent: b.parent.map(SequenceHash),
                 tokens: Arc::from(b.tokens),
-                lora: lora.clone(),
+                lora_name: lora.clone(),
             })
             .collect();
-        self.register_blocks(planned)
+        Ok(self.register_blocks(planned)?.host)
     }
 
     /// The sequence hashes of each run's blocks (no side effects; for callers that hash without
@@ -416,16 +575,16 @@ impl Leader {
             let lora: Option<Arc<str>> = run.lora_name.as_deref().map(Arc::from);
             let mut prev = run.parent;
             for (hash, block) in hashes.iter().zip(run.tokens.chunks_exact(b)) {
-                planned.push(Planned {
-                    hash: *hash,
-                    parent: prev,
+                planned.push(BlockIdentity {
+                    sequence_hash: SequenceHash(*hash),
+                    parent: prev.map(SequenceHash),
                     tokens: Arc::from(block),
-                    lora: lora.clone(),
+                    lora_name: lora.clone(),
                 });
                 prev = Some(*hash);
             }
         }
-        let mut ids = self.register_blocks(planned)?.into_iter();
+        let mut ids = self.register_blocks(planned)?.host.into_iter();
         Ok(hashed
             .into_iter()
             .map(|hashes| {
@@ -538,20 +697,20 @@ impl Leader {
         Ok(plan)
     }
 
-    /// Ends a step: blocks handed out [`HOLD_STEPS`] steps ago become evictable again.
+    /// Ends a step: blocks handed out `hold_steps` steps ago become evictable again.
     pub fn end_step(&mut self) {
         self.step += 1;
         while self
             .held
             .front()
-            .is_some_and(|(s, _)| s + HOLD_STEPS <= self.step)
+            .is_some_and(|(s, _)| s + self.hold_steps <= self.step)
         {
             self.held.pop_front();
         }
         while self
             .staging
             .front()
-            .is_some_and(|(s, _)| s + HOLD_STEPS <= self.step)
+            .is_some_and(|(s, _)| s + self.hold_steps <= self.step)
         {
             self.staging.pop_front();
         }
@@ -560,10 +719,17 @@ impl Leader {
     /// Drops every held block and clears the tiers' registries (one `AllBlocksCleared`).
     /// Asynchronous onboards in flight keep their blocks: the reset is then refused (busy).
     pub fn reset(&mut self) -> Result<(), CoreError> {
+        self.reset_with(&[])
+    }
+
+    /// As [`Self::reset`], clearing `others` too in the same event (the block manager's GPU
+    /// tier): all or nothing.
+    pub fn reset_with(&mut self, others: &[&BlockPool]) -> Result<(), CoreError> {
         self.held.clear();
         self.staging.clear();
         self.admitted.clear();
-        let mut pools = vec![&self.host];
+        let mut pools = others.to_vec();
+        pools.push(&self.host);
         pools.extend(self.disk.as_ref());
         clear_across(&pools)
     }
@@ -571,7 +737,10 @@ impl Leader {
     /// The events since the last call (host and disk tiers, in order).
     pub fn take_events(&mut self) -> Vec<KvEvent> {
         let mut out = Vec::new();
-        while let Some(d) = self.events.try_recv() {
+        let Some(events) = &mut self.events else {
+            return out;
+        };
+        while let Some(d) = events.try_recv() {
             self.events_lost += d.missed_before;
             out.push(d.record.event.clone());
         }
@@ -599,32 +768,39 @@ impl Leader {
         })
     }
 
-    /// Registers the planned blocks not in the host tier yet; per block, the host block to offload
-    /// it into, or None (already there, a duplicate in the list, or no block to spare).
-    fn register_blocks(&mut self, blocks: Vec<Planned>) -> Result<Vec<Option<u32>>, CoreError> {
+    /// Registers the blocks not in the host tier yet; per block, the host block to offload it
+    /// into, or None: already there (a sighting for disk admission, counted as de-duplicated),
+    /// a duplicate in the list (de-duplicated), or no block to spare (skipped).
+    fn register_blocks(&mut self, blocks: Vec<BlockIdentity>) -> Result<Placed, CoreError> {
         if let Some(b) = blocks.iter().find(|b| b.tokens.len() != self.block_size) {
             return Err(CoreError::InvalidArgument(format!(
                 "block {:#x} has {} tokens, blocks have {}",
-                b.hash,
+                b.sequence_hash.0,
                 b.tokens.len(),
                 self.block_size
             )));
         }
+        let now = Instant::now();
         let mut out = vec![None; blocks.len()];
-        let missing: Vec<usize> = (0..blocks.len())
-            .filter(|&i| !self.host.contains(SequenceHash(blocks[i].hash)))
-            .collect();
-        let mut completed = Vec::with_capacity(missing.len());
-        let mut positions = Vec::with_capacity(missing.len());
+        let mut missing = Vec::with_capacity(blocks.len());
+        let mut present = 0usize;
+        for (i, b) in blocks.iter().enumerate() {
+            match self.host.lookup(b.sequence_hash) {
+                Some(resident) => {
+                    present += 1;
+                    self.sight(&resident, now);
+                }
+                None => missing.push(i),
+            }
+        }
         let fresh = self.host.allocate_up_to(missing.len());
+        let skipped = missing.len() - fresh.len();
+        let mut completed = Vec::with_capacity(fresh.len());
+        let mut positions = Vec::with_capacity(fresh.len());
+        let mut blocks: Vec<Option<BlockIdentity>> = blocks.into_iter().map(Some).collect();
         for (block, &i) in fresh.into_iter().zip(&missing) {
-            let planned = &blocks[i];
-            completed.push(block.complete(BlockIdentity {
-                sequence_hash: SequenceHash(planned.hash),
-                parent: planned.parent.map(SequenceHash),
-                tokens: planned.tokens.clone(),
-                lora_name: planned.lora.clone(),
-            }));
+            let identity = blocks[i].take().expect("each position once");
+            completed.push(block.complete(identity));
             positions.push(i);
         }
         let registered = self
@@ -633,17 +809,24 @@ impl Leader {
             .map_err(|r| CoreError::InvalidArgument(r.reason.into()))?;
         let mut kept = Vec::with_capacity(registered.len());
         let mut seen = HashSet::with_capacity(registered.len());
-        let now = Instant::now();
         for (block, i) in registered.into_iter().zip(positions) {
             // A duplicate within this list resolves to the block registered first: offload once.
             if seen.insert(block.id().0) {
                 out[i] = Some(block.id().0);
                 self.sight(&block, now);
+            } else {
+                present += 1;
             }
             kept.push(block);
         }
+        add(&self.metrics.offload_deduplicated_blocks, present as u64);
+        add(&self.metrics.offload_skipped_blocks, skipped as u64);
         self.keep(kept);
-        Ok(out)
+        Ok(Placed {
+            host: out,
+            deduplicated: present,
+            skipped,
+        })
     }
 
     /// A sighting of a host block for disk admission; admitted blocks not on disk yet queue for

@@ -1,8 +1,10 @@
 //! kvbm-core: the block manager. Policy lives here; mechanisms live in the leaf crates.
 //!
 //! Owns: KV layouts and the copy pieces between them ([`layout`]), per-tier pools with the block
-//! lifecycle and the registry ([`pool`]), eviction policies ([`eviction`]), the offload/onboard
-//! engine ([`transfer`]), the manager that ties a GPU and a host tier together ([`manager`]),
+//! lifecycle and the registry ([`pool`]), eviction policies ([`eviction`]), the split engine (the
+//! [`leader`] decides, the [`worker`] moves bytes through the [`copy`] engine and the disk
+//! hand-off, executing a [`plan`]), the block manager that is one leader and one worker in one
+//! process ([`manager`]), the connector's per-request bookkeeping ([`requests`]),
 //! configuration from Dynamo's environment variables ([`config`]) and counters ([`metrics`]).
 //! Does not own: moving bytes (kvbm-cuda), hashing and events (kvbm-events).
 //!
@@ -28,8 +30,7 @@ pub mod worker;
 
 pub use config::{ConfigError, KvbmConfig, TierSize};
 pub use disk::{
-    decode_identity, encode_identity, layout_fingerprint, Admission, DiskOptions, DiskTier,
-    ADMIT_THRESHOLD,
+    decode_identity, encode_identity, layout_fingerprint, Admission, DiskOptions, ADMIT_THRESHOLD,
 };
 pub use error::CoreError;
 pub use eviction::{EvictionPolicy, LruPriority};
@@ -38,7 +39,8 @@ pub use layout::{
     TensorView, ViewsLayout, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES, RUNS_PER_BLOCK_MAX,
 };
 pub use leader::{
-    DiskRead, DiskWrite, Leader, LeaderCounts, OffloadBlock, Offloaded, OnboardHolds, TokenRun,
+    DiskRead, DiskWrite, Leader, LeaderCounts, LeaderOptions, OffloadBlock, Offloaded,
+    OnboardHolds, Placed, TokenRun, HOLD_STEPS,
 };
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
@@ -54,7 +56,4 @@ pub use worker::{
 pub use kvbm_cuda::{DeviceKind, Direction, StreamHold};
 pub use kvbm_disk::EngineChoice;
 pub use kvbm_events::{BlockHasher, KvEvent, SequenceHash, Tier};
-pub use transfer::{
-    BatchLatency, HostStoredHook, TierStorage, TransferEngine, TransferLimits, TransferOutcome,
-    TransferTicket,
-};
+pub use transfer::{BatchLatency, TransferLimits, TransferOutcome, TransferTicket};

@@ -1,28 +1,40 @@
-//! The block manager: a GPU tier and a pinned host tier, their registry, and the engine that moves
-//! blocks between them, publishing a tier-annotated event for every change.
+//! The block manager: one [`Leader`] and one [`Worker`] in one process, with a GPU tier of its own
+//! (the pool an engine would keep). The leader decides (host and disk block ids, the registry,
+//! holds, admission, events), the worker moves the bytes (copy streams, the pinned host pool, the
+//! disk file), exactly as they do for the vLLM connector; this type only hands one to the other
+//! and turns block handles into ids and back.
 //!
 //! Invariants:
-//! - Both tiers share one event publisher, so one subscriber sees every tier's changes in order.
-//! - The host tier is fully contiguous with 4 KiB-aligned block strides, and its memory is pinned
-//!   in chunks that are whole multiples of the stride, so no block straddles two pinned chunks.
-//! - Host blocks become allocatable only once their memory is pinned.
+//! - Every tier shares one event publisher, so one subscriber sees every tier's changes in order.
+//! - An offloaded block is findable (and announced) in the host tier as soon as its copy is
+//!   queued, as with the connector: the worker orders every copy and disk I/O touching a host
+//!   block after the offload into it, and a failed offload's block leaves the tier (never
+//!   served). An onboarded GPU block is registered only once its copy completed.
+//! - Planning and submitting happen under one lock (leader, then worker), so nothing can find a
+//!   block between the leader's decision and the worker's queueing of its copy.
+//! - An offload's GPU sources and an onboard's host sources stay held until their batch
+//!   completed; no callback of the copy engine takes that lock.
+//! - The host pool is pinned in the background in chunks of whole blocks; a copy waits for the
+//!   blocks it touches.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
-use kvbm_cuda::{Device, DeviceKind, Direction, GpuRegion, HostRegion, HostRegionOptions, Region};
+use kvbm_cuda::{Device, DeviceKind, GpuRegion, HostRegion, HostRegionOptions};
+use kvbm_disk::DiskStore;
 use kvbm_events::{EventPublisher, EventSubscriber, SequenceHash, Tier};
+use parking_lot::Mutex;
 
 use crate::config::KvbmConfig;
-use crate::disk::{DiskOptions, DiskTier};
+use crate::copy::{BatchDone, OnBatch};
+use crate::disk::DiskOptions;
 use crate::layout::{BlockLayout, GpuLayout, KvLayout};
+use crate::leader::{Leader, LeaderOptions};
 use crate::metrics::{add, Metrics, MetricsSnapshot};
-use crate::pool::{
-    clear_across, match_across, BlockId, BlockPool, CompleteBlock, FillingBlock, RegisteredBlock,
-};
-use crate::transfer::{
-    HostStoredHook, TierStorage, TransferEngine, TransferLimits, TransferTicket,
-};
+use crate::pool::{match_across, BlockId, BlockPool, CompleteBlock, FillingBlock, RegisteredBlock};
+use crate::transfer::{BatchLatency, TicketShared, TransferLimits, TransferTicket};
+use crate::worker::{Worker, WorkerOptions};
 use crate::CoreError;
 
 /// Target size of one pinning chunk; rounded to whole host blocks.
@@ -138,15 +150,51 @@ impl PrefixMatch {
     }
 }
 
+/// The two halves, behind one lock (leader first, then worker).
+struct Halves {
+    leader: Leader,
+    worker: Worker,
+}
+
+impl Halves {
+    /// Takes in what the worker learnt since: offloads settled, blocks gone bad (which leave
+    /// their tiers).
+    fn settle(&mut self) {
+        self.worker.poll_offloads();
+        let (host, disk) = self.worker.take_bad();
+        if !host.is_empty() || !disk.is_empty() {
+            self.leader.discard(&host, &disk);
+        }
+    }
+
+    /// Hands the disk writes the leader admitted to the worker (each after the offload into its
+    /// host block); a write that cannot be queued leaves the disk tier at once.
+    fn queue_disk_writes(&mut self) -> Result<(), CoreError> {
+        let writes = self.leader.take_disk_writes()?;
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let disk: Vec<u32> = writes.iter().map(|w| w.disk).collect();
+        self.worker.disk_write(writes).inspect_err(|_| {
+            self.leader.discard(&[], &disk);
+        })
+    }
+}
+
 /// The block manager over the GPU, host and (optionally) disk tiers.
 pub struct BlockManager {
     device: Device,
     kv: KvLayout,
     events: EventPublisher,
     metrics: Arc<Metrics>,
-    /// Declared before `disk`: it drops first, so its last offloads reach the disk writer.
-    engine: TransferEngine,
-    disk: Option<Arc<DiskTier>>,
+    gpu: BlockPool,
+    /// The leader's pools, shared for matching (pools are thread-safe).
+    host: BlockPool,
+    disk: Option<BlockPool>,
+    gpu_layout: BlockLayout,
+    host_region: HostRegion,
+    limits: TransferLimits,
+    halves: Mutex<Halves>,
     /// Declared last: it drops last, after the tiers' final events.
     zmq: Option<kvbm_events::ZmqPublisher>,
 }
@@ -156,16 +204,16 @@ impl std::fmt::Debug for BlockManager {
         f.debug_struct("BlockManager")
             .field("device", &self.device.kind())
             .field("kv", &self.kv)
-            .field("gpu", &self.gpu_pool().counts())
-            .field("host", &self.host_pool().counts())
+            .field("gpu", &self.gpu.counts())
+            .field("host", &self.host.counts())
             .finish()
     }
 }
 
 impl BlockManager {
     /// Builds the tiers on `device`: GPU memory allocated or registered, host memory mapped and
-    /// pinned in the background (usable as it becomes ready), and the disk tier if configured
-    /// (announcing what it recovered).
+    /// pinned in the background (copies wait for the blocks they touch), and the disk tier if
+    /// configured (announcing what it recovered).
     pub fn new(
         device: Device,
         options: ManagerOptions,
@@ -223,81 +271,60 @@ impl BlockManager {
         };
         let addrs: Vec<u64> = gpu_regions.iter().map(GpuRegion::addr).collect();
         let gpu_layout = options.gpu_layout.place(kv, options.gpu_blocks, &addrs)?;
-        let geometry_id = gpu_layout.geometry_id();
-        let gpu = TierStorage {
-            pool: BlockPool::new(
-                Tier::Gpu,
-                options.gpu_blocks,
-                kv.block_size_tokens,
-                Some(events.clone()),
-            ),
-            layout: gpu_layout,
-            regions: gpu_regions.into_iter().map(Region::from).collect(),
-            host_region: None,
-        };
-
-        let stride = kv.host_stride_bytes();
-        let host_bytes = stride
-            .checked_mul(options.host_blocks)
-            .ok_or_else(|| CoreError::InvalidArgument("host tier size overflows".into()))?;
-        let host_region =
-            device.alloc_host(host_bytes, host_pin_options(stride, options.pin_threads))?;
-        let host = TierStorage {
-            pool: BlockPool::with_policy(
-                Tier::Host,
-                options.host_blocks,
-                kv.block_size_tokens,
-                Some(events.clone()),
-                Box::new(crate::eviction::LruPriority::new(options.host_blocks)),
-                0,
-            ),
-            layout: BlockLayout::host(kv, options.host_blocks, host_region.addr()),
-            regions: vec![Region::from(host_region.clone())],
-            host_region: Some(host_region),
-        };
-        host.refresh_available();
-
-        let disk = match &options.disk {
-            None => None,
-            Some(disk_options) => {
-                let pool = BlockPool::new(
-                    Tier::Disk,
-                    disk_options.blocks,
-                    kv.block_size_tokens,
-                    Some(events.clone()),
-                );
-                let host_region = host
-                    .host_region
-                    .clone()
-                    .expect("the host tier has a host region");
-                Some(Arc::new(DiskTier::open(
-                    disk_options,
-                    kv,
-                    geometry_id,
-                    pool,
-                    host.pool.clone(),
-                    host.layout.clone(),
-                    host_region,
-                    metrics.clone(),
-                )?))
-            }
-        };
-        let hook: Option<HostStoredHook> = disk.clone().map(|disk| {
-            Arc::new(move |blocks: &[RegisteredBlock]| {
-                disk.consider(blocks, std::time::Instant::now())
-            }) as HostStoredHook
-        });
-        let d2h = device.copy_stream_with(Direction::DeviceToHost, options.limits.copy)?;
-        let h2d = device.copy_stream_with(Direction::HostToDevice, options.limits.copy)?;
-        let engine =
-            TransferEngine::new(gpu, host, d2h, h2d, options.limits, metrics.clone(), hook)?;
+        let gpu = BlockPool::new(
+            Tier::Gpu,
+            options.gpu_blocks,
+            kv.block_size_tokens,
+            Some(events.clone()),
+        );
+        let disk_blocks = options.disk.as_ref().map_or(0, |d| d.blocks);
+        let mut worker = Worker::new(
+            device.clone(),
+            kv,
+            gpu_layout.clone(),
+            gpu_regions,
+            WorkerOptions {
+                host_blocks: options.host_blocks,
+                limits: options.limits,
+                disk: options.disk.clone(),
+                pin_threads: options.pin_threads,
+                ..WorkerOptions::default()
+            },
+            metrics.clone(),
+        )?;
+        // The worker is in this process and orders its copies itself: nothing is held for
+        // steps (see the leader's invariants).
+        let mut leader = Leader::with_publisher(
+            LeaderOptions {
+                block_size: kv.block_size_tokens,
+                host_blocks: options.host_blocks,
+                disk_blocks,
+                disk_filter_disabled: options.disk.as_ref().is_some_and(|d| d.filter_disabled),
+                hold_steps: 0,
+            },
+            events.clone(),
+        )?
+        .with_metrics(metrics.clone());
+        let recovered = worker.take_recovered_disk();
+        if !recovered.is_empty() {
+            let adopted = leader.adopt_disk(recovered)?;
+            tracing::info!(blocks = adopted, "disk tier recovered");
+        }
+        let host = leader.host_pool().clone();
+        let disk = leader.disk_pool().cloned();
+        let host_region = worker.host_region().clone();
         Ok(Self {
             device,
             kv,
             events,
             metrics,
-            engine,
+            gpu,
+            host,
             disk,
+            gpu_layout,
+            host_region,
+            limits: options.limits,
+            halves: Mutex::new(Halves { leader, worker }),
             zmq,
         })
     }
@@ -319,7 +346,7 @@ impl BlockManager {
 
     /// Where the GPU tier's blocks live (its runs per block are the copies one block takes).
     pub fn gpu_layout(&self) -> &BlockLayout {
-        &self.engine.gpu().layout
+        &self.gpu_layout
     }
 
     /// The event publisher of every tier.
@@ -332,7 +359,7 @@ impl BlockManager {
         self.events.subscribe(capacity_events)
     }
 
-    /// The counters.
+    /// The counters (the leader's and the worker's).
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
@@ -340,18 +367,35 @@ impl BlockManager {
     /// The counters now, with the host tier's pinned bytes.
     pub fn metrics_snapshot(&self) -> MetricsSnapshot {
         let mut snapshot = self.metrics.snapshot();
-        snapshot.host_pinned_bytes_ready = self.host_region().ready_bytes() as u64;
+        snapshot.host_pinned_bytes_ready = self.host_region.ready_bytes() as u64;
         snapshot
     }
 
     /// The GPU tier's pool.
     pub fn gpu_pool(&self) -> &BlockPool {
-        &self.engine.gpu().pool
+        &self.gpu
     }
 
-    /// The host tier's pool.
+    /// The host tier's pool (the leader's).
     pub fn host_pool(&self) -> &BlockPool {
-        &self.engine.host().pool
+        &self.host
+    }
+
+    /// The disk tier's pool (the leader's), if any.
+    pub fn disk_pool(&self) -> Option<&BlockPool> {
+        self.disk.as_ref()
+    }
+
+    /// Runs `f` on the disk store (its stats, engine and file), if any.
+    pub fn with_disk_store<T>(&self, f: impl FnOnce(&DiskStore) -> T) -> Option<T> {
+        self.halves.lock().worker.disk_store().map(f)
+    }
+
+    /// Waits up to `timeout` for the host pool's registration for fixed-buffer disk I/O (done
+    /// in the background once the pool is pinned); `Some(true)` when registered, `Some(false)`
+    /// when it failed, `None` when not decided yet or without a disk tier.
+    pub fn wait_disk_registered(&self, timeout: Duration) -> Option<bool> {
+        self.halves.lock().worker.wait_disk_registered(timeout)
     }
 
     /// The ZMQ publisher of this manager's events, if configured.
@@ -359,34 +403,24 @@ impl BlockManager {
         self.zmq.as_ref()
     }
 
-    /// The disk tier, if configured.
-    pub fn disk(&self) -> Option<&DiskTier> {
-        self.disk.as_deref()
-    }
-
     /// The host tier's memory.
     pub fn host_region(&self) -> &HostRegion {
-        self.engine
-            .host()
-            .host_region
-            .as_ref()
-            .expect("the host tier has a host region")
+        &self.host_region
     }
 
-    /// The transfer engine's limits.
+    /// The copy limits.
     pub fn limits(&self) -> TransferLimits {
-        self.engine.limits()
+        self.limits
     }
 
-    /// Makes the host blocks whose memory is pinned by now allocatable; returns how many are.
+    /// Host blocks usable now (all of them: a copy waits for its blocks' memory to be pinned).
     pub fn refresh_host_available(&self) -> usize {
-        self.engine.host().refresh_available();
-        self.host_pool().available()
+        self.host.available()
     }
 
     /// Takes `count` GPU blocks for writing (evicting idle ones if needed).
     pub fn allocate_gpu(&self, count: usize) -> Result<Vec<FillingBlock>, CoreError> {
-        self.gpu_pool().allocate(count)
+        self.gpu.allocate(count)
     }
 
     /// Registers complete GPU blocks (publishing `BlockStored` for tier Gpu).
@@ -394,7 +428,7 @@ impl BlockManager {
         &self,
         blocks: Vec<CompleteBlock>,
     ) -> Result<Vec<RegisteredBlock>, CoreError> {
-        self.gpu_pool()
+        self.gpu
             .register_all(blocks)
             .map_err(|r| CoreError::InvalidArgument(r.reason.into()))
     }
@@ -409,25 +443,107 @@ impl BlockManager {
         Ok((registered, ticket))
     }
 
-    /// Copies registered GPU blocks to the host tier.
+    /// Copies registered GPU blocks to the host tier: the leader places them (blocks the host
+    /// tier holds are no-ops and count as sightings for disk admission; blocks without room are
+    /// skipped and counted), the worker copies them, and the blocks admitted to disk are written
+    /// there after their copy.
     pub fn offload(&self, blocks: &[RegisteredBlock]) -> Result<TransferTicket, CoreError> {
-        self.engine.offload(blocks)
+        if let Some(b) = blocks.iter().find(|b| b.tier() != Tier::Gpu) {
+            return Err(CoreError::InvalidArgument(format!(
+                "offload source {b:?} is not a GPU block"
+            )));
+        }
+        let mut halves = self.halves.lock();
+        let h = &mut *halves;
+        h.settle();
+        let placed = h
+            .leader
+            .offload_identities(blocks.iter().map(RegisteredBlock::identity).collect())?;
+        let mut pairs = Vec::with_capacity(blocks.len());
+        let mut sources = HashMap::with_capacity(blocks.len());
+        for (block, host) in blocks.iter().zip(&placed.host) {
+            if let Some(host) = *host {
+                pairs.push((block.id().0, host));
+                sources.insert(block.id().0, block.clone());
+            }
+        }
+        let record = TicketShared::new(0, placed.deduplicated, placed.skipped);
+        let on_batch = offload_callback(sources, record.clone());
+        let copy = match h.worker.offload_with(&pairs, &[], Some(on_batch)) {
+            Ok(copy) => copy,
+            Err(err) => {
+                // Nothing will fill the host blocks the leader registered: they leave.
+                let hosts: Vec<u32> = pairs.iter().map(|&(_, host)| host).collect();
+                h.leader.discard(&hosts, &[]);
+                h.leader.end_step();
+                return Err(err);
+            }
+        };
+        let queued = h.queue_disk_writes();
+        h.leader.end_step();
+        queued?;
+        Ok(TransferTicket::new(record, copy))
     }
 
-    /// Copies held host blocks into the given GPU blocks; each becomes a registered GPU block.
+    /// Copies held host blocks into the given GPU blocks (one target per source, in order);
+    /// each target is registered under its source's identity once its copy completed, and
+    /// returns to `Free` if it failed (or its host block is bad).
     pub fn onboard(
         &self,
         sources: Vec<RegisteredBlock>,
         targets: Vec<FillingBlock>,
     ) -> Result<TransferTicket, CoreError> {
-        self.engine.onboard(sources, targets)
+        if sources.len() != targets.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} sources for {} targets",
+                sources.len(),
+                targets.len()
+            )));
+        }
+        if sources.iter().any(|b| b.tier() != Tier::Host)
+            || targets.iter().any(|b| b.tier() != Tier::Gpu)
+        {
+            return Err(CoreError::InvalidArgument(
+                "onboard copies host blocks into GPU blocks".into(),
+            ));
+        }
+        let pairs: Vec<(u32, u32)> = sources
+            .iter()
+            .zip(&targets)
+            .map(|(s, t)| (s.id().0, t.id().0))
+            .collect();
+        let record = TicketShared::new(pairs.len(), 0, 0);
+        let slots: HashMap<u32, OnboardSlot> = sources
+            .into_iter()
+            .zip(targets)
+            .enumerate()
+            .map(|(i, (source, target))| (target.id().0, (i, source, target)))
+            .collect();
+        let slots = Arc::new(Mutex::new(slots));
+        let on_batch = onboard_callback(self.gpu.clone(), slots.clone(), record.clone());
+        let mut halves = self.halves.lock();
+        halves.settle();
+        let (copy, refused) = halves.worker.onboard_with(&pairs, Some(on_batch))?;
+        drop(halves);
+        if !refused.is_empty() {
+            // Never copied: their targets go back to Free.
+            let mut slots = slots.lock();
+            for g in &refused {
+                slots.remove(g);
+            }
+            record.refused(CoreError::TransferFailed(format!(
+                "{} host blocks hold no valid copy",
+                refused.len()
+            )));
+        }
+        Ok(TransferTicket::new(record, copy))
     }
 
-    /// Matches `hashes` from the first across GPU then host, each block from the fastest tier
-    /// that holds it, stopping at the first miss.
+    /// Matches `hashes` from the first across GPU then host (then disk), each block from the
+    /// fastest tier that holds it, stopping at the first miss.
     pub fn match_prefix(&self, hashes: &[SequenceHash]) -> PrefixMatch {
-        let mut pools = vec![self.gpu_pool(), self.host_pool()];
-        pools.extend(self.disk.as_deref().map(DiskTier::pool));
+        let mut pools = vec![&self.gpu, &self.host];
+        pools.extend(self.disk.as_ref());
         PrefixMatch {
             blocks: match_across(&pools, hashes),
         }
@@ -435,46 +551,68 @@ impl BlockManager {
 
     /// Matches `hashes` below the GPU: host first, and disk blocks continue the prefix where the
     /// host match stops (what a connector onboards beyond the engine's own GPU prefix cache).
-    /// Host hits count as sightings for disk admission.
+    /// Host hits count as sightings for disk admission (admitted blocks are written to disk).
     pub fn match_lower(&self, hashes: &[SequenceHash]) -> PrefixMatch {
-        let mut pools = vec![self.host_pool()];
-        pools.extend(self.disk.as_deref().map(DiskTier::pool));
+        let mut pools = vec![&self.host];
+        pools.extend(self.disk.as_ref());
         let blocks = match_across(&pools, hashes);
-        let host_hits: Vec<RegisteredBlock> = blocks
-            .iter()
-            .filter(|b| b.tier() == Tier::Host)
-            .cloned()
-            .collect();
+        let host_hits = blocks.iter().filter(|b| b.tier() == Tier::Host).count();
         add(&self.metrics.host_lookup_blocks, hashes.len() as u64);
-        add(&self.metrics.host_hit_blocks, host_hits.len() as u64);
+        add(&self.metrics.host_hit_blocks, host_hits as u64);
         add(
             &self.metrics.matched_tokens,
             (blocks.len() * self.kv.block_size_tokens) as u64,
         );
-        if let Some(disk) = &self.disk {
-            disk.consider(&host_hits, std::time::Instant::now());
+        if self.disk.is_some() && host_hits > 0 {
+            let mut halves = self.halves.lock();
+            halves.settle();
+            halves.leader.sight_host(&blocks);
+            if let Err(err) = halves.queue_disk_writes() {
+                tracing::warn!(error = %err, "disk writes not queued");
+            }
+            halves.leader.end_step();
         }
         PrefixMatch { blocks }
     }
 
     /// Onboards disk blocks into the host tier (Disk->Host; the host copies then onboard to the GPU
-    /// like any host block). Returns the held host blocks of the prefix that onboarded.
+    /// like any host block). Returns the held host blocks of the prefix that onboarded: a block
+    /// that misses (corrupt, or another key) ends it, and a corrupt one leaves the disk tier.
     pub fn onboard_from_disk(
         &self,
         disk_blocks: Vec<RegisteredBlock>,
     ) -> Result<Vec<RegisteredBlock>, CoreError> {
-        let disk = self
-            .disk
-            .as_deref()
-            .ok_or_else(|| CoreError::InvalidArgument("no disk tier".into()))?;
-        self.engine.host().refresh_available();
-        disk.onboard_to_host(disk_blocks)
+        if self.disk.is_none() {
+            return Err(CoreError::InvalidArgument("no disk tier".into()));
+        }
+        let mut halves = self.halves.lock();
+        let h = &mut *halves;
+        h.settle();
+        let (reads, staging) = h.leader.stage_disk_reads(&disk_blocks)?;
+        let n = reads.len();
+        let missed: HashSet<u32> = h.worker.disk_read(&reads)?.into_iter().collect();
+        let staged: Vec<(FillingBlock, crate::pool::BlockIdentity)> = staging
+            .into_iter()
+            .zip(&disk_blocks)
+            .take_while(|(stage, _)| !missed.contains(&stage.id().0))
+            .map(|(stage, source)| (stage, source.identity()))
+            .collect();
+        let onboarded = h.leader.register_staged(staged);
+        // A block that failed verification leaves the disk tier now.
+        h.settle();
+        h.leader.end_step();
+        drop(halves);
+        let onboarded = onboarded?;
+        add(&self.metrics.disk_lookup_blocks, n as u64);
+        add(&self.metrics.disk_hit_blocks, onboarded.len() as u64);
+        add(&self.metrics.onboard_blocks_d2d, onboarded.len() as u64);
+        Ok(onboarded)
     }
 
     /// Matches `hashes` in the host tier alone (what a connector onboards beyond the engine's own GPU
     /// prefix cache), counting lookups and hits for the hit-rate metrics.
     pub fn match_host(&self, hashes: &[SequenceHash]) -> Vec<RegisteredBlock> {
-        let blocks = self.host_pool().match_prefix(hashes);
+        let blocks = self.host.match_prefix(hashes);
         add(&self.metrics.host_lookup_blocks, hashes.len() as u64);
         add(&self.metrics.host_hit_blocks, blocks.len() as u64);
         add(
@@ -484,28 +622,33 @@ impl BlockManager {
         blocks
     }
 
-    /// Waits until no transfer is pending or in flight, and no disk write is queued.
+    /// Waits until no copy is queued or in flight and no disk write is queued, then takes in
+    /// what went bad meanwhile (those blocks leave their tiers).
     pub fn wait_idle(&self) {
-        self.engine.wait_idle();
-        if let Some(disk) = &self.disk {
-            disk.wait_idle();
-        }
+        let mut halves = self.halves.lock();
+        halves.worker.wait_offloads();
+        halves.worker.copies().wait_idle();
+        halves.worker.wait_disk();
+        halves.settle();
     }
 
     /// Empties every tier and publishes one `AllBlocksCleared` (what an engine's prefix-cache
-    /// reset does). Refused with `Busy`, changing nothing, while any block is held or being copied.
-    /// The disk cache file keeps its contents (a restart would announce them again).
+    /// reset does). Refused with `Busy`, changing nothing, while any block is held (an offload's
+    /// GPU sources and an onboard's host sources are held until copied). The disk cache file
+    /// keeps its contents (a restart would announce them again).
     pub fn reset(&self) -> Result<(), CoreError> {
-        let mut pools = vec![self.gpu_pool(), self.host_pool()];
-        pools.extend(self.disk.as_deref().map(DiskTier::pool));
-        clear_across(&pools)
+        let mut halves = self.halves.lock();
+        halves.settle();
+        halves.leader.reset_with(&[&self.gpu])
     }
 
     /// Every (tier, hash) registered now.
     pub fn residency(&self) -> HashSet<(Tier, SequenceHash)> {
         let mut set = HashSet::new();
-        let disk = self.disk.as_deref().map(DiskTier::pool);
-        for pool in [self.gpu_pool(), self.host_pool()].into_iter().chain(disk) {
+        for pool in [&self.gpu, &self.host]
+            .into_iter()
+            .chain(self.disk.as_ref())
+        {
             set.extend(
                 pool.registered_hashes()
                     .into_iter()
@@ -515,85 +658,114 @@ impl BlockManager {
         set
     }
 
+    /// Keeps the copy stream of `direction` from starting further copies until the returned hold
+    /// drops (emulated device only; for tests that need a copy in flight).
+    pub fn hold_stream(
+        &self,
+        direction: kvbm_cuda::Direction,
+    ) -> Result<kvbm_cuda::StreamHold, CoreError> {
+        self.halves.lock().worker.hold_stream(direction)
+    }
+
     /// Writes one GPU block from `bytes` in canonical order (the GPU layout's memory order, see
     /// [`crate::layout`]; the order its host copy has), for filling blocks in tests and
     /// benchmarks. `bytes` is exactly one block.
     pub fn write_gpu_block(&self, id: BlockId, bytes: &[u8]) -> Result<(), CoreError> {
-        self.block_io(
-            self.engine.gpu(),
-            id,
-            bytes.len(),
-            |region, offset, range| match region {
-                Region::Gpu(g) => g.write(offset, &bytes[range]),
-                Region::Host(h) => h.write(offset, &bytes[range]),
-            },
-        )
+        self.halves.lock().worker.write_gpu_block(id.0, bytes)
     }
 
     /// Reads one GPU block into `out` in canonical order.
     pub fn read_gpu_block(&self, id: BlockId, out: &mut [u8]) -> Result<(), CoreError> {
-        let len = out.len();
-        self.block_io(
-            self.engine.gpu(),
-            id,
-            len,
-            |region, offset, range| match region {
-                Region::Gpu(g) => g.read(offset, &mut out[range]),
-                Region::Host(h) => h.read(offset, &mut out[range]),
-            },
-        )
+        self.halves.lock().worker.read_gpu_block(id.0, out)
     }
 
     /// Reads one host block into `out` in canonical order.
     pub fn read_host_block(&self, id: BlockId, out: &mut [u8]) -> Result<(), CoreError> {
-        let len = out.len();
-        self.block_io(
-            self.engine.host(),
-            id,
-            len,
-            |region, offset, range| match region {
-                Region::Gpu(g) => g.read(offset, &mut out[range]),
-                Region::Host(h) => h.read(offset, &mut out[range]),
-            },
-        )
+        self.halves.lock().worker.read_host_block(id.0, out)
     }
+}
 
-    fn block_io(
-        &self,
-        tier: &TierStorage,
-        id: BlockId,
-        len: usize,
-        mut io: impl FnMut(&Region, usize, std::ops::Range<usize>) -> Result<(), kvbm_cuda::DeviceError>,
-    ) -> Result<(), CoreError> {
-        let kv = self.kv;
-        if len != kv.bytes_per_block() || id.index() >= tier.layout.num_blocks() {
-            return Err(CoreError::InvalidArgument(format!(
-                "block {id:?} with {len} bytes; blocks are {} bytes",
-                kv.bytes_per_block()
-            )));
-        }
-        let mut result = Ok(());
-        tier.layout
-            .for_each_run(id.index(), |addr, offset, len, _| {
-                if result.is_err() {
-                    return;
-                }
-                let region = tier
-                    .regions
-                    .iter()
-                    .find(|r| r.addr() <= addr && addr + len as u64 <= r.addr() + r.len() as u64);
-                result = match region {
-                    None => Err(CoreError::InvalidLayout(format!(
-                        "run at {addr:#x} outside every region"
-                    ))),
-                    Some(region) => io(
-                        region,
-                        (addr - region.addr()) as usize,
-                        offset..offset + len,
-                    )
-                    .map_err(CoreError::from),
-                };
-            });
-        result
+impl Drop for BlockManager {
+    fn drop(&mut self) {
+        // Finish what is in flight; the worker then closes its disk file with a checkpoint.
+        self.wait_idle();
     }
+}
+
+/// An onboard's target: its position in the request, its source (held), the target.
+type OnboardSlot = (usize, RegisteredBlock, FillingBlock);
+
+fn latency_of(done: &BatchDone) -> BatchLatency {
+    BatchLatency {
+        blocks: done.pairs.len(),
+        latency: done.latency,
+    }
+}
+
+/// Releases each finished batch's GPU sources and records it.
+fn offload_callback(sources: HashMap<u32, RegisteredBlock>, record: Arc<TicketShared>) -> OnBatch {
+    let sources = Mutex::new(sources);
+    Box::new(move |done: BatchDone| {
+        let released: Vec<RegisteredBlock> = {
+            let mut sources = sources.lock();
+            done.pairs
+                .iter()
+                .filter_map(|(g, _)| sources.remove(g))
+                .collect()
+        };
+        drop(released);
+        let copied = if done.error.is_none() {
+            done.pairs.len()
+        } else {
+            0
+        };
+        record.batch_done(copied, Vec::new(), latency_of(&done), done.error);
+    })
+}
+
+/// Registers each finished batch's targets under their sources' identities (or returns them to
+/// `Free` if it failed), then records it.
+fn onboard_callback(
+    gpu: BlockPool,
+    slots: Arc<Mutex<HashMap<u32, OnboardSlot>>>,
+    record: Arc<TicketShared>,
+) -> OnBatch {
+    Box::new(move |done: BatchDone| {
+        let taken: Vec<OnboardSlot> = {
+            let mut slots = slots.lock();
+            done.pairs
+                .iter()
+                .filter_map(|(_, g)| slots.remove(g))
+                .collect()
+        };
+        let latency = latency_of(&done);
+        if done.error.is_some() {
+            drop(taken); // targets back to Free, never registered
+            record.batch_done(0, Vec::new(), latency, done.error);
+            return;
+        }
+        let mut positions = Vec::with_capacity(taken.len());
+        let mut complete = Vec::with_capacity(taken.len());
+        for (i, source, target) in taken {
+            complete.push(target.complete(source.identity()));
+            positions.push(i);
+        }
+        match gpu.register_all(complete) {
+            Ok(registered) => {
+                let n = registered.len();
+                record.batch_done(
+                    n,
+                    positions.into_iter().zip(registered).collect(),
+                    latency,
+                    None,
+                )
+            }
+            Err(rejected) => record.batch_done(
+                0,
+                Vec::new(),
+                latency,
+                Some(CoreError::InvalidArgument(rejected.reason.into())),
+            ),
+        }
+    })
 }

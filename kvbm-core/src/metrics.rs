@@ -1,7 +1,7 @@
 //! Counters behind the Prometheus metrics of DESIGN.md (the exporter comes with the bindings).
 //!
 //! Names follow Dynamo KVBM's where they exist (`kvbm_offload_blocks_d2h`, ...). Counters are
-//! relaxed atomics bumped by the transfer engine and the manager; a snapshot reads them all.
+//! relaxed atomics bumped by the leader, the worker and the copy engine; a snapshot reads them all.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -33,7 +33,7 @@ use kvbm_cuda::{
 use kvbm_disk::{DiskStore, Lookup, WriteOutcome};
 use parking_lot::{Condvar, Mutex};
 
-use crate::copy::{CopyEngine, CopyJob, CopySide, CopyTicket};
+use crate::copy::{CopyEngine, CopyJob, CopySide, CopyTicket, OnBatch};
 use crate::disk::{handoff, store_options, DiskOptions};
 use crate::layout::{BlockLayout, KvLayout, TensorView};
 use crate::metrics::{add, Metrics};
@@ -59,11 +59,13 @@ pub struct WorkerOptions {
     pub limits: TransferLimits,
     /// Asynchronous onboards running at once (each its own disk reads and copies).
     pub async_onboards_max: usize,
-    /// This rank's disk tier, if any (the file starts empty: the leader knows of no block in
-    /// it).
+    /// This rank's disk tier, if any (what the file held is offered to the leader through
+    /// [`Worker::take_recovered_disk`]).
     pub disk: Option<DiskOptions>,
     /// How long a copy may wait for its host memory to be pinned.
     pub host_ready_timeout: Duration,
+    /// Threads pinning the host pool.
+    pub pin_threads: usize,
 }
 
 impl Default for WorkerOptions {
@@ -74,6 +76,7 @@ impl Default for WorkerOptions {
             async_onboards_max: 4,
             disk: None,
             host_ready_timeout: Duration::from_secs(300),
+            pin_threads: HostRegionOptions::default().pin_threads,
         }
     }
 }
@@ -171,6 +174,7 @@ struct DiskShared {
     pending_cv: Condvar,
     metrics: Arc<Metrics>,
     registered: Mutex<Option<bool>>,
+    registered_cv: Condvar,
     bad: SharedBad,
 }
 
@@ -323,15 +327,21 @@ struct WriteJob {
 
 struct DiskSide {
     shared: Arc<DiskShared>,
+    /// What the file held when it opened, `(slot, key, metadata)`, until taken.
+    recovered: Vec<(u32, u64, Vec<u8>)>,
     jobs: Option<Sender<WriteJob>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Drop for DiskSide {
     fn drop(&mut self) {
+        // Finish queued writes, then leave a checkpoint so that the next start need not scan.
         self.jobs.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+        if let Err(err) = self.shared.store.checkpoint() {
+            tracing::warn!(error = %err, "could not write the disk checkpoint; the next start scans");
         }
     }
 }
@@ -568,10 +578,7 @@ impl Worker {
         // Whole blocks per pinned chunk: no block straddles two CUDA registrations.
         let host = device.alloc_host(
             host_bytes,
-            crate::manager::host_pin_options(
-                kv.host_stride_bytes(),
-                HostRegionOptions::default().pin_threads,
-            ),
+            crate::manager::host_pin_options(kv.host_stride_bytes(), options.pin_threads),
         )?;
         let host_layout = BlockLayout::host(kv, options.host_blocks, host.addr());
         let ready_after = gpu_layout.ready_after();
@@ -693,9 +700,73 @@ impl Worker {
         self.disk.as_ref().and_then(|d| *d.shared.registered.lock())
     }
 
+    /// Waits up to `timeout` for the host pool's registration for fixed-buffer disk I/O (done
+    /// in the background once the pool is pinned): `Some(true)` registered, `Some(false)` it
+    /// failed, `None` not decided yet or no disk tier.
+    pub fn wait_disk_registered(&self, timeout: Duration) -> Option<bool> {
+        let disk = self.disk.as_ref()?;
+        let mut registered = disk.shared.registered.lock();
+        if registered.is_none() {
+            let _ = disk.shared.registered_cv.wait_for(&mut registered, timeout);
+        }
+        *registered
+    }
+
+    /// What the disk file held when it opened, `(disk block, key, metadata)` (taken: a second
+    /// call returns nothing), for a leader to adopt ([`crate::Leader::adopt_disk`]).
+    pub fn take_recovered_disk(&mut self) -> Vec<(u32, u64, Vec<u8>)> {
+        self.disk
+            .as_mut()
+            .map_or_else(Vec::new, |d| std::mem::take(&mut d.recovered))
+    }
+
     /// This rank's pinned host pool.
     pub fn host_region(&self) -> &HostRegion {
         &self.host
+    }
+
+    /// Where the host blocks are.
+    pub fn host_layout(&self) -> &BlockLayout {
+        &self.host_layout
+    }
+
+    /// Writes GPU block `id` from `bytes` (exactly one block) in canonical order (the order of
+    /// its host copy, see [`crate::layout`]), for tests and benchmarks; not ordered with copies.
+    pub fn write_gpu_block(&self, id: u32, bytes: &[u8]) -> Result<(), CoreError> {
+        block_io(
+            self.kv,
+            self.copies.gpu(),
+            id,
+            bytes.len(),
+            |region, offset, range| match region {
+                Region::Gpu(g) => g.write(offset, &bytes[range]),
+                Region::Host(h) => h.write(offset, &bytes[range]),
+            },
+        )
+    }
+
+    /// Reads GPU block `id` into `out` in canonical order.
+    pub fn read_gpu_block(&self, id: u32, out: &mut [u8]) -> Result<(), CoreError> {
+        let len = out.len();
+        block_io(
+            self.kv,
+            self.copies.gpu(),
+            id,
+            len,
+            |region, offset, range| read_region(region, offset, &mut out[range]),
+        )
+    }
+
+    /// Reads host block `id` into `out` in canonical order.
+    pub fn read_host_block(&self, id: u32, out: &mut [u8]) -> Result<(), CoreError> {
+        let len = out.len();
+        block_io(
+            self.kv,
+            self.copies.host(),
+            id,
+            len,
+            |region, offset, range| read_region(region, offset, &mut out[range]),
+        )
     }
 
     /// The copy engine (its streams, limits and queue depths).
@@ -905,6 +976,17 @@ impl Worker {
     /// Each request is then reported in `finished_offloading` once vLLM says it finished and
     /// none of its offloads is in flight.
     pub fn offload(&mut self, pairs: &[(u32, u32)], requests: &[String]) -> Result<(), CoreError> {
+        self.offload_with(pairs, requests, None).map(drop)
+    }
+
+    /// As [`Self::offload`], calling `on_batch` with each finished batch (its pairs among
+    /// `pairs`); returns the job's ticket, or None when nothing was copied.
+    pub fn offload_with(
+        &mut self,
+        pairs: &[(u32, u32)],
+        requests: &[String],
+        on_batch: Option<OnBatch>,
+    ) -> Result<Option<CopyTicket>, CoreError> {
         self.offloaded.extend(requests.iter().cloned());
         self.check_pairs(pairs.iter().map(|&(g, h)| (h, g)))?;
         // A GPU block whose onboard failed in this step holds no valid bytes: it is not
@@ -923,7 +1005,7 @@ impl Worker {
                     self.offload_done.push(r.clone());
                 }
             }
-            return Ok(());
+            return Ok(None);
         }
         self.wait_blocks_ready(pairs.iter().map(|&(_, h)| h))?;
         if let Some(disk) = &self.disk {
@@ -938,7 +1020,7 @@ impl Worker {
                 pairs: pairs.clone(),
                 stage: None,
             },
-            None,
+            on_batch,
             true,
         )?;
         for r in requests {
@@ -951,12 +1033,12 @@ impl Worker {
             }
         }
         self.offloads.push(PendingOffload {
-            ticket,
+            ticket: ticket.clone(),
             host_blocks: pairs.iter().map(|&(_, h)| h).collect(),
             pairs,
             requests: requests.to_vec(),
         });
-        Ok(())
+        Ok(Some(ticket))
     }
 
     /// Waits for the offloads started on behalf of any of `requests`; returns how many offload
@@ -1040,6 +1122,42 @@ impl Worker {
         Ok(())
     }
 
+    /// Starts onboarding host blocks into GPU blocks (`(host, gpu)` pairs) whole, as one job
+    /// (not per stage: for a caller that waits for the job, not for layers), after the offloads
+    /// into those host blocks completed, calling `on_batch` with each finished batch (its pairs
+    /// among `pairs`). Returns the job's ticket (None when nothing was copied) and the GPU
+    /// blocks refused because their host block is bad (never copied).
+    pub fn onboard_with(
+        &mut self,
+        pairs: &[(u32, u32)],
+        on_batch: Option<OnBatch>,
+    ) -> Result<(Option<CopyTicket>, Vec<u32>), CoreError> {
+        self.check_pairs(pairs.iter().copied())?;
+        let hosts: HashSet<u32> = pairs.iter().map(|&(h, _)| h).collect();
+        self.wait_offloads_touching(&hosts);
+        let (bad, good): (Pairs, Pairs) = {
+            let bad = self.bad.lock();
+            pairs.iter().partition(|(h, _)| bad.host.contains(h))
+        };
+        let refused: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
+        if good.is_empty() {
+            return Ok((None, refused));
+        }
+        self.wait_blocks_ready(good.iter().map(|&(h, _)| h))?;
+        let n = good.len();
+        let ticket = self.copies.submit(
+            CopyJob {
+                direction: Direction::HostToDevice,
+                pairs: good,
+                stage: None,
+            },
+            on_batch,
+            true,
+        )?;
+        add(&self.metrics.onboard_blocks_h2d, n as u64);
+        Ok((Some(ticket), refused))
+    }
+
     /// Waits until tensor `layer`'s onboards are in place (its stage and the stages before it on
     /// the same stream); false if any failed (their blocks go to [`Self::take_failed`]).
     pub fn wait_layer(&mut self, layer: usize) -> Result<bool, CoreError> {
@@ -1083,6 +1201,17 @@ impl Worker {
         f.dedup();
         add(&self.metrics.load_errors, f.len() as u64);
         f
+    }
+
+    /// Blocks that went bad since the last call (or report), for the leader to drop: host
+    /// blocks whose offload failed, disk blocks whose write failed or whose read failed
+    /// verification.
+    pub fn take_bad(&mut self) -> (Vec<u32>, Vec<u32>) {
+        let mut bad = self.bad.lock();
+        (
+            std::mem::take(&mut bad.reported_host),
+            std::mem::take(&mut bad.reported_disk),
+        )
     }
 
     /// Queues disk writes of host blocks; the writer makes each after the offloads into its host
@@ -1336,8 +1465,8 @@ impl Drop for Worker {
     }
 }
 
-/// Opens this rank's cache file (it starts empty for the leader, which knows of no block in it)
-/// and starts its writer; the host pool gets registered for fixed-buffer I/O once pinned.
+/// Opens this rank's cache file (what it held is kept for [`Worker::take_recovered_disk`]; a
+/// leader that does not adopt it overwrites it) and starts its writer; the host pool gets registered for fixed-buffer I/O once pinned.
 fn open_disk(
     options: &DiskOptions,
     kv: KvLayout,
@@ -1347,7 +1476,7 @@ fn open_disk(
     metrics: &Arc<Metrics>,
     bad: &SharedBad,
 ) -> Result<DiskSide, CoreError> {
-    let (store, _recovered) = DiskStore::open(
+    let (store, recovered) = DiskStore::open(
         &options.dir,
         &options.file_name,
         store_options(options, kv, geometry_id),
@@ -1366,6 +1495,7 @@ fn open_disk(
         pending_cv: Condvar::new(),
         metrics: metrics.clone(),
         registered: Mutex::new(None),
+        registered_cv: Condvar::new(),
         bad: bad.clone(),
     });
     let region = shared.host_region.clone();
@@ -1378,6 +1508,11 @@ fn open_disk(
     })?;
     Ok(DiskSide {
         shared,
+        recovered: recovered
+            .blocks
+            .into_iter()
+            .map(|b| (b.slot, b.key, b.metadata))
+            .collect(),
         jobs: Some(jobs),
         thread: Some(thread),
     })
@@ -1390,6 +1525,7 @@ impl handoff::PinnedPool for DiskShared {
 
     fn registered(&self, ok: bool) {
         *self.registered.lock() = Some(ok);
+        self.registered_cv.notify_all();
     }
 }
 
@@ -1418,4 +1554,57 @@ fn start_loaders(context: Arc<LoaderContext>, threads: usize) -> Result<Loaders,
         jobs: Some(jobs),
         threads: handles,
     })
+}
+
+/// Reads from a GPU or host region.
+fn read_region(
+    region: &Region,
+    offset: usize,
+    out: &mut [u8],
+) -> Result<(), kvbm_cuda::DeviceError> {
+    match region {
+        Region::Gpu(g) => g.read(offset, out),
+        Region::Host(h) => h.read(offset, out),
+    }
+}
+
+/// Runs `io` on each run of block `id` of `side` (`len` must be one block): the region holding
+/// the run, the offset in it, and the run's range in canonical order.
+fn block_io(
+    kv: KvLayout,
+    side: &CopySide,
+    id: u32,
+    len: usize,
+    mut io: impl FnMut(&Region, usize, std::ops::Range<usize>) -> Result<(), kvbm_cuda::DeviceError>,
+) -> Result<(), CoreError> {
+    let index = id as usize;
+    if len != kv.bytes_per_block() || index >= side.layout.num_blocks() {
+        return Err(CoreError::InvalidArgument(format!(
+            "block {id} of {} with {len} bytes; blocks are {} bytes",
+            side.layout.num_blocks(),
+            kv.bytes_per_block()
+        )));
+    }
+    let mut result = Ok(());
+    side.layout.for_each_run(index, |addr, offset, len, _| {
+        if result.is_err() {
+            return;
+        }
+        let region = side
+            .regions
+            .iter()
+            .find(|r| r.addr() <= addr && addr + len as u64 <= r.addr() + r.len() as u64);
+        result = match region {
+            None => Err(CoreError::InvalidLayout(format!(
+                "run at {addr:#x} outside every region"
+            ))),
+            Some(region) => io(
+                region,
+                (addr - region.addr()) as usize,
+                offset..offset + len,
+            )
+            .map_err(CoreError::from),
+        };
+    });
+    result
 }

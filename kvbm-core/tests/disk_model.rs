@@ -115,7 +115,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
                 let pool = match tier {
                     0 => m.gpu_pool(),
                     1 => m.host_pool(),
-                    _ => m.disk().unwrap().pool(),
+                    _ => m.disk_pool().unwrap(),
                 };
                 pool.evict_idle(n);
             }
@@ -172,14 +172,14 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
         m.wait_idle();
         check_idle_consistency(
             &m,
-            &[m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()],
+            &[m.gpu_pool(), m.host_pool(), m.disk_pool().unwrap()],
             &mut sub,
             &mut resident,
         );
     }
     drop(held);
     m.wait_idle();
-    check_all_released(&[m.gpu_pool(), m.host_pool(), m.disk().unwrap().pool()]);
+    check_all_released(&[m.gpu_pool(), m.host_pool(), m.disk_pool().unwrap()]);
 }
 
 proptest! {

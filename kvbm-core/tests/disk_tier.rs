@@ -88,13 +88,10 @@ fn a_full_gpu_host_disk_host_gpu_cycle_is_byte_exact_and_announced() {
     let mut sub = events.subscribe(10_000);
     let m = disk_manager(dir.path(), true, events);
     // The host region is pinned (disk_manager waited): its registration follows.
-    assert_eq!(
-        m.disk().unwrap().wait_registered(Duration::from_secs(60)),
-        Some(true)
-    );
+    assert_eq!(m.wait_disk_registered(Duration::from_secs(60)), Some(true));
     let (ids, gpu) = store_on_gpu(&m, &(0..20).collect::<Vec<u32>>());
     assert_eq!(
-        m.disk().unwrap().pool().counts().registered,
+        m.disk_pool().unwrap().counts().registered,
         5,
         "every block written through to disk"
     );
@@ -134,11 +131,12 @@ fn a_full_gpu_host_disk_host_gpu_cycle_is_byte_exact_and_announced() {
     assert!(resident.iter().any(|(t, _)| *t == Tier::Disk));
     let snap = m.metrics_snapshot();
     assert_eq!((snap.offload_blocks_h2d, snap.onboard_blocks_d2d), (5, 5));
-    let store = m.disk().unwrap().store();
-    if store.engine().kind() == kvbm_disk::EngineKind::IoUring {
+    let (kind, fixed_ops) = m
+        .with_disk_store(|store| (store.engine().kind(), store.engine().fixed_ops()))
+        .unwrap();
+    if kind == kvbm_disk::EngineKind::IoUring {
         assert_eq!(
-            store.engine().fixed_ops(),
-            10,
+            fixed_ops, 10,
             "5 writes and 5 reads, each one fixed-buffer op"
         );
     }
@@ -149,7 +147,7 @@ fn a_full_gpu_host_disk_host_gpu_cycle_is_byte_exact_and_announced() {
 fn admission_writes_blocks_on_their_second_sighting() {
     let dir = tempfile::tempdir().unwrap();
     let m = disk_manager(dir.path(), false, EventPublisher::new());
-    let disk = m.disk().unwrap().pool();
+    let disk = m.disk_pool().unwrap();
     // First sighting: offloaded to host only.
     let (ids, gpu) = store_on_gpu(&m, &(0..12).collect::<Vec<u32>>());
     assert_eq!(disk.counts().registered, 0);
@@ -199,7 +197,7 @@ fn a_restart_recovers_disk_blocks_and_announces_them() {
         let m = disk_manager(dir.path(), true, EventPublisher::new());
         let tokens: Vec<u32> = (500..516).collect();
         let (ids, _gpu) = store_on_gpu(&m, &tokens);
-        assert_eq!(m.disk().unwrap().pool().counts().registered, 4);
+        assert_eq!(m.disk_pool().unwrap().counts().registered, 4);
         (ids, tokens)
     }; // dropped: writes finish, a checkpoint is left
 
@@ -236,10 +234,10 @@ fn a_corrupt_disk_block_is_a_miss_that_leaves_the_tier() {
     let (ids, gpu) = store_on_gpu(&m, &(0..12).collect::<Vec<u32>>());
     drop(gpu);
     m.host_pool().evict_idle(usize::MAX);
-    let disk = m.disk().unwrap();
-    let victim = disk.pool().lookup(ids[1].sequence_hash).unwrap();
+    let disk = m.disk_pool().unwrap();
+    let victim = disk.lookup(ids[1].sequence_hash).unwrap();
     // Flip a byte of that block's payload in the file.
-    let area = disk.store().payload_area_bytes() as u64;
+    let area = m.with_disk_store(|s| s.payload_area_bytes()).unwrap() as u64;
     let offset = 4096 + u64::from(victim.id().0) * (4096 + area) + 4096 + 100;
     drop(victim);
     let mut f = std::fs::OpenOptions::new()
@@ -256,10 +254,10 @@ fn a_corrupt_disk_block_is_a_miss_that_leaves_the_tier() {
     assert_eq!(host.len(), 1, "the loaded prefix ends at the damaged block");
     check_host_bytes(&m, &host);
     assert!(
-        !disk.pool().contains(ids[1].sequence_hash),
+        !disk.contains(ids[1].sequence_hash),
         "the damaged block left the disk tier"
     );
-    assert_eq!(disk.store().stats().read_corrupt, 1);
+    assert_eq!(m.with_disk_store(|s| s.stats().read_corrupt).unwrap(), 1);
     let mut resident = HashSet::new();
     replay(&mut sub, &mut resident);
     assert_eq!(resident, m.residency());
@@ -307,7 +305,7 @@ fn a_full_disk_tier_evicts_its_least_recently_used_blocks() {
     let events = EventPublisher::new();
     let mut sub = events.subscribe(10_000);
     let m = disk_manager(dir.path(), true, events);
-    let disk = m.disk().unwrap().pool();
+    let disk = m.disk_pool().unwrap();
     // 8 disk blocks; write 6, then 4 more: the 2 oldest must go.
     let (first, gpu1) = store_on_gpu(&m, &(0..24).collect::<Vec<u32>>());
     drop(gpu1);
@@ -363,7 +361,7 @@ fn the_disk_tier_is_sized_from_the_environment() {
     assert_eq!(disk.file_name, "kvbm-rank3.cache");
     assert!(disk.filter_disabled && !disk.disable_o_direct);
     let m = BlockManager::new(Device::emulated(), options, GpuMemory::Allocate).unwrap();
-    assert_eq!(m.disk().unwrap().pool().capacity(), 12);
+    assert_eq!(m.disk_pool().unwrap().capacity(), 12);
     assert!(dir.path().join("kvbm-rank3.cache").exists());
     let no_disk = kvbm_core::KvbmConfig::from_lookup(
         |n| (n == "DYN_KVBM_CPU_CACHE_GB").then(|| "1".into()),

@@ -3,14 +3,10 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::Arc;
 
 use common::*;
-use kvbm_core::{
-    BlockLayout, BlockPool, CoreError, LayerShape, Metrics, TierStorage, TransferEngine,
-    TransferLimits,
-};
-use kvbm_cuda::{Device, Direction, Region};
+use kvbm_core::{CoreError, LayerShape, TransferLimits};
+use kvbm_cuda::{Device, Direction};
 use kvbm_events::Tier;
 
 fn round_trip(outer: usize, shape: LayerShape) {
@@ -186,66 +182,52 @@ fn wrong_arguments_are_refused_and_lose_nothing() {
 }
 
 #[test]
-fn a_failed_copy_returns_its_targets_and_publishes_nothing() {
-    // A host tier whose layout points at memory not handed to the stream: every submit fails.
-    let device = Device::emulated();
-    let kv = kv(2);
-    let gpu_region = device.alloc_gpu(kv.layer_bytes(4) * 3).unwrap();
-    let layer = kv.layer_bytes(4) as u64;
-    let bases = (0..3).map(|l| gpu_region.addr() + l * layer).collect();
-    let events = kvbm_events::EventPublisher::new();
-    let mut sub = events.subscribe(64);
-    let gpu = TierStorage {
-        pool: BlockPool::new(Tier::Gpu, 4, BLOCK_TOKENS, Some(events.clone())),
-        layout: BlockLayout::layer_separate(kv, 4, LayerShape::OuterFirst, bases).unwrap(),
-        regions: vec![Region::from(gpu_region)],
-        host_region: None,
-    };
-    let host = TierStorage {
-        pool: BlockPool::new(Tier::Host, 4, BLOCK_TOKENS, Some(events.clone())),
-        layout: BlockLayout::fully_contiguous(kv, 4, 0x1000),
-        regions: vec![],
-        host_region: None,
-    };
-    let metrics = Arc::new(Metrics::default());
-    let engine = TransferEngine::new(
-        gpu,
-        host,
-        device.copy_stream(Direction::DeviceToHost).unwrap(),
-        device.copy_stream(Direction::HostToDevice).unwrap(),
-        TransferLimits::default(),
-        metrics.clone(),
-        None,
-    )
-    .unwrap();
+fn an_offloaded_block_is_findable_at_once_and_an_onboard_from_it_waits_for_its_copy() {
+    // The manager's leader registers (and announces) a host block when its copy is queued, as
+    // the connector's does; the worker must then order the onboard after that copy.
+    let m = manager(2, LayerShape::OuterFirst, 8, 4, TransferLimits::default());
+    let mut sub = m.subscribe(64);
     let ids = identities(&(0..8).collect::<Vec<u32>>());
-    let blocks: Vec<_> = engine
-        .gpu()
-        .pool
-        .allocate(2)
-        .unwrap()
-        .into_iter()
-        .zip(&ids)
-        .map(|(b, i)| b.complete(i.clone()))
-        .collect();
-    let held = engine.gpu().pool.register_all(blocks).unwrap();
-    sub.drain();
-    let outcome = engine.offload(&held).unwrap().wait();
-    assert!(
-        matches!(outcome.error, Some(CoreError::TransferFailed(_))),
-        "{:?}",
-        outcome.error
-    );
-    assert_eq!(outcome.copied, 0);
-    let c = engine.host().pool.counts();
-    assert_eq!((c.free, c.filling, c.registered), (4, 0, 0));
-    assert!(
-        sub.drain().is_empty(),
-        "a failed copy must not announce anything"
-    );
-    assert_eq!(metrics.snapshot().transfer_errors, 1);
-    // The hashes are not stuck as "on their way": a later offload tries again.
-    assert_eq!(engine.offload(&held).unwrap().wait().deduplicated, 0);
+    let gpu = m
+        .register_gpu(fill(&m, m.allocate_gpu(2).unwrap(), &ids))
+        .unwrap();
+    let hold = m.hold_stream(Direction::DeviceToHost).unwrap();
+    let ticket = m.offload(&gpu).unwrap();
+    assert!(!ticket.is_done(), "the copy is held");
+    let hashes: Vec<_> = ids.iter().map(|i| i.sequence_hash).collect();
+    let sources = m.match_host(&hashes);
+    assert_eq!(sources.len(), 2, "findable while its copy is queued");
+    let stored_host = sub
+        .drain()
+        .iter()
+        .filter(|d| matches!(&d.record.event, kvbm_events::KvEvent::BlockStored(s) if s.tier == Tier::Host))
+        .count();
+    assert_eq!(stored_host, 1, "announced with the plan");
+    // The GPU sources stay held until copied: a reset is refused.
+    drop(gpu);
+    assert!(matches!(m.reset(), Err(CoreError::Busy(_))));
+    let targets = m.allocate_gpu(2).unwrap();
+    let bpb = m.kv().bytes_per_block();
+    for t in &targets {
+        m.write_gpu_block(t.id(), &vec![0xEE; bpb]).unwrap();
+    }
+    std::thread::scope(|s| {
+        let onboard = s.spawn(|| m.onboard(sources, targets).unwrap().wait());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!ticket.is_done());
+        drop(hold);
+        let outcome = onboard.join().unwrap();
+        assert!(outcome.error.is_none());
+        let mut buf = vec![0u8; bpb];
+        for (b, id) in outcome.blocks.iter().zip(&ids) {
+            m.read_gpu_block(b.id(), &mut buf).unwrap();
+            assert!(
+                buf == block_bytes(id.sequence_hash, bpb),
+                "the onboard read the host block after its offload landed"
+            );
+        }
+    });
+    assert_eq!(ticket.wait().copied, 2);
 }
 
 #[test]

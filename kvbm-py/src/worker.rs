@@ -259,6 +259,7 @@ impl Worker {
                 async_onboards_max,
                 disk,
                 host_ready_timeout: Duration::from_secs(300),
+                ..WorkerOptions::default()
             };
             let metrics = std::sync::Arc::new(Metrics::default());
             let inner = py

@@ -2,20 +2,17 @@
 //! (zero-copy: io_uring reads and writes the pinned host pool in place, with registered buffers
 //! once the pool is registered).
 //!
-//! Two callers, one mechanism: the block manager's disk tier (blocks from pools) and the split
-//! engine's worker (block ids from a leader's plan; [`write_host_ids`], [`read_host_ids`]).
+//! One caller: the worker (block ids from a leader's plan; [`write_host_ids`],
+//! [`read_host_ids`]), whether it serves the vLLM connector or the block manager.
 //!
 //! Why it is sound: a block's address comes from the host tier's layout, so it lies inside the
 //! host region, behind [`HEADER_ROOM_BYTES`] of header room that belongs to that block alone
 //! (a fully contiguous layout, 4 KiB-aligned strides, the store's payload area no larger than the
-//! block's). The region is moved into each I/O's keep-alive, so it outlives the I/O, and the disk
-//! tier keeps a clone for as long as the store (and its registration of the region) lives. The
-//! block states keep everyone else off those bytes: a write's source is an `RegisteredBlock`
-//! (registered, never written, never evicted while held; its header room is written only by the
-//! one disk write of that hash at a time), and a read's target is a `FillingBlock` (owned by this
-//! read alone). The worker's ordering rules (see `crate::worker`) give the same exclusivity to the
-//! block ids of a plan: a host block is never written by a copy or a disk read while a disk write
-//! reads it, nor read while a disk read writes it. Every id is checked against the host layout and
+//! block's). The region is moved into each I/O's keep-alive, so it outlives the I/O, and the
+//! worker keeps a clone for as long as the store (and its registration of the region) lives. The
+//! worker's ordering rules (see `crate::worker`) keep everyone else off those bytes: a host block
+//! is never written by a copy or a disk read while a disk write reads it (or writes its header
+//! room), nor read while a disk read writes it. Every id is checked against the host layout and
 //! the store before any address is formed. All calls wait for their I/O before returning.
 #![allow(unsafe_code)]
 
@@ -26,7 +23,6 @@ use kvbm_disk::{
 };
 
 use crate::layout::{BlockLayout, HEADER_ROOM_BYTES};
-use crate::pool::{FillingBlock, RegisteredBlock};
 
 /// A store and a host layout fit when every block's payload area and its header room fit in the
 /// host stride; nothing is read or written otherwise.
@@ -53,25 +49,6 @@ fn check_distinct(hosts: impl Iterator<Item = u32>) -> Result<(), DiskError> {
         }
     }
     Ok(())
-}
-
-/// Writes held host blocks into disk slots: `(host block, disk slot, metadata)`.
-pub(crate) fn write_host_blocks(
-    store: &DiskStore,
-    host_layout: &BlockLayout,
-    host_region: &HostRegion,
-    items: &[(&RegisteredBlock, u32, Vec<u8>)],
-) -> Vec<WriteOutcome> {
-    let ids: Vec<HostWrite<'_>> = items
-        .iter()
-        .map(|(block, slot, metadata)| HostWrite {
-            host: block.id().0,
-            slot: *slot,
-            key: block.sequence_hash().0,
-            metadata,
-        })
-        .collect();
-    write_host_ids(store, host_layout, host_region, &ids)
 }
 
 /// A disk write of host block `host` into disk slot `slot`.
@@ -141,20 +118,6 @@ fn try_write_host_ids(
     // region, each behind its own header room; the region moves into the keep-alive;
     // `write_raw` waits for the I/O.
     unsafe { store.write_raw(&requests, Box::new(host_region.clone())) }
-}
-
-/// Reads disk slots into host blocks being filled: `(disk slot, key, host target)`.
-pub(crate) fn read_into_host_blocks(
-    store: &DiskStore,
-    host_layout: &BlockLayout,
-    host_region: &HostRegion,
-    items: &[(u32, u64, &FillingBlock)],
-) -> Result<Vec<Lookup>, DiskError> {
-    let ids: Vec<(u32, u64, u32)> = items
-        .iter()
-        .map(|(slot, key, target)| (*slot, *key, target.id().0))
-        .collect();
-    read_host_ids(store, host_layout, host_region, &ids)
 }
 
 /// Reads disk slots into host blocks, by id: `(disk slot, key, host block)` (the caller keeps

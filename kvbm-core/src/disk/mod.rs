@@ -1,33 +1,26 @@
-//! The disk tier: which host blocks go to disk (admission), writing them there on a worker
-//! thread, onboarding them back into host blocks, and announcing what a restart recovered.
+//! The disk tier's policy and formats: which host blocks go to disk (admission, applied by the
+//! leader), the identity kept with each disk block (so a restart can announce it again), the
+//! layout fingerprint and store options of a cache file, and the zero-copy hand-off of host
+//! blocks to kvbm-disk ([`handoff`], used by the worker).
 //!
-//! Invariants:
-//! - A disk block becomes findable (and `BlockStored{tier: Disk}` is published) only after its
-//!   write completed; a failed write frees its slot and announces nothing.
-//! - A host block stays held (not evictable) from the moment it is admitted until its disk write
-//!   finished.
-//! - The engine's progress thread never waits on the disk: admission hands batches to the
-//!   writer through a bounded queue, and a full queue skips (and counts) the batch.
-//! - An onboard that misses (a corrupt or vanished disk block) discards that disk block from the
-//!   registry (`BlockRemoved`) and ends the onboarded prefix there.
+//! Invariants (the mechanism lives in `crate::worker`, the decisions in `crate::leader`):
+//! - A disk block is findable (and announced) as soon as its write is planned; the worker reads a
+//!   slot only after every queued write into it, and a failed write's block leaves the tier.
+//! - A block read back that fails verification (torn, foreign, corrupt) is a miss, never data,
+//!   and leaves the tier.
 
 pub(crate) mod handoff;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Sender, TrySendError};
-use kvbm_cuda::HostRegion;
-use kvbm_disk::{CacheFileOptions, DiskStore, EngineChoice, Lookup, StoreOptions, WriteOutcome};
-use kvbm_events::{SequenceHash, Tier};
-use parking_lot::{Condvar, Mutex};
+use kvbm_disk::{CacheFileOptions, EngineChoice, StoreOptions};
+use kvbm_events::SequenceHash;
 
-use crate::layout::{BlockLayout, KvLayout};
-use crate::metrics::{add, Metrics};
-use crate::pool::{BlockId, BlockIdentity, BlockPool, RegisteredBlock};
+use crate::layout::KvLayout;
+use crate::pool::BlockIdentity;
 use crate::CoreError;
 
 /// A block is admitted to disk when its decayed sighting count reaches this: a second sighting
@@ -37,8 +30,6 @@ pub const ADMIT_THRESHOLD: f64 = 1.5;
 pub const ADMISSION_HALF_LIFE: Duration = Duration::from_secs(600);
 /// Hashes the admission filter remembers at most.
 pub const ADMISSION_ENTRIES_MAX: usize = 1 << 20;
-/// Write batches queued for the disk writer at most.
-pub const DISK_QUEUE_MAX: usize = 256;
 
 /// Bytes one block of `kv` takes on disk: its contiguous stride plus the block header.
 pub fn slot_bytes(kv: &KvLayout) -> usize {
@@ -228,320 +219,4 @@ pub struct DiskOptions {
     pub queue_depth: usize,
     /// io_uring, psync, or auto.
     pub engine: EngineChoice,
-}
-
-/// Declares `store` before `host_region`: the store (and its registration of the region) drops
-/// first.
-struct DiskShared {
-    store: DiskStore,
-    pool: BlockPool,
-    host_pool: BlockPool,
-    host_layout: BlockLayout,
-    host_region: HostRegion,
-    admission: Mutex<Admission>,
-    /// Hashes admitted and queued or being written.
-    writing: Mutex<HashSet<SequenceHash>>,
-    /// Batches queued or being written, for `wait_idle`.
-    busy: Mutex<usize>,
-    idle_cv: Condvar,
-    metrics: Arc<Metrics>,
-    /// Whether the host region got registered for fixed-buffer I/O, once decided.
-    registered: Mutex<Option<bool>>,
-    registered_cv: Condvar,
-}
-
-/// The disk tier and its writer thread.
-pub struct DiskTier {
-    shared: Arc<DiskShared>,
-    sender: Option<Sender<Vec<RegisteredBlock>>>,
-    writer: Option<JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for DiskTier {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DiskTier")
-            .field("store", &self.shared.store)
-            .field("pool", &self.shared.pool.counts())
-            .finish()
-    }
-}
-
-impl DiskTier {
-    /// Opens the disk cache for `kv` and announces what it recovered (`BlockStored{tier: Disk}`
-    /// through `pool`'s publisher). `pool` must have `options.blocks` blocks; `geometry_id` is
-    /// the GPU layout's ([`BlockLayout::geometry_id`]), the order of a block's bytes.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn open(
-        options: &DiskOptions,
-        kv: KvLayout,
-        geometry_id: u64,
-        pool: BlockPool,
-        host_pool: BlockPool,
-        host_layout: BlockLayout,
-        host_region: HostRegion,
-        metrics: Arc<Metrics>,
-    ) -> Result<Self, CoreError> {
-        let store_options = store_options(options, kv, geometry_id);
-        let (store, recovered) = DiskStore::open(&options.dir, &options.file_name, store_options)
-            .map_err(|e| CoreError::Disk(e.to_string()))?;
-        // Announce what survived: claim each recovered slot and register it under its identity.
-        let found: Vec<(BlockId, BlockIdentity)> = recovered
-            .blocks
-            .iter()
-            .filter_map(|b| {
-                Some((
-                    BlockId(b.slot),
-                    decode_identity(SequenceHash(b.key), &b.metadata)?,
-                ))
-            })
-            .collect();
-        if found.len() < recovered.blocks.len() {
-            tracing::warn!(
-                unreadable = recovered.blocks.len() - found.len(),
-                "recovered disk blocks without a readable identity were dropped"
-            );
-        }
-        let ids: Vec<BlockId> = found.iter().map(|(id, _)| *id).collect();
-        let claimed = pool.claim(&ids)?;
-        let complete = claimed
-            .into_iter()
-            .zip(found)
-            .map(|(b, (_, identity))| b.complete(identity))
-            .collect();
-        let announced = pool
-            .register_all(complete)
-            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))?;
-        tracing::info!(
-            blocks = announced.len(),
-            from_checkpoint = recovered.from_checkpoint,
-            initialised = recovered.initialised,
-            "disk tier opened"
-        );
-        drop(announced);
-
-        let shared = Arc::new(DiskShared {
-            store,
-            pool,
-            host_pool,
-            host_layout,
-            host_region,
-            admission: Mutex::new(Admission::new(options.filter_disabled, ADMISSION_HALF_LIFE)),
-            writing: Mutex::new(HashSet::new()),
-            busy: Mutex::new(0),
-            idle_cv: Condvar::new(),
-            metrics,
-            registered: Mutex::new(None),
-            registered_cv: Condvar::new(),
-        });
-        // Register the host region with io_uring once it is fully pinned, in the background: the
-        // first writes go without fixed buffers rather than wait for the whole pool.
-        let region = shared.host_region.clone();
-        handoff::register_in_background(Arc::downgrade(&shared), region, "kvbm-disk-register")
-            .map_err(|e| CoreError::Disk(format!("cannot start the disk registration: {e}")))?;
-        let (sender, receiver) = crossbeam_channel::bounded::<Vec<RegisteredBlock>>(DISK_QUEUE_MAX);
-        let worker_shared = shared.clone();
-        let writer = spawn_writer("kvbm-disk-writer", receiver, move |batch| {
-            worker_shared.write_batch(batch)
-        })?;
-        Ok(Self {
-            shared,
-            sender: Some(sender),
-            writer: Some(writer),
-        })
-    }
-
-    /// The disk tier's pool.
-    pub fn pool(&self) -> &BlockPool {
-        &self.shared.pool
-    }
-
-    /// The disk store (its stats, engine and file).
-    pub fn store(&self) -> &DiskStore {
-        &self.shared.store
-    }
-
-    /// Sightings of host blocks: each admitted one that is not on disk yet is held and queued for
-    /// writing. Never blocks: a full queue skips the batch (counted).
-    pub fn consider(&self, host_blocks: &[RegisteredBlock], now: Instant) {
-        let mut admitted = Vec::new();
-        {
-            let mut admission = self.shared.admission.lock();
-            let mut writing = self.shared.writing.lock();
-            for block in host_blocks {
-                let hash = block.sequence_hash();
-                if admission.observe(hash, now)
-                    && !writing.contains(&hash)
-                    && !self.shared.pool.contains(hash)
-                {
-                    writing.insert(hash);
-                    admitted.push(block.clone());
-                }
-            }
-        }
-        if admitted.is_empty() {
-            return;
-        }
-        let Some(sender) = &self.sender else { return };
-        *self.shared.busy.lock() += 1;
-        match sender.try_send(admitted) {
-            Ok(()) => {}
-            Err(TrySendError::Full(batch) | TrySendError::Disconnected(batch)) => {
-                add(
-                    &self.shared.metrics.offload_skipped_blocks,
-                    batch.len() as u64,
-                );
-                self.shared.finish(batch);
-            }
-        }
-    }
-
-    /// Waits up to `timeout` for the host region's registration with the disk engine (done in
-    /// the background once the region is pinned); `Some(true)` when registered, `Some(false)`
-    /// when it failed, `None` when not decided yet.
-    pub fn wait_registered(&self, timeout: Duration) -> Option<bool> {
-        let mut registered = self.shared.registered.lock();
-        if registered.is_none() {
-            let _ = self.shared.registered_cv.wait_for(&mut registered, timeout);
-        }
-        *registered
-    }
-
-    /// Waits until every admitted block has been written (or failed).
-    pub fn wait_idle(&self) {
-        let mut busy = self.shared.busy.lock();
-        while *busy > 0 {
-            self.shared.idle_cv.wait(&mut busy);
-        }
-    }
-
-    /// Reads disk blocks (a matched prefix, in order) into new host blocks and registers them
-    /// there; returns the held host blocks for the prefix that onboarded. A block that misses is
-    /// discarded from the disk tier and ends the prefix.
-    pub fn onboard_to_host(
-        &self,
-        disk_blocks: Vec<RegisteredBlock>,
-    ) -> Result<Vec<RegisteredBlock>, CoreError> {
-        let shared = &self.shared;
-        if let Some(b) = disk_blocks.iter().find(|b| b.tier() != Tier::Disk) {
-            return Err(CoreError::InvalidArgument(format!(
-                "{b:?} is not a disk block"
-            )));
-        }
-        let targets = shared.host_pool.allocate_up_to(disk_blocks.len());
-        let n = targets.len();
-        let items: Vec<(u32, u64, &crate::pool::FillingBlock)> = disk_blocks
-            .iter()
-            .zip(&targets)
-            .map(|(d, t)| (d.id().0, d.sequence_hash().0, t))
-            .collect();
-        let lookups = handoff::read_into_host_blocks(
-            &shared.store,
-            &shared.host_layout,
-            &shared.host_region,
-            &items,
-        )
-        .map_err(|e| CoreError::Disk(e.to_string()))?;
-        add(&shared.metrics.disk_lookup_blocks, n as u64);
-        let mut complete = Vec::with_capacity(n);
-        let mut disk_blocks = disk_blocks.into_iter();
-        for (target, lookup) in targets.into_iter().zip(lookups) {
-            let source = disk_blocks.next().expect("one source per target");
-            match lookup {
-                Lookup::Hit => complete.push(target.complete(source.identity())),
-                Lookup::Miss(miss) => {
-                    tracing::warn!(hash = ?source.sequence_hash(), ?miss, "disk block unreadable; dropped");
-                    shared.pool.discard(source);
-                    break;
-                }
-            }
-        }
-        add(&shared.metrics.disk_hit_blocks, complete.len() as u64);
-        add(&shared.metrics.onboard_blocks_d2d, complete.len() as u64);
-        shared
-            .host_pool
-            .register_all(complete)
-            .map_err(|r| CoreError::InvalidArgument(r.reason.into()))
-    }
-}
-
-impl DiskShared {
-    /// Writes admitted host blocks to free (or evicted) disk slots and registers them there.
-    fn write_batch(&self, host_blocks: Vec<RegisteredBlock>) {
-        let slots = self.pool.allocate_up_to(host_blocks.len());
-        let skipped = host_blocks.len() - slots.len();
-        add(&self.metrics.offload_skipped_blocks, skipped as u64);
-        let identities: Vec<BlockIdentity> = host_blocks
-            .iter()
-            .take(slots.len())
-            .map(RegisteredBlock::identity)
-            .collect();
-        let items: Vec<(&RegisteredBlock, u32, Vec<u8>)> = host_blocks
-            .iter()
-            .zip(&slots)
-            .zip(&identities)
-            .map(|((h, s), identity)| (h, s.id().0, encode_identity(identity)))
-            .collect();
-        let outcomes =
-            handoff::write_host_blocks(&self.store, &self.host_layout, &self.host_region, &items);
-        drop(items);
-        let mut complete = Vec::new();
-        for ((slot, identity), outcome) in slots.into_iter().zip(identities).zip(outcomes) {
-            match outcome {
-                WriteOutcome::Stored => complete.push(slot.complete(identity)),
-                WriteOutcome::Refused | WriteOutcome::Failed(_) => {
-                    add(&self.metrics.offload_skipped_blocks, 1)
-                }
-            }
-        }
-        add(&self.metrics.offload_blocks_h2d, complete.len() as u64);
-        if let Err(rejected) = self.pool.register_all(complete) {
-            unreachable!("slots come from the disk pool: {}", rejected.reason);
-        }
-        self.finish(host_blocks);
-    }
-
-    /// The batch is done (written, failed or skipped): its host blocks are released *before*
-    /// anyone waiting for idleness is told, and its hashes may be admitted again.
-    fn finish(&self, host_blocks: Vec<RegisteredBlock>) {
-        let hashes: Vec<SequenceHash> = host_blocks
-            .iter()
-            .map(RegisteredBlock::sequence_hash)
-            .collect();
-        drop(host_blocks);
-        {
-            let mut writing = self.writing.lock();
-            for hash in &hashes {
-                writing.remove(hash);
-            }
-        }
-        let mut busy = self.busy.lock();
-        *busy -= 1;
-        if *busy == 0 {
-            self.idle_cv.notify_all();
-        }
-    }
-}
-
-impl handoff::PinnedPool for DiskShared {
-    fn parts(&self) -> (&DiskStore, &BlockLayout, &HostRegion) {
-        (&self.store, &self.host_layout, &self.host_region)
-    }
-
-    fn registered(&self, ok: bool) {
-        *self.registered.lock() = Some(ok);
-        self.registered_cv.notify_all();
-    }
-}
-
-impl Drop for DiskTier {
-    fn drop(&mut self) {
-        // Finish queued writes, then leave a checkpoint so that the next start need not scan.
-        drop(self.sender.take());
-        if let Some(writer) = self.writer.take() {
-            let _ = writer.join();
-        }
-        if let Err(err) = self.shared.store.checkpoint() {
-            tracing::warn!(error = %err, "could not write the disk checkpoint; the next start scans");
-        }
-    }
 }
