@@ -283,7 +283,7 @@ impl Leader {
     /// its key. Shorter than asked when blocks were evicted since they were counted or no
     /// staging block is free. Host hits count as sightings for disk admission.
     ///
-    /// The blocks stay held [`HOLD_STEPS`] steps, or, with `request_id` (an asynchronous onboard,
+    /// The blocks stay held `hold_steps` steps, or, with `request_id` (an asynchronous onboard,
     /// which may take longer), until [`Self::release`].
     pub fn hold_onboard(&mut self, hashes_: &[u64], request_id: Option<&str>) -> OnboardHolds {
         let mut held_blocks = Vec::new();
@@ -335,9 +335,14 @@ impl Leader {
 
     /// Drops blocks a worker reported bad (an offload into a host block or a disk write into a
     /// disk block failed): each leaves its tier (`BlockRemoved`) once nothing holds it, so it
-    /// is never matched again. Ids not registered (already gone, or reused since) are ignored.
+    /// is never matched again, and a bad host block is no longer queued for disk. Ids not
+    /// registered (already gone) are ignored.
     /// Returns how many were registered.
     pub fn discard(&mut self, host: &[u32], disk: &[u32]) -> usize {
+        if !host.is_empty() && !self.admitted.is_empty() {
+            // A bad host block is never written to disk.
+            self.admitted.retain(|b| !host.contains(&b.id().0));
+        }
         let mut n = 0;
         let pools = [(Some(&self.host), host), (self.disk.as_ref(), disk)];
         for (pool, ids) in pools {

@@ -10,10 +10,17 @@
 //!   queued, as with the connector: the worker orders every copy and disk I/O touching a host
 //!   block after the offload into it, and a failed offload's block leaves the tier (never
 //!   served). An onboarded GPU block is registered only once its copy completed.
-//! - Planning and submitting happen under one lock (leader, then worker), so nothing can find a
-//!   block between the leader's decision and the worker's queueing of its copy.
-//! - An offload's GPU sources and an onboard's host sources stay held until their batch
-//!   completed; no callback of the copy engine takes that lock.
+//! - Planning and submitting happen under one lock (leader, then worker). Matching takes no lock
+//!   and may find a host block whose copy is not queued yet; everything that reads a host
+//!   block's bytes (onboard, disk write, `read_host_block`) takes the lock, and so runs after
+//!   the queueing, and the worker orders it after the copy.
+//! - An offload's GPU sources and host targets, and an onboard's host sources, stay held until
+//!   their batch completed; a failed offload batch takes its host blocks out of the tier in its
+//!   callback (never served, never written to disk). No callback takes the lock.
+//! - The lock is held across waits for copy room, for pinning and for disk I/O the step needs:
+//!   a slow disk slows every caller, it never deadlocks them (no callback or disk thread takes
+//!   it).
+//! - Handles are checked to belong to this manager's pools.
 //! - The host pool is pinned in the background in chunks of whole blocks; a copy waits for the
 //!   blocks it touches.
 
@@ -157,13 +164,15 @@ struct Halves {
 }
 
 impl Halves {
-    /// Takes in what the worker learnt since: offloads settled, blocks gone bad (which leave
-    /// their tiers).
+    /// Takes in what the worker learnt since: offloads settled, disk blocks gone bad (which
+    /// leave their tier). Host blocks whose offload failed left already, by handle, in their
+    /// batch's callback: their ids may hold other blocks by now, so the worker's host reports
+    /// are not applied again.
     fn settle(&mut self) {
         self.worker.poll_offloads();
-        let (host, disk) = self.worker.take_bad();
-        if !host.is_empty() || !disk.is_empty() {
-            self.leader.discard(&host, &disk);
+        let (_host, disk) = self.worker.take_bad();
+        if !disk.is_empty() {
+            self.leader.discard(&[], &disk);
         }
     }
 
@@ -448,9 +457,9 @@ impl BlockManager {
     /// skipped and counted), the worker copies them, and the blocks admitted to disk are written
     /// there after their copy.
     pub fn offload(&self, blocks: &[RegisteredBlock]) -> Result<TransferTicket, CoreError> {
-        if let Some(b) = blocks.iter().find(|b| b.tier() != Tier::Gpu) {
+        if let Some(b) = blocks.iter().find(|b| !self.gpu.owns(b)) {
             return Err(CoreError::InvalidArgument(format!(
-                "offload source {b:?} is not a GPU block"
+                "offload source {b:?} is not a block of this manager's GPU tier"
             )));
         }
         let mut halves = self.halves.lock();
@@ -460,28 +469,38 @@ impl BlockManager {
             .leader
             .offload_identities(blocks.iter().map(RegisteredBlock::identity).collect())?;
         let mut pairs = Vec::with_capacity(blocks.len());
-        let mut sources = HashMap::with_capacity(blocks.len());
+        let mut held = HashMap::with_capacity(blocks.len());
         for (block, host) in blocks.iter().zip(&placed.host) {
             if let Some(host) = *host {
+                // Just registered by the leader, under this lock: the id names that block.
+                let target = self
+                    .host
+                    .lookup_id(BlockId(host))
+                    .expect("the leader registered it");
                 pairs.push((block.id().0, host));
-                sources.insert(block.id().0, block.clone());
+                held.insert(block.id().0, (block.clone(), target));
             }
         }
         let record = TicketShared::new(0, placed.deduplicated, placed.skipped);
-        let on_batch = offload_callback(sources, record.clone());
+        let on_batch = offload_callback(self.host.clone(), held, record.clone());
         let copy = match h.worker.offload_with(&pairs, &[], Some(on_batch)) {
             Ok(copy) => copy,
             Err(err) => {
-                // Nothing will fill the host blocks the leader registered: they leave.
+                // Nothing will fill the host blocks the leader registered: they are bad for the
+                // worker and leave the tier (and the disk queue).
                 let hosts: Vec<u32> = pairs.iter().map(|&(_, host)| host).collect();
+                h.worker.offload_refused(&hosts);
                 h.leader.discard(&hosts, &[]);
                 h.leader.end_step();
                 return Err(err);
             }
         };
-        let queued = h.queue_disk_writes();
+        // The copies are queued: a disk write that cannot be is logged (its blocks left the
+        // disk tier), the offload's ticket stands.
+        if let Err(err) = h.queue_disk_writes() {
+            tracing::warn!(error = %err, "disk writes not queued");
+        }
         h.leader.end_step();
-        queued?;
         Ok(TransferTicket::new(record, copy))
     }
 
@@ -500,11 +519,11 @@ impl BlockManager {
                 targets.len()
             )));
         }
-        if sources.iter().any(|b| b.tier() != Tier::Host)
-            || targets.iter().any(|b| b.tier() != Tier::Gpu)
+        if sources.iter().any(|b| !self.host.owns(b))
+            || targets.iter().any(|b| !self.gpu.owns_filling(b))
         {
             return Err(CoreError::InvalidArgument(
-                "onboard copies host blocks into GPU blocks".into(),
+                "onboard copies this manager's host blocks into its GPU blocks".into(),
             ));
         }
         let pairs: Vec<(u32, u32)> = sources
@@ -582,8 +601,13 @@ impl BlockManager {
         &self,
         disk_blocks: Vec<RegisteredBlock>,
     ) -> Result<Vec<RegisteredBlock>, CoreError> {
-        if self.disk.is_none() {
+        let Some(disk) = &self.disk else {
             return Err(CoreError::InvalidArgument("no disk tier".into()));
+        };
+        if disk_blocks.iter().any(|b| !disk.owns(b)) {
+            return Err(CoreError::InvalidArgument(
+                "onboard_from_disk reads this manager's disk blocks".into(),
+            ));
         }
         let mut halves = self.halves.lock();
         let h = &mut *halves;
@@ -667,6 +691,16 @@ impl BlockManager {
         self.halves.lock().worker.hold_stream(direction)
     }
 
+    /// Fails the next `n` copy batches of `direction`, as DMA faults would (emulated device
+    /// only; for tests of the failure paths).
+    pub fn fail_next_copies(
+        &self,
+        direction: kvbm_cuda::Direction,
+        n: usize,
+    ) -> Result<(), CoreError> {
+        self.halves.lock().worker.fail_next_copies(direction, n)
+    }
+
     /// Writes one GPU block from `bytes` in canonical order (the GPU layout's memory order, see
     /// [`crate::layout`]; the order its host copy has), for filling blocks in tests and
     /// benchmarks. `bytes` is exactly one block.
@@ -679,7 +713,7 @@ impl BlockManager {
         self.halves.lock().worker.read_gpu_block(id.0, out)
     }
 
-    /// Reads one host block into `out` in canonical order.
+    /// Reads one host block into `out` in canonical order (after the offloads into it).
     pub fn read_host_block(&self, id: BlockId, out: &mut [u8]) -> Result<(), CoreError> {
         self.halves.lock().worker.read_host_block(id.0, out)
     }
@@ -702,21 +736,31 @@ fn latency_of(done: &BatchDone) -> BatchLatency {
     }
 }
 
-/// Releases each finished batch's GPU sources and records it.
-fn offload_callback(sources: HashMap<u32, RegisteredBlock>, record: Arc<TicketShared>) -> OnBatch {
-    let sources = Mutex::new(sources);
+/// An offload's GPU source and host target, held until copied.
+type OffloadPair = (RegisteredBlock, RegisteredBlock);
+
+/// Releases each finished batch's blocks and records it; a failed batch's host blocks leave the
+/// host tier (by handle: exactly the blocks that did not get their bytes).
+fn offload_callback(
+    host: BlockPool,
+    held: HashMap<u32, OffloadPair>,
+    record: Arc<TicketShared>,
+) -> OnBatch {
+    let held = Mutex::new(held);
     Box::new(move |done: BatchDone| {
-        let released: Vec<RegisteredBlock> = {
-            let mut sources = sources.lock();
+        let released: Vec<OffloadPair> = {
+            let mut held = held.lock();
             done.pairs
                 .iter()
-                .filter_map(|(g, _)| sources.remove(g))
+                .filter_map(|(g, _)| held.remove(g))
                 .collect()
         };
-        drop(released);
         let copied = if done.error.is_none() {
             done.pairs.len()
         } else {
+            for (_, target) in released {
+                host.discard(target);
+            }
             0
         };
         record.batch_done(copied, Vec::new(), latency_of(&done), done.error);

@@ -285,6 +285,17 @@ impl BlockPool {
         state.available
     }
 
+    /// Whether `block` is one of this pool's (a handle from another pool, even with an id in
+    /// range here, is not).
+    pub fn owns(&self, block: &RegisteredBlock) -> bool {
+        self.is(&block.pool)
+    }
+
+    /// Whether `block` is being filled in this pool.
+    pub fn owns_filling(&self, block: &FillingBlock) -> bool {
+        block.pool.as_ref().is_some_and(|p| self.is(p))
+    }
+
     /// Blocks usable now (free or not).
     pub fn available(&self) -> usize {
         self.shared.state.lock().available
@@ -335,7 +346,7 @@ impl BlockPool {
         }
     }
 
-    fn owns(&self, other: &Arc<PoolShared>) -> bool {
+    fn is(&self, other: &Arc<PoolShared>) -> bool {
         Arc::ptr_eq(&self.shared, other)
     }
 
@@ -392,7 +403,7 @@ impl BlockPool {
     ) -> Result<Vec<RegisteredBlock>, Rejected<Vec<CompleteBlock>>> {
         if blocks
             .iter()
-            .any(|b| !self.owns(b.pool.as_ref().expect("armed")))
+            .any(|b| !self.is(b.pool.as_ref().expect("armed")))
         {
             return Err(Rejected {
                 value: blocks,
@@ -564,7 +575,7 @@ impl BlockPool {
 
     /// Sets the eviction priority of a registered block (lower leaves first; default 0).
     pub fn set_priority(&self, block: &RegisteredBlock, priority: u32) {
-        assert!(self.owns(&block.pool), "block of another pool");
+        assert!(self.is(&block.pool), "block of another pool");
         self.shared.state.lock().slots[block.id.index()].priority = priority;
     }
 
@@ -572,7 +583,7 @@ impl BlockPool {
     /// (`BlockRemoved`; no match finds it again), and its slot is freed when its last holder
     /// lets go (now, if `block` is the only one) instead of going idle.
     pub fn discard(&self, block: RegisteredBlock) {
-        assert!(self.owns(&block.pool), "block of another pool");
+        assert!(self.is(&block.pool), "block of another pool");
         let mut state = self.shared.state.lock();
         let id = block.id;
         let slot = &mut state.slots[id.index()];

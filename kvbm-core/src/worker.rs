@@ -15,6 +15,8 @@
 //!   blocks only after `finished_sending` (reported once its offloads completed) or, on
 //!   preemption, right after `handle_preemptions`, which waits for the preempted requests'
 //!   offloads.
+//!   The block manager holds an offload's GPU blocks in the job's callback until its batch
+//!   completed.
 //! - A block whose onboard fails, or whose host copy is bad (its offload or disk read failed),
 //!   is reported as failed and never served; a GPU block whose onboard failed in this step is
 //!   not offloaded (its host block is marked bad instead).
@@ -757,8 +759,9 @@ impl Worker {
         )
     }
 
-    /// Reads host block `id` into `out` in canonical order.
-    pub fn read_host_block(&self, id: u32, out: &mut [u8]) -> Result<(), CoreError> {
+    /// Reads host block `id` into `out` in canonical order, after the offloads into it.
+    pub fn read_host_block(&mut self, id: u32, out: &mut [u8]) -> Result<(), CoreError> {
+        self.wait_offloads_touching(&HashSet::from([id]));
         let len = out.len();
         block_io(
             self.kv,
@@ -1203,6 +1206,18 @@ impl Worker {
         f
     }
 
+    /// Marks host blocks bad whose offload the caller could not start (their leader drops them
+    /// itself): no onboard or disk write reads them until an offload fills them again.
+    pub fn offload_refused(&mut self, hosts: &[u32]) {
+        self.bad.lock().host.extend(hosts.iter().copied());
+    }
+
+    /// Fails the next `n` copy batches of `direction` (emulated device only; for tests of the
+    /// failure paths).
+    pub fn fail_next_copies(&self, direction: Direction, n: usize) -> Result<(), CoreError> {
+        Ok(self.copies.stream(direction).fail_next(n)?)
+    }
+
     /// Blocks that went bad since the last call (or report), for the leader to drop: host
     /// blocks whose offload failed, disk blocks whose write failed or whose read failed
     /// verification.
@@ -1259,6 +1274,13 @@ impl Worker {
                 after: after.clone(),
             };
             if jobs.send(job).is_err() {
+                // The writer is gone: the leader registered these disk blocks, so they are
+                // reported bad.
+                disk.shared
+                    .bad
+                    .lock()
+                    .reported_disk
+                    .extend(chunk.iter().map(|w| w.disk));
                 let mut p = disk.shared.pending.lock();
                 for w in chunk {
                     p.done(w.host, w.disk);

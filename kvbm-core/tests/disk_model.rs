@@ -189,3 +189,155 @@ proptest! {
         run(ops, filter_disabled);
     }
 }
+
+/// Several threads at once on a small three-tier manager, blocks evicted and reused while their
+/// copies and disk writes are still queued (the leader holds nothing between calls), with copy
+/// faults injected now and then: every block served from the host tier, from disk or onboarded
+/// to the GPU holds exactly the bytes it was stored with, and the events replay to the
+/// residency.
+#[test]
+fn concurrent_callers_with_faults_are_served_only_exact_bytes() {
+    use kvbm_cuda::Direction;
+    let seed: u64 = rand::random();
+    println!("seed {seed}");
+    for round in 0..6u64 {
+        let dir = tempfile::tempdir().unwrap();
+        let events = EventPublisher::new();
+        let mut sub = events.subscribe(1_000_000);
+        let m = BlockManager::with_publisher(
+            Device::emulated(),
+            ManagerOptions {
+                kv: kv(2),
+                gpu_blocks: 64,
+                gpu_layout: LayerShape::BlockFirst.into(),
+                host_blocks: 4,
+                limits: TransferLimits {
+                    batch_blocks_max: 2,
+                    inflight_max: 2,
+                    pending_max: 8,
+                    ..Default::default()
+                },
+                pin_threads: 1,
+                disk: Some(DiskOptions {
+                    dir: dir.path().to_owned(),
+                    file_name: "stress.cache".into(),
+                    blocks: 3,
+                    disable_o_direct: false,
+                    filter_disabled: true,
+                    queue_depth: 4,
+                    engine: Default::default(),
+                }),
+                kv_events: None,
+            },
+            GpuMemory::Allocate,
+            events,
+        )
+        .unwrap();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let m = &m;
+                s.spawn(move || {
+                    use rand::{Rng, SeedableRng};
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (round << 8) ^ t);
+                    let bpb = m.kv().bytes_per_block();
+                    let mut buf = vec![0u8; bpb];
+                    let mut held: Vec<RegisteredBlock> = Vec::new();
+                    for _ in 0..120 {
+                        let ids =
+                            identities(&prompt_tokens(rng.gen_range(0..8), rng.gen_range(1..4)));
+                        match rng.gen_range(0..8) {
+                            0 | 1 => {
+                                if let Ok(blocks) = m.allocate_gpu(ids.len()) {
+                                    let (gpu, ticket) = m
+                                        .register_gpu_write_through(fill(m, blocks, &ids))
+                                        .unwrap();
+                                    if rng.gen_bool(0.3) {
+                                        ticket.wait();
+                                    }
+                                    drop(gpu);
+                                }
+                            }
+                            2 | 3 => {
+                                let hashes: Vec<_> = ids.iter().map(|i| i.sequence_hash).collect();
+                                let matched = m.match_lower(&hashes);
+                                let (mut sources, disk): (Vec<_>, Vec<_>) = matched
+                                    .blocks
+                                    .into_iter()
+                                    .partition(|b| b.tier() == Tier::Host);
+                                if !disk.is_empty() {
+                                    let loaded = m.onboard_from_disk(disk).unwrap();
+                                    for b in &loaded {
+                                        m.read_host_block(b.id(), &mut buf).unwrap();
+                                        assert!(
+                                            buf == block_bytes(b.sequence_hash(), bpb),
+                                            "disk->host bytes"
+                                        );
+                                    }
+                                    sources.extend(loaded);
+                                }
+                                if let Ok(targets) = m.allocate_gpu(sources.len()) {
+                                    let outcome = m.onboard(sources, targets).unwrap().wait();
+                                    for b in &outcome.blocks {
+                                        m.read_gpu_block(b.id(), &mut buf).unwrap();
+                                        assert!(
+                                            buf == block_bytes(b.sequence_hash(), bpb),
+                                            "onboarded bytes"
+                                        );
+                                    }
+                                    held.extend(outcome.blocks);
+                                }
+                            }
+                            4 => {
+                                m.host_pool().evict_idle(rng.gen_range(0..3));
+                            }
+                            5 => {
+                                m.disk_pool().unwrap().evict_idle(rng.gen_range(0..3));
+                            }
+                            6 => {
+                                let d = if rng.gen_bool(0.5) {
+                                    Direction::DeviceToHost
+                                } else {
+                                    Direction::HostToDevice
+                                };
+                                m.fail_next_copies(d, 1).unwrap();
+                            }
+                            _ => {
+                                held.clear();
+                                let _ = m.reset();
+                            }
+                        }
+                        if held.len() > 6 {
+                            held.drain(..3);
+                        }
+                    }
+                });
+            }
+        });
+        m.wait_idle();
+        let mut resident = HashSet::new();
+        for d in sub.drain() {
+            assert_eq!(d.missed_before, 0);
+            match &d.record.event {
+                kvbm_events::KvEvent::BlockStored(s) => {
+                    for &h in &s.block_hashes {
+                        assert!(
+                            resident.insert((s.tier, h)),
+                            "{h:?} stored twice in {}",
+                            s.tier
+                        );
+                    }
+                }
+                kvbm_events::KvEvent::BlockRemoved(r) => {
+                    for &h in &r.block_hashes {
+                        assert!(
+                            resident.remove(&(r.tier, h)),
+                            "{h:?} removed but not stored"
+                        );
+                    }
+                }
+                kvbm_events::KvEvent::AllBlocksCleared => resident.clear(),
+            }
+        }
+        assert_eq!(resident, m.residency());
+    }
+}

@@ -204,9 +204,14 @@ fn an_offloaded_block_is_findable_at_once_and_an_onboard_from_it_waits_for_its_c
         .count();
     assert_eq!(stored_host, 1, "announced with the plan");
     // The GPU sources stay held until copied: a reset is refused.
-    drop(gpu);
     assert!(matches!(m.reset(), Err(CoreError::Busy(_))));
+    // The GPU copies leave the GPU index (their memory stays, held by the offload), so that the
+    // onboard below registers its own targets rather than finding these.
+    for b in gpu {
+        m.gpu_pool().discard(b);
+    }
     let targets = m.allocate_gpu(2).unwrap();
+    let target_ids: Vec<_> = targets.iter().map(|t| t.id()).collect();
     let bpb = m.kv().bytes_per_block();
     for t in &targets {
         m.write_gpu_block(t.id(), &vec![0xEE; bpb]).unwrap();
@@ -218,6 +223,11 @@ fn an_offloaded_block_is_findable_at_once_and_an_onboard_from_it_waits_for_its_c
         drop(hold);
         let outcome = onboard.join().unwrap();
         assert!(outcome.error.is_none());
+        assert_eq!(
+            outcome.blocks.iter().map(|b| b.id()).collect::<Vec<_>>(),
+            target_ids,
+            "the onboard's own targets"
+        );
         let mut buf = vec![0u8; bpb];
         for (b, id) in outcome.blocks.iter().zip(&ids) {
             m.read_gpu_block(b.id(), &mut buf).unwrap();
@@ -370,4 +380,144 @@ fn a_managers_events_go_out_over_zmq_in_vllms_format() {
             (kvbm_events::Location::Local(Tier::Host), vec![hash.0], 4),
         ]
     );
+}
+
+#[test]
+fn a_failed_offload_batch_leaves_the_host_tier_at_once_and_the_rest_is_served() {
+    // One block a batch: the first batch's DMA fails (an injected fault), the second lands.
+    let m = manager(
+        2,
+        LayerShape::OuterFirst,
+        8,
+        4,
+        TransferLimits {
+            batch_blocks_max: 1,
+            ..Default::default()
+        },
+    );
+    let mut sub = m.subscribe(64);
+    let ids = identities(&(0..8).collect::<Vec<u32>>());
+    let hashes: Vec<_> = ids.iter().map(|i| i.sequence_hash).collect();
+    let gpu = m
+        .register_gpu(fill(&m, m.allocate_gpu(2).unwrap(), &ids))
+        .unwrap();
+    m.fail_next_copies(Direction::DeviceToHost, 1).unwrap();
+    let outcome = m.offload(&gpu).unwrap().wait();
+    assert!(
+        matches!(outcome.error, Some(CoreError::TransferFailed(_))),
+        "{:?}",
+        outcome.error
+    );
+    assert_eq!(outcome.copied, 1);
+    // The failed block is gone by the time the ticket says so; the other is served, exact.
+    assert!(!m.host_pool().contains(hashes[0]));
+    let held = m
+        .host_pool()
+        .lookup(hashes[1])
+        .expect("the good copy stays");
+    let bpb = m.kv().bytes_per_block();
+    let mut buf = vec![0u8; bpb];
+    m.read_host_block(held.id(), &mut buf).unwrap();
+    assert!(buf == block_bytes(hashes[1], bpb));
+    drop(held);
+    // Announced, then removed: replaying the events gives the residency.
+    let mut resident = HashSet::new();
+    replay(&mut sub, &mut resident);
+    assert_eq!(resident, m.residency());
+    assert_eq!(m.metrics_snapshot().transfer_errors, 1);
+    // Offloading it again works (the failure left nothing stuck).
+    assert_eq!(m.offload(&gpu).unwrap().wait().copied, 1);
+    assert!(m.host_pool().contains(hashes[0]));
+}
+
+#[test]
+fn a_failed_onboard_batch_returns_its_targets_and_registers_the_rest() {
+    let m = manager(
+        2,
+        LayerShape::BlockFirst,
+        8,
+        4,
+        TransferLimits {
+            batch_blocks_max: 1,
+            ..Default::default()
+        },
+    );
+    let ids = identities(&(0..12).collect::<Vec<u32>>());
+    let hashes: Vec<_> = ids.iter().map(|i| i.sequence_hash).collect();
+    let (gpu, ticket) = m
+        .register_gpu_write_through(fill(&m, m.allocate_gpu(3).unwrap(), &ids))
+        .unwrap();
+    assert!(ticket.wait().error.is_none());
+    drop(gpu);
+    m.gpu_pool().evict_idle(usize::MAX);
+    let sources = m.match_host(&hashes);
+    let targets = m.allocate_gpu(3).unwrap();
+    m.fail_next_copies(Direction::HostToDevice, 1).unwrap();
+    let outcome = m.onboard(sources, targets).unwrap().wait();
+    assert!(outcome.error.is_some());
+    assert_eq!((outcome.copied, outcome.blocks.len()), (2, 2));
+    let bpb = m.kv().bytes_per_block();
+    let mut buf = vec![0u8; bpb];
+    for b in &outcome.blocks {
+        m.read_gpu_block(b.id(), &mut buf).unwrap();
+        assert!(
+            buf == block_bytes(b.sequence_hash(), bpb),
+            "a registered target holds its bytes"
+        );
+    }
+    assert!(
+        !outcome
+            .blocks
+            .iter()
+            .any(|b| b.sequence_hash() == hashes[0]),
+        "the failed one is not registered"
+    );
+    let c = m.gpu_pool().counts();
+    assert_eq!((c.registered, c.filling), (2, 0), "{c:?}");
+}
+
+#[test]
+fn handles_of_another_manager_are_refused() {
+    let a = manager(2, LayerShape::OuterFirst, 4, 4, TransferLimits::default());
+    let b = manager(2, LayerShape::OuterFirst, 4, 4, TransferLimits::default());
+    let ids = identities(&(0..8).collect::<Vec<u32>>());
+    let gpu_b = b
+        .register_gpu(fill(&b, b.allocate_gpu(2).unwrap(), &ids))
+        .unwrap();
+    assert!(matches!(
+        a.offload(&gpu_b),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    b.offload(&gpu_b).unwrap().wait();
+    let host_b = b.match_host(&[ids[0].sequence_hash]);
+    let targets_a = a.allocate_gpu(1).unwrap();
+    assert!(matches!(
+        a.onboard(host_b, targets_a),
+        Err(CoreError::InvalidArgument(_))
+    ));
+    assert_eq!(a.host_pool().counts().registered, 0, "nothing was planned");
+}
+
+#[test]
+fn read_host_block_waits_for_the_offload_into_it() {
+    let m = manager(2, LayerShape::OuterFirst, 8, 4, TransferLimits::default());
+    let ids = identities(&(0..8).collect::<Vec<u32>>());
+    let gpu = m
+        .register_gpu(fill(&m, m.allocate_gpu(2).unwrap(), &ids))
+        .unwrap();
+    let hold = m.hold_stream(Direction::DeviceToHost).unwrap();
+    let ticket = m.offload(&gpu).unwrap();
+    let found = m.match_host(&[ids[0].sequence_hash]);
+    let bpb = m.kv().bytes_per_block();
+    std::thread::scope(|s| {
+        let read = s.spawn(|| {
+            let mut buf = vec![0u8; bpb];
+            m.read_host_block(found[0].id(), &mut buf).unwrap();
+            buf
+        });
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        drop(hold);
+        assert!(read.join().unwrap() == block_bytes(ids[0].sequence_hash, bpb));
+    });
+    ticket.wait();
 }

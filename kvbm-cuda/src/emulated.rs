@@ -2,7 +2,9 @@
 //!
 //! A stream can be *held* ([`EmulatedStream::hold`]): while a hold lives, the worker starts no
 //! further transfer, so tests can keep a copy in flight for as long as they need, without
-//! timing, and check what the code above does meanwhile.
+//! timing, and check what the code above does meanwhile. It can also be told to fail its next
+//! transfers ([`EmulatedStream::fail_next`]): each completes with a driver error and copies no
+//! byte, as a DMA fault would, so that tests can follow a failed copy through every layer.
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -28,6 +30,8 @@ pub(crate) struct EmulatedStream {
     sender: Option<Sender<Job>>,
     worker: Option<JoinHandle<()>>,
     holds: Holds,
+    /// Transfers still to fail, from the next one the worker starts.
+    failing: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Keeps an emulated stream from starting transfers until dropped.
@@ -55,9 +59,11 @@ impl EmulatedStream {
         let (sender, receiver) = crossbeam_channel::bounded(STREAM_QUEUE_MAX);
         let holds: Holds = Arc::default();
         let worker_holds = holds.clone();
+        let failing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let worker_failing = failing.clone();
         let worker = std::thread::Builder::new()
             .name(format!("kvbm-emu-{}", direction.as_str()))
-            .spawn(move || run(receiver, worker_holds))
+            .spawn(move || run(receiver, worker_holds, &worker_failing))
             .map_err(|e| DeviceError::Os {
                 call: "spawn",
                 errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)),
@@ -66,7 +72,15 @@ impl EmulatedStream {
             sender: Some(sender),
             worker: Some(worker),
             holds,
+            failing,
         })
+    }
+
+    /// Fails the next `n` transfers the worker starts (each copies nothing and completes with a
+    /// driver error).
+    pub(crate) fn fail_next(&self, n: usize) {
+        self.failing
+            .fetch_add(n, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Stops the worker before its next transfer until the hold drops (a transfer already
@@ -99,7 +113,8 @@ impl EmulatedStream {
     }
 }
 
-fn run(receiver: Receiver<Job>, holds: Holds) {
+fn run(receiver: Receiver<Job>, holds: Holds, failing: &std::sync::atomic::AtomicUsize) {
+    use std::sync::atomic::Ordering;
     for job in receiver {
         {
             let (count, cv) = &*holds;
@@ -107,6 +122,17 @@ fn run(receiver: Receiver<Job>, holds: Holds) {
             while *held > 0 {
                 cv.wait(&mut held);
             }
+        }
+        let fail = failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            job.signal.set(Err(DeviceError::Driver {
+                call: "emulated copy",
+                code: "an injected fault".into(),
+            }));
+            drop(job.regions);
+            continue;
         }
         for p in &job.pieces {
             // SAFETY: `validate` checked that both ranges lie inside regions of this transfer,

@@ -282,6 +282,21 @@ impl CopyStream {
         }
     }
 
+    /// Fails the next `n` transfers this stream starts, as a DMA fault would (nothing copied,
+    /// the completion reports a driver error), for tests of every failure path above. Only the
+    /// emulated device can: on CUDA this is `InvalidArgument`.
+    pub fn fail_next(&self, n: usize) -> Result<(), DeviceError> {
+        match &self.backend {
+            Backend::Emulated(s) => {
+                s.fail_next(n);
+                Ok(())
+            }
+            Backend::Cuda(_) => Err(DeviceError::InvalidArgument(
+                "only an emulated copy stream can inject faults".into(),
+            )),
+        }
+    }
+
     /// Counters since the stream was created.
     pub fn stats(&self) -> StreamStats {
         StreamStats {
