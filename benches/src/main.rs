@@ -12,6 +12,7 @@ mod copy;
 mod disk;
 mod offload;
 mod router;
+mod router_workload;
 mod stats;
 
 use std::alloc::{GlobalAlloc, Layout, System};

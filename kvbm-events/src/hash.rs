@@ -54,16 +54,23 @@ impl BlockHasher {
     /// A hasher for blocks of `block_size_tokens` tokens (must be at least 1), with optional
     /// LoRA adapter name and cache namespace (empty strings count as absent).
     pub fn new(block_size_tokens: usize, lora_name: Option<&str>, namespace: Option<&str>) -> Self {
+        Self::with_namespace_term(block_size_tokens, lora_name, namespace_term(namespace))
+    }
+
+    /// As [`Self::new`], with the namespace given by its term ([`namespace_term`]): what a
+    /// block inherits from the first block of its prompt, where the salt was given.
+    pub fn with_namespace_term(
+        block_size_tokens: usize,
+        lora_name: Option<&str>,
+        namespace_term: u64,
+    ) -> Self {
         assert!(
             block_size_tokens > 0,
             "block size must be at least one token"
         );
-        let mut seed = BLOCK_HASH_SEED;
+        let mut seed = BLOCK_HASH_SEED.wrapping_add(namespace_term);
         if let Some(name) = lora_name.filter(|s| !s.is_empty()) {
             seed = seed.wrapping_add(xxh3_64_with_seed(name.as_bytes(), LORA_NAME_SEED));
-        }
-        if let Some(ns) = namespace.filter(|s| !s.is_empty()) {
-            seed = seed.wrapping_add(xxh3_64_with_seed(ns.as_bytes(), NAMESPACE_SEED));
         }
         Self {
             block_size_tokens,
@@ -112,6 +119,14 @@ impl BlockHasher {
         }
         out
     }
+}
+
+/// The term a cache namespace (salt) adds to the block-hash seed: `XXH3_64(namespace, 1)`, or 0
+/// without one (an empty string counts as none).
+pub fn namespace_term(namespace: Option<&str>) -> u64 {
+    namespace
+        .filter(|s| !s.is_empty())
+        .map_or(0, |ns| xxh3_64_with_seed(ns.as_bytes(), NAMESPACE_SEED))
 }
 
 #[cfg(target_endian = "little")]

@@ -22,8 +22,8 @@ pub mod wire;
 pub use bus::{Delivery, EventPublisher, EventSubscriber, SUBSCRIBER_CAPACITY_MAX};
 pub use event::{BlockRemoved, BlockStored, EventRecord, KvEvent};
 pub use hash::{
-    BlockHash, BlockHasher, PassThroughBuildHasher, PassThroughHasher, SequenceHash,
-    BLOCK_HASH_SEED, LORA_NAME_SEED, NAMESPACE_SEED,
+    namespace_term, BlockHash, BlockHasher, PassThroughBuildHasher, PassThroughHasher,
+    SequenceHash, BLOCK_HASH_SEED, LORA_NAME_SEED, NAMESPACE_SEED,
 };
 pub use tier::{Tier, TierParseError};
 pub use transport::{

@@ -12,6 +12,12 @@
 //! - Unknown fields are ignored; unknown event types are skipped and counted; placeholder stores
 //!   (no tokens, block size 0) are skipped and counted, never indexed.
 //! - Hashes arrive as uint64 (vLLM) or int64 (SGLang); a negative one is its two's complement.
+//!   vLLM's bytes form (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`) is read as vLLM's int form is
+//!   made from it: the last 8 bytes, big-endian.
+//! - vLLM's per-block `extra_keys` are read for what the router can hash: the LoRA name and the
+//!   cache salt (a bare string in the first block of a prompt). Multimodal keys, prompt-embeds
+//!   digests and a LoRA known only by id are recorded as the first block the router cannot
+//!   identify ([`WireEvent::Stored`]'s `unhashable_from`), never guessed.
 //! - A medium that names no local tier, or `locality: "REMOTE"`, is kept apart in
 //!   [`Location::NotLocal`], never mixed into the local tiers. A missing medium means GPU.
 //! - The encoder writes vLLM's current form exactly as vLLM's msgpack encoder does.
@@ -49,6 +55,12 @@ pub enum WireEvent {
         block_size: u32,
         /// LoRA adapter name.
         lora_name: Option<String>,
+        /// The cache salt the first block was hashed with (vLLM's `extra_keys`), if any.
+        cache_salt: Option<String>,
+        /// The first block whose engine hash covers more than its tokens, LoRA and salt
+        /// (multimodal inputs, prompt embeddings, a LoRA known only by id): the router cannot
+        /// compute that block's identity, nor any after it.
+        unhashable_from: Option<usize>,
     },
     /// Blocks removed.
     Removed {
@@ -73,6 +85,7 @@ impl WireEvent {
                 token_ids,
                 block_size,
                 lora_name,
+                ..
             } => Some(KvEvent::BlockStored(BlockStored {
                 tier: *tier,
                 block_hashes: hashes(block_hashes),
@@ -121,6 +134,14 @@ pub enum DecodeError {
     /// Msgpack, but not the shape of a KV event batch.
     #[error("malformed KV event batch: {0}")]
     Shape(String),
+    /// Larger than the receiver accepts; not decoded.
+    #[error("payload of {bytes} bytes is over the limit of {max}")]
+    TooLarge {
+        /// The payload's size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 fn shape(what: impl Into<String>) -> DecodeError {
@@ -304,6 +325,12 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
                 }
             };
             let lora_name = get("lora_name").and_then(Value::as_str).map(str::to_owned);
+            let (cache_salt, mut unhashable_from) =
+                read_extra_keys(get("extra_keys"), lora_name.as_deref(), parent.is_none())?;
+            if lora_name.is_none() && get("lora_id").is_some_and(|v| !v.is_nil()) {
+                // An adapter known only by its id: its name seeds the hash.
+                unhashable_from = Some(0);
+            }
             Ok(Decoded::Event(WireEvent::Stored {
                 location: location()?,
                 block_hashes,
@@ -311,6 +338,8 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
                 token_ids,
                 block_size,
                 lora_name,
+                cache_salt,
+                unhashable_from,
             }))
         }
         "BlockRemoved" => Ok(Decoded::Event(WireEvent::Removed {
@@ -322,10 +351,59 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
     }
 }
 
-/// A hash: uint64 as is, int64 as its two's complement.
+/// A hash: uint64 as is, int64 as its two's complement, bytes as their last 8 bytes read
+/// big-endian (vLLM's own conversion of its bytes hashes to ints).
 fn as_hash(v: &Value) -> Option<u64> {
-    let Value::Integer(i) = v else { return None };
-    i.as_u64().or_else(|| i.as_i64().map(|x| x as u64))
+    match v {
+        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|x| x as u64)),
+        Value::Binary(b) if !b.is_empty() => {
+            let tail = &b[b.len().saturating_sub(8)..];
+            Some(tail.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+        }
+        _ => None,
+    }
+}
+
+/// Reads vLLM's per-block `extra_keys` (one entry per block, `nil` or an array of untagged keys:
+/// the LoRA name, `[mm_identifier, offset]` pairs, the cache salt, prompt-embeds digests):
+/// the cache salt of a prompt's first block (`first_is_root`: the event starts a prompt), and
+/// the first block with a key the router cannot hash.
+fn read_extra_keys(
+    keys: Option<&Value>,
+    lora_name: Option<&str>,
+    first_is_root: bool,
+) -> Result<(Option<String>, Option<usize>), DecodeError> {
+    let entries = match keys {
+        None => return Ok((None, None)),
+        Some(Value::Array(entries)) => entries,
+        Some(_) => return Err(shape("extra_keys is not an array")),
+    };
+    let mut salt = None;
+    for (i, entry) in entries.iter().enumerate() {
+        let items = match entry {
+            Value::Nil => continue,
+            Value::Array(items) => items,
+            _ => return Err(shape("an extra_keys entry is neither nil nor an array")),
+        };
+        let mut rest = items.as_slice();
+        // The LoRA name comes first when the event names one.
+        if let (Some(name), Some(first)) = (lora_name, rest.first()) {
+            if first.as_str() == Some(name) {
+                rest = &rest[1..];
+            }
+        }
+        for key in rest {
+            match key.as_str() {
+                // A bare string after the LoRA is the cache salt, only ever on a prompt's first
+                // block.
+                Some(s) if i == 0 && first_is_root && salt.is_none() => {
+                    salt = Some(s.to_owned());
+                }
+                _ => return Ok((salt, Some(i))),
+            }
+        }
+    }
+    Ok((salt, None))
 }
 
 fn as_u32(v: &Value) -> Option<u32> {

@@ -1,4 +1,6 @@
-//! The router index against a naive model: every operation sequence, every query.
+//! The router index against a naive model: every operation sequence, every query. The index is
+//! fed block identities directly here (its `store` and `remove`); `router_translate.rs` covers
+//! the translation of engine events.
 
 use std::collections::HashMap;
 
@@ -95,17 +97,6 @@ impl Model {
     }
 }
 
-fn stored(t: Tier, h: &[u64]) -> WireEvent {
-    WireEvent::Stored {
-        location: Location::Local(t),
-        block_hashes: h.to_vec(),
-        parent: None,
-        token_ids: vec![0; h.len() * 4],
-        block_size: 4,
-        lora_name: None,
-    }
-}
-
 /// Applies `ops` to `index` and to the model, and after each compares every query (plus each
 /// stored run as a query, which follows the index's arena order) and every count.
 fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
@@ -118,7 +109,7 @@ fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
     for op in ops {
         match &op {
             Op::Store(k, t, h) => {
-                assert_eq!(index.apply(*k, &stored(*t, h)), ApplyStatus::Ok);
+                assert_eq!(index.store(*k, *t, h), ApplyStatus::Ok);
                 for x in h {
                     *model.counts.entry((*k, *t, *x)).or_default() += 1;
                 }
@@ -131,11 +122,7 @@ fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
                         _ => expected = ApplyStatus::BlockNotFound,
                     }
                 }
-                let event = WireEvent::Removed {
-                    location: Location::Local(*t),
-                    block_hashes: h.clone(),
-                };
-                assert_eq!(index.apply(*k, &event), expected, "{op:?}");
+                assert_eq!(index.remove(*k, *t, h), expected, "{op:?}");
             }
             Op::Clear(k) => {
                 assert_eq!(index.apply(*k, &WireEvent::Cleared), ApplyStatus::Ok);
@@ -153,6 +140,8 @@ fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
                     token_ids: vec![],
                     block_size: 4,
                     lora_name: None,
+                    cache_salt: None,
+                    unhashable_from: None,
                 };
                 assert_eq!(index.apply(*k, &event), ApplyStatus::NotLocal);
             }
@@ -198,7 +187,7 @@ proptest! {
 
 #[test]
 fn a_worker_past_its_limit_is_refused_and_counted() {
-    let mut index = KvIndex::new(3);
+    let mut index = KvIndex::new(3, 16);
     let w = (1, 0);
     assert_eq!(index.store(w, Tier::Gpu, &[1, 2]), ApplyStatus::Ok);
     assert_eq!(index.store(w, Tier::Host, &[1, 2]), ApplyStatus::WorkerFull);

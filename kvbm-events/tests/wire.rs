@@ -52,6 +52,9 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
                     .collect(),
                 block_size: items[4].as_u64().unwrap() as u32,
                 lora_name: None,
+                cache_salt: None,
+                // An adapter named only by its id cannot be hashed.
+                unhashable_from: (!items[5].is_null()).then_some(0),
             },
             "BlockRemoved" => WireEvent::Removed {
                 location: location(items[2].as_str(), None),
@@ -85,6 +88,8 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
                 token_ids,
                 block_size,
                 lora_name: e["lora_name"].as_str().map(str::to_owned),
+                cache_salt: None,
+                unhashable_from: (e["lora_name"].is_null() && !e["lora_id"].is_null()).then_some(0),
             })
         }
         "BlockRemoved" => Some(WireEvent::Removed {

@@ -210,7 +210,7 @@ impl Router {
     ) -> Result<Self, TransportError> {
         let shared = Arc::new(Shared {
             index: RwLock::new(
-                KvIndex::new(config.max_blocks_per_worker)
+                KvIndex::new(config.max_blocks_per_worker, config.block_size as u32)
                     .with_capacity(config.index_capacity_blocks),
             ),
             load: Mutex::new(LoadTrack {

@@ -328,7 +328,10 @@ fn overlap_of(answer: &Value, id: u64) -> (u64, u64, u64) {
 #[test]
 fn the_router_follows_workers_over_zmq_and_answers_over_http() {
     let ctx = zmq::Context::new();
-    let mut expected = KvIndex::default();
+    let mut expected = KvIndex::new(
+        kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+        BLOCK as u32,
+    );
     // Prompt A: 8 full blocks plus 2 tokens; prompt B: 8 blocks.
     let a: Vec<u32> = (0..34).collect();
     let b: Vec<u32> = (1000..1032).collect();

@@ -1,5 +1,9 @@
 //! The router's index: which worker holds which block in which tier, fed from decoded events.
 //!
+//! Events speak the engine's hashes; the index is keyed by the block identity the router computes
+//! from each stored block's tokens ([`crate::router::translate`]): [`KvIndex::apply`] translates,
+//! [`KvIndex::store`] and [`KvIndex::remove`] take identities directly.
+//!
 //! Invariants:
 //! - A (worker, tier, block) holding is reference-counted: engines store and remove one hash
 //!   several times; the holding exists while its count is above zero.
@@ -28,6 +32,7 @@ use std::collections::HashMap;
 use crate::router::mapped::MappedVec;
 use crate::router::selector::{Overlap, WorkerKey};
 use crate::router::table::BlockTable;
+use crate::router::translate::{Names, Refusal, StoredBlocks};
 use crate::wire::{Location, WireEvent};
 use crate::Tier;
 
@@ -51,6 +56,31 @@ pub enum ApplyStatus {
     BlockNotFound,
     /// Stores beyond the worker's limit were refused.
     WorkerFull,
+    /// A store whose parent's engine hash the worker never stored (or removed since): refused.
+    ParentUnknown,
+    /// A store with another block size than the router's: refused.
+    BlockSizeMismatch,
+    /// A store whose tokens are not its blocks: refused.
+    Malformed,
+    /// A store of blocks the router cannot identify (multimodal inputs, prompt embeddings, a LoRA
+    /// known only by id): the blocks before the first such one were applied.
+    Unhashable,
+    /// A store naming an engine hash the worker uses for another block: the blocks before it
+    /// were applied.
+    HashConflict,
+}
+
+impl From<Refusal> for ApplyStatus {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::BlockSizeMismatch => ApplyStatus::BlockSizeMismatch,
+            Refusal::ParentUnknown => ApplyStatus::ParentUnknown,
+            Refusal::Malformed => ApplyStatus::Malformed,
+            Refusal::Unhashable => ApplyStatus::Unhashable,
+            Refusal::HashConflict => ApplyStatus::HashConflict,
+            Refusal::WorkerFull => ApplyStatus::WorkerFull,
+        }
+    }
 }
 
 impl ApplyStatus {
@@ -61,6 +91,11 @@ impl ApplyStatus {
             ApplyStatus::NotLocal => "not_local",
             ApplyStatus::BlockNotFound => "block_not_found",
             ApplyStatus::WorkerFull => "worker_full",
+            ApplyStatus::ParentUnknown => "parent_unknown",
+            ApplyStatus::BlockSizeMismatch => "block_size_mismatch",
+            ApplyStatus::Malformed => "malformed",
+            ApplyStatus::Unhashable => "unhashable",
+            ApplyStatus::HashConflict => "hash_conflict",
         }
     }
 }
@@ -267,6 +302,14 @@ pub struct KvIndex {
     /// References beyond the first, per (node, worker, tier).
     extra: HashMap<(u32, u32, u8), u32>,
     workers: Vec<WorkerState>,
+    /// Per worker (same index), its engine hashes.
+    names: Vec<Names>,
+    /// Seed of the engine-hash maps.
+    names_seed: u64,
+    /// Tokens per block of the router: stores of another size are refused.
+    block_size: u32,
+    /// Scratch for translated hashes.
+    scratch: Vec<u64>,
     by_key: HashMap<WorkerKey, u32>,
     last_worker: Option<(WorkerKey, u32)>,
     blocks_per_worker_max: usize,
@@ -286,14 +329,22 @@ impl std::fmt::Debug for KvIndex {
 
 impl Default for KvIndex {
     fn default() -> Self {
-        Self::new(BLOCKS_PER_WORKER_MAX_DEFAULT)
+        Self::new(BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT)
     }
 }
 
+/// The block size of [`KvIndex::default`] (vLLM's default).
+pub const BLOCK_SIZE_DEFAULT: u32 = 16;
+
 impl KvIndex {
-    /// An empty index allowing each worker `blocks_per_worker_max` holdings.
-    pub fn new(blocks_per_worker_max: usize) -> Self {
+    /// An empty index of blocks of `block_size` tokens, allowing each worker
+    /// `blocks_per_worker_max` holdings (and as many engine hashes).
+    pub fn new(blocks_per_worker_max: usize, block_size: u32) -> Self {
         Self {
+            names: Vec::new(),
+            names_seed: rand::random(),
+            block_size,
+            scratch: Vec::new(),
             hashes: MappedVec::new(),
             node_sets: MappedVec::new(),
             dead: 0,
@@ -375,6 +426,7 @@ impl KvIndex {
             Some(free) => free,
             None => {
                 self.workers.push(WorkerState::default());
+                self.names.push(Names::new(self.names_seed));
                 self.workers.len() - 1
             }
         };
@@ -383,11 +435,18 @@ impl KvIndex {
             blocks: [0; 3],
             live: true,
         };
+        self.names[i].clear();
         self.by_key.insert(key, i as u32);
         i as u32
     }
 
-    /// Applies one decoded event from `worker`.
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Applies one decoded event from `worker`, translating its engine hashes (see
+    /// [`crate::router::translate`]).
     pub fn apply(&mut self, worker: WorkerKey, event: &WireEvent) -> ApplyStatus {
         match event {
             WireEvent::Cleared => {
@@ -397,14 +456,67 @@ impl KvIndex {
             WireEvent::Stored {
                 location: Location::Local(tier),
                 block_hashes,
-                ..
-            } => self.store(worker, *tier, block_hashes),
+                parent,
+                token_ids,
+                block_size,
+                lora_name,
+                cache_salt,
+                unhashable_from,
+            } => {
+                let w = self.worker_index(worker) as usize;
+                let mut ours = std::mem::take(&mut self.scratch);
+                let refusal = self.names[w].store(
+                    &StoredBlocks {
+                        engine_hashes: block_hashes,
+                        parent: *parent,
+                        token_ids,
+                        block_size: *block_size,
+                        lora_name: lora_name.as_deref(),
+                        cache_salt: cache_salt.as_deref(),
+                        unhashable_from: *unhashable_from,
+                    },
+                    self.block_size,
+                    self.blocks_per_worker_max,
+                    &mut ours,
+                );
+                let status = if ours.is_empty() {
+                    ApplyStatus::Ok
+                } else {
+                    self.store(worker, *tier, &ours)
+                };
+                self.scratch = ours;
+                refusal.map_or(status, ApplyStatus::from)
+            }
             WireEvent::Removed {
                 location: Location::Local(tier),
                 block_hashes,
-            } => self.remove(worker, *tier, block_hashes),
+            } => {
+                let Some(w) = self.known_worker(worker) else {
+                    return if block_hashes.is_empty() {
+                        ApplyStatus::Ok
+                    } else {
+                        ApplyStatus::BlockNotFound
+                    };
+                };
+                let mut ours = std::mem::take(&mut self.scratch);
+                let unknown = self.names[w as usize].remove(block_hashes, &mut ours);
+                let status = self.remove(worker, *tier, &ours);
+                self.scratch = ours;
+                if unknown > 0 {
+                    ApplyStatus::BlockNotFound
+                } else {
+                    status
+                }
+            }
             WireEvent::Stored { .. } | WireEvent::Removed { .. } => ApplyStatus::NotLocal,
         }
+    }
+
+    /// Engine hashes `worker` has stored and not removed.
+    pub fn engine_hashes(&self, worker: WorkerKey) -> usize {
+        self.by_key
+            .get(&worker)
+            .map_or(0, |&w| self.names[w as usize].len())
     }
 
     /// Points node `n` at set `new`.
@@ -600,6 +712,7 @@ impl KvIndex {
         self.sets.collect();
         self.maybe_compact();
         self.workers[w as usize] = WorkerState::default();
+        self.names[w as usize].clear();
     }
 
     /// Blocks `worker` holds in `tier`.

@@ -1,7 +1,8 @@
 //! The KV-aware router: pick the worker that holds most of a request's prefix, weighed against
 //! how busy each worker is.
 //!
-//! Owns: the per-worker, per-tier block index ([`index`]), the selector (Dynamo's default cost,
+//! Owns: the per-worker, per-tier block index ([`index`]) with the translation of engine hashes
+//! to block identity ([`translate`]), the selector (Dynamo's default cost,
 //! reproduced: [`selector`]) and the tracking of routed requests' load ([`load`]). The
 //! service around them is the `kvbm-router` crate.
 
@@ -10,7 +11,11 @@ pub mod load;
 mod mapped;
 pub mod selector;
 mod table;
+pub mod translate;
 
-pub use index::{ApplyStatus, KvIndex, BLOCKS_PER_WORKER_MAX_DEFAULT, MIN_TOMBSTONES_DEFAULT};
+pub use index::{
+    ApplyStatus, KvIndex, BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT, MIN_TOMBSTONES_DEFAULT,
+};
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use selector::{select, Candidate, Overlap, Selection, SelectorConfig, WorkerKey};
+pub use translate::Refusal;
