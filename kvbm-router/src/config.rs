@@ -10,6 +10,18 @@ use kvbm_events::WorkerEndpoint;
 
 /// Largest request body accepted by default (a 128K-token prompt as JSON is about 1 MB).
 pub const MAX_BODY_BYTES_DEFAULT: usize = 4 << 20;
+/// Longest time-to-live a flag may give (a week): longer ones are refused, not wrapped.
+pub const TTL_SECS_MAX: u64 = 7 * 24 * 3600;
+/// Longest request id accepted by default, in bytes.
+pub const MAX_REQUEST_ID_BYTES_DEFAULT: usize = 256;
+/// Routed requests tracked at most by default.
+pub const MAX_TRACKED_REQUESTS_DEFAULT: usize = 100_000;
+/// Workers registered at most by default.
+pub const MAX_WORKERS_DEFAULT: usize = 1024;
+/// Open HTTP connections at most by default.
+pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
+/// Seconds an HTTP connection may stay idle by default.
+pub const HTTP_IDLE_TIMEOUT_SECS_DEFAULT: u64 = 60;
 
 /// kvbm-router: follows workers' KV cache events (vLLM's ZMQ format, with kvbm's host and disk
 /// tiers) and sends each request to the worker that holds most of its prefix, weighed against
@@ -59,9 +71,36 @@ pub struct Args {
     pub router_decode_active_request_weight: f64,
 
     /// Seconds a routed request counts toward its worker's load when the caller never reports its
-    /// first token or its end.
+    /// first token or its end (at most a week).
     #[arg(long, default_value_t = 600)]
     pub router_request_ttl_secs: u64,
+
+    /// Seconds a routing decision counts the request's blocks as present on the chosen worker's
+    /// GPU, so that sibling requests sent before its events arrive land on it too; the worker's
+    /// own store of a block ends its prediction. 0 (the default) predicts nothing.
+    #[arg(long, default_value_t = 0.0)]
+    pub router_predicted_ttl_secs: f64,
+
+    /// Longest request id accepted, in bytes (longer ones get 400).
+    #[arg(long, default_value_t = MAX_REQUEST_ID_BYTES_DEFAULT)]
+    pub max_request_id_bytes: usize,
+
+    /// Routed requests whose load is tracked at most; beyond it a request is routed but its load
+    /// is not tracked (counted in kv_router_requests_untracked_total).
+    #[arg(long, default_value_t = MAX_TRACKED_REQUESTS_DEFAULT)]
+    pub max_tracked_requests: usize,
+
+    /// Workers registered at most (--workers, --workers-file and POST /register together).
+    #[arg(long, default_value_t = MAX_WORKERS_DEFAULT)]
+    pub max_workers: usize,
+
+    /// Open HTTP connections at most; connections beyond it are closed at once (counted).
+    #[arg(long, default_value_t = MAX_CONNECTIONS_DEFAULT)]
+    pub max_connections: usize,
+
+    /// Seconds an HTTP connection may stay without traffic before it is closed.
+    #[arg(long, default_value_t = HTTP_IDLE_TIMEOUT_SECS_DEFAULT)]
+    pub http_idle_timeout_secs: u64,
 
     /// Most (block, tier) holdings indexed per worker; stores beyond it are refused and counted
     /// (kv_cache_events_applied{status="worker_full"}).
@@ -116,6 +155,18 @@ pub struct RouterConfig {
     pub index_capacity_blocks: usize,
     /// Largest request body.
     pub max_body_bytes: usize,
+    /// How long a routing decision predicts the request's blocks on its worker (zero: never).
+    pub predicted_ttl: Duration,
+    /// Longest request id.
+    pub max_request_id_bytes: usize,
+    /// Routed requests tracked at most.
+    pub max_tracked_requests: usize,
+    /// Workers registered at most.
+    pub max_workers: usize,
+    /// Open HTTP connections at most.
+    pub max_connections: usize,
+    /// Idle time after which an HTTP connection is closed.
+    pub http_idle_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -127,8 +178,30 @@ impl Default for RouterConfig {
             max_blocks_per_worker: BLOCKS_PER_WORKER_MAX_DEFAULT,
             index_capacity_blocks: 0,
             max_body_bytes: MAX_BODY_BYTES_DEFAULT,
+            predicted_ttl: Duration::ZERO,
+            max_request_id_bytes: MAX_REQUEST_ID_BYTES_DEFAULT,
+            max_tracked_requests: MAX_TRACKED_REQUESTS_DEFAULT,
+            max_workers: MAX_WORKERS_DEFAULT,
+            max_connections: MAX_CONNECTIONS_DEFAULT,
+            http_idle_timeout: Duration::from_secs(HTTP_IDLE_TIMEOUT_SECS_DEFAULT),
         }
     }
+}
+
+/// A whole number flag of at least 1 and at most `max`.
+fn bounded(flag: &'static str, value: u64, max: u64) -> Result<u64, ConfigError> {
+    if value == 0 || value > max {
+        return Err(ConfigError::Flag {
+            flag,
+            value: value.to_string(),
+            why: if value == 0 {
+                "must be at least 1"
+            } else {
+                "is above the largest value accepted"
+            },
+        });
+    }
+    Ok(value)
 }
 
 fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
@@ -153,6 +226,13 @@ impl Args {
                 why: "must be at least 1",
             });
         }
+        if self.block_size > u32::MAX as usize {
+            return Err(ConfigError::Flag {
+                flag: "block-size",
+                value: self.block_size.to_string(),
+                why: "is above the largest value accepted",
+            });
+        }
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Flag {
                 flag: "max-body-bytes",
@@ -160,6 +240,37 @@ impl Args {
                 why: "must be at least 1",
             });
         }
+        let request_ttl = bounded(
+            "router-request-ttl-secs",
+            self.router_request_ttl_secs,
+            TTL_SECS_MAX,
+        )?;
+        let predicted = self.router_predicted_ttl_secs;
+        if !(predicted.is_finite() && (0.0..=TTL_SECS_MAX as f64).contains(&predicted)) {
+            return Err(ConfigError::Flag {
+                flag: "router-predicted-ttl-secs",
+                value: predicted.to_string(),
+                why: "must be a number of seconds from 0 to a week",
+            });
+        }
+        let idle = bounded(
+            "http-idle-timeout-secs",
+            self.http_idle_timeout_secs,
+            TTL_SECS_MAX,
+        )?;
+        let max_request_id_bytes = bounded(
+            "max-request-id-bytes",
+            self.max_request_id_bytes as u64,
+            1 << 20,
+        )? as usize;
+        let max_tracked_requests = bounded(
+            "max-tracked-requests",
+            self.max_tracked_requests as u64,
+            1 << 30,
+        )? as usize;
+        let max_workers = bounded("max-workers", self.max_workers as u64, 1 << 16)? as usize;
+        let max_connections =
+            bounded("max-connections", self.max_connections as u64, 1 << 20)? as usize;
         Ok(RouterConfig {
             block_size: self.block_size,
             selector: SelectorConfig {
@@ -181,10 +292,16 @@ impl Args {
                 )?,
                 temperature: weight("router-temperature", self.router_temperature)?,
             },
-            request_ttl: Duration::from_secs(self.router_request_ttl_secs),
+            request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
             index_capacity_blocks: self.index_capacity_blocks,
             max_body_bytes: self.max_body_bytes,
+            predicted_ttl: Duration::from_secs_f64(predicted),
+            max_request_id_bytes,
+            max_tracked_requests,
+            max_workers,
+            max_connections,
+            http_idle_timeout: Duration::from_secs(idle),
         })
     }
 }
@@ -323,5 +440,30 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--block-size"));
+        args.block_size = 16;
+        // A time-to-live near u64::MAX would overflow every Instant it is added to.
+        args.router_request_ttl_secs = u64::MAX - 1;
+        let e = args.router_config().unwrap_err().to_string();
+        assert!(
+            e.contains("--router-request-ttl-secs=18446744073709551614"),
+            "{e}"
+        );
+        args.router_request_ttl_secs = 600;
+        for bad in [f64::NAN, -1.0, 1e30] {
+            args.router_predicted_ttl_secs = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--router-predicted-ttl-secs"), "{e}");
+        }
+        args.router_predicted_ttl_secs = 2.5;
+        assert_eq!(
+            args.router_config().unwrap().predicted_ttl,
+            Duration::from_millis(2500)
+        );
+        args.max_workers = 0;
+        assert!(args
+            .router_config()
+            .unwrap_err()
+            .to_string()
+            .contains("--max-workers=0"));
     }
 }

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::config::parse_worker;
-use crate::state::{RequestTokens, RouteError, Router};
+use crate::state::{RegisterError, RequestTokens, RouteError, Router};
 
 /// An error answer.
 #[derive(Debug)]
@@ -178,6 +178,9 @@ async fn route(
             StatusCode::SERVICE_UNAVAILABLE,
             "no worker is registered",
         )),
+        Err(e @ RouteError::RequestIdTooLong { .. }) => {
+            Err(ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))
+        }
     }
 }
 
@@ -226,7 +229,12 @@ async fn register(
     tokio::task::spawn_blocking(move || r.register(worker))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
+        .map_err(|e| match e {
+            RegisterError::TooManyWorkers { .. } => {
+                ApiError::new(StatusCode::TOO_MANY_REQUESTS, e.to_string())
+            }
+            RegisterError::Transport(_) => ApiError::new(StatusCode::BAD_REQUEST, e.to_string()),
+        })?;
     Ok(Json(
         json!({ "worker_id": body.worker_id, "dp_rank": body.dp_rank }),
     ))

@@ -4,10 +4,12 @@
 //! most of its prefix, weighed against how busy each worker is (Dynamo's default cost).
 //!
 //! Modules: [`config`] (command line, `--workers`), [`state`] (the router: index, load, workers,
-//! the event pump), [`http`] (the JSON API), [`metrics`] (Prometheus).
+//! the event pump), [`http`] (the JSON API), [`listener`] (connection limits), [`metrics`]
+//! (Prometheus).
 
 pub mod config;
 pub mod http;
+pub mod listener;
 pub mod metrics;
 pub mod state;
 
@@ -17,13 +19,21 @@ use std::sync::Arc;
 pub use config::{parse_worker, parse_workers, Args, ConfigError, RouterConfig};
 pub use state::{QueryAnswer, RouteAnswer, Router};
 
-/// Serves the API of `router` on `listener` until `shutdown` completes.
+/// Serves the API of `router` on `listener` until `shutdown` completes, with the connection
+/// limits of its configuration (`--max-connections`, `--http-idle-timeout-secs`).
 pub async fn serve(
     router: Arc<Router>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, http::app(router))
+    let config = router.config();
+    let limited = listener::LimitedListener::new(
+        listener,
+        config.max_connections,
+        config.http_idle_timeout,
+        router.metrics().clone(),
+    );
+    axum::serve(limited, http::app(router))
         .with_graceful_shutdown(shutdown)
         .await
 }

@@ -2,7 +2,8 @@
 //!
 //! - `kv_cache_events_applied{event_type, status}`: events by type (`stored`, `removed`,
 //!   `cleared`, plus `batch` for whole payloads and `unknown` for event types not understood) and
-//!   outcome (`ok`, `not_local`, `block_not_found`, `worker_full`, `placeholder_skipped`,
+//!   outcome (`ok`, `not_local`, `block_not_found`, `worker_full`, `parent_unknown`,
+//!   `block_size_mismatch`, `malformed`, `unhashable`, `hash_conflict`, `placeholder_skipped`,
 //!   `unknown_event`, `decode_error`, `unregistered_worker`).
 //! - `kv_router_blocks{worker_id, dp_rank, tier}`: blocks indexed per worker and tier (set at
 //!   each scrape).
@@ -10,7 +11,13 @@
 //!   `kv_router_restarts_total`.
 //! - `kv_router_find_matches_seconds`: latency of the index lookup of each query and route.
 //! - `kv_router_requests_total{endpoint, code}`, `kv_router_workers`,
-//!   `kv_router_active_requests`, `kv_router_distinct_blocks`.
+//!   `kv_router_active_requests`, `kv_router_distinct_blocks`, `kv_router_engine_hashes`
+//!   (engine hashes mapped to block identities, all workers).
+//! - `kv_router_predicted_blocks` (predictions alive), `kv_router_predictions_dropped_total`.
+//! - Limits: `kv_router_requests_untracked_total` (routed beyond --max-tracked-requests),
+//!   `kv_router_connections` (open HTTP connections), `kv_router_connections_refused_total`
+//!   (beyond --max-connections), `kv_router_connections_timed_out_total` (idle),
+//!   `kv_router_workers_refused_total` (registrations beyond --max-workers).
 
 use prometheus::{
     exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
@@ -39,6 +46,22 @@ pub struct RouterMetrics {
     pub requests: IntCounterVec,
     /// Workers registered.
     pub workers: IntGauge,
+    /// Engine hashes mapped.
+    pub engine_hashes: IntGauge,
+    /// Predictions alive.
+    pub predicted_blocks: IntGauge,
+    /// Predictions dropped at the bound.
+    pub predictions_dropped: IntGauge,
+    /// Requests routed but not tracked (the tracker was full).
+    pub requests_untracked: IntCounter,
+    /// Open HTTP connections.
+    pub connections: IntGauge,
+    /// HTTP connections closed at once because --max-connections were open.
+    pub connections_refused: IntCounter,
+    /// HTTP connections closed for idleness.
+    pub connections_timed_out: IntCounter,
+    /// Registrations refused because --max-workers were registered.
+    pub workers_refused: IntCounter,
     /// Routed requests still counted as load.
     pub active_requests: IntGauge,
     /// Distinct blocks indexed.
@@ -130,6 +153,35 @@ impl RouterMetrics {
             find_matches,
             requests,
             workers: gauge("kv_router_workers", "Workers registered"),
+            engine_hashes: gauge(
+                "kv_router_engine_hashes",
+                "Engine hashes mapped to block identities (all workers)",
+            ),
+            predicted_blocks: gauge(
+                "kv_router_predicted_blocks",
+                "Blocks predicted on workers by routing decisions, alive",
+            ),
+            predictions_dropped: gauge(
+                "kv_router_predictions_dropped_total",
+                "Predictions not kept because the most allowed were alive",
+            ),
+            requests_untracked: counter(
+                "kv_router_requests_untracked_total",
+                "Requests routed without tracking their load (--max-tracked-requests reached)",
+            ),
+            connections: gauge("kv_router_connections", "Open HTTP connections"),
+            connections_refused: counter(
+                "kv_router_connections_refused_total",
+                "HTTP connections closed at once because --max-connections were open",
+            ),
+            connections_timed_out: counter(
+                "kv_router_connections_timed_out_total",
+                "HTTP connections closed after --http-idle-timeout-secs without traffic",
+            ),
+            workers_refused: counter(
+                "kv_router_workers_refused_total",
+                "Worker registrations refused because --max-workers were registered",
+            ),
             active_requests: gauge(
                 "kv_router_active_requests",
                 "Routed requests still counted toward a worker's load",

@@ -11,6 +11,14 @@
 //!   before the new stream is applied.
 //! - A gap that replay could not fill leaves the worker's state as it was (stale stores and
 //!   removals may be missing) and marks it `resync_needed` in `/workers`, until it restarts.
+//! - Events speak engine hashes; the index translates them to block identities from the tokens
+//!   (see `kvbm_events::router::translate`), so vLLM's, SGLang's and kvbm's workers all match
+//!   the router's hash of a request.
+//! - With `--router-predicted-ttl-secs`, a routing decision predicts the request's blocks on
+//!   the chosen worker's GPU until the time-to-live passes or the worker's own store of the block
+//!   is applied; restarts, clears and unregistering forget a worker's predictions.
+//! - Bounded by flags: workers registered, routed requests tracked (beyond it a request is
+//!   routed untracked, counted), request id length, predictions.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -19,7 +27,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvbm_events::router::{
-    select, Candidate, KvIndex, LoadTracker, Overlap, WorkerKey, WorkerLoad,
+    select, with_prediction, Candidate, KvIndex, LoadTracker, Overlap, Predictions, WorkerKey,
+    WorkerLoad, PREDICTIONS_MAX_DEFAULT,
 };
 use kvbm_events::{
     BlockHasher, SubscriberEvent, Tier, TransportError, WireEvent, WorkerEndpoint, ZmqSubscriber,
@@ -155,11 +164,34 @@ pub enum RouteError {
     /// No worker is registered.
     #[error("no worker is registered")]
     NoWorkers,
+    /// The caller's request id is longer than `--max-request-id-bytes`.
+    #[error("request_id of {len} bytes; at most {max} are accepted")]
+    RequestIdTooLong {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+/// Why a registration failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    /// `--max-workers` are registered already.
+    #[error("{max} workers are registered, the most allowed (--max-workers)")]
+    TooManyWorkers {
+        /// The limit.
+        max: usize,
+    },
+    /// Subscribing failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
 }
 
 struct Shared {
     config: RouterConfig,
     index: RwLock<KvIndex>,
+    predictions: Mutex<Predictions>,
     load: Mutex<LoadTrack>,
     workers: Mutex<BTreeMap<WorkerKey, WorkerInfo>>,
     metrics: RouterMetrics,
@@ -213,6 +245,10 @@ impl Router {
                 KvIndex::new(config.max_blocks_per_worker, config.block_size as u32)
                     .with_capacity(config.index_capacity_blocks),
             ),
+            predictions: Mutex::new(Predictions::new(
+                config.predicted_ttl,
+                PREDICTIONS_MAX_DEFAULT,
+            )),
             load: Mutex::new(LoadTrack {
                 tracker: LoadTracker::new(config.request_ttl),
                 last_expiry: Instant::now(),
@@ -243,7 +279,14 @@ impl Router {
             pump: Some(pump),
         };
         for w in workers {
-            router.register(w)?;
+            router.register(w).map_err(|e| match e {
+                RegisterError::Transport(t) => t,
+                other => TransportError::Zmq {
+                    call: "register",
+                    endpoint: String::new(),
+                    error: other.to_string(),
+                },
+            })?;
         }
         Ok(router)
     }
@@ -265,8 +308,16 @@ impl Router {
     /// Follows a worker (replacing an earlier registration of the same id and rank, whose state
     /// is dropped). Returns once its events are being received and its replay buffer, if any,
     /// was read.
-    pub fn register(&self, worker: WorkerEndpoint) -> Result<(), TransportError> {
+    pub fn register(&self, worker: WorkerEndpoint) -> Result<(), RegisterError> {
         let key = (worker.worker_id, worker.dp_rank);
+        {
+            let workers = self.shared.workers.lock();
+            let max = self.shared.config.max_workers;
+            if !workers.contains_key(&key) && workers.len() >= max {
+                self.shared.metrics.workers_refused.inc();
+                return Err(RegisterError::TooManyWorkers { max });
+            }
+        }
         self.unregister(key);
         self.shared.workers.lock().insert(
             key,
@@ -292,7 +343,7 @@ impl Router {
                 .metrics
                 .workers
                 .set(self.shared.workers.lock().len() as i64);
-            return Err(e);
+            return Err(e.into());
         }
         tracing::info!(worker = ?key, "worker registered");
         Ok(())
@@ -308,6 +359,7 @@ impl Router {
             let _ = dropped.recv();
         }
         self.shared.load.lock().tracker.drop_worker(key);
+        self.shared.predictions.lock().forget(key);
         self.shared
             .metrics
             .workers
@@ -346,7 +398,7 @@ impl Router {
         .collect()
     }
 
-    /// Every registered worker's overlap with `hashes`.
+    /// Every registered worker's overlap with `hashes` (with its predicted blocks, if any).
     fn overlaps(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let start = Instant::now();
         let found = self.shared.index.read().find_matches(hashes);
@@ -355,13 +407,20 @@ impl Router {
             .find_matches
             .observe(start.elapsed().as_secs_f64());
         let keys: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
+        let now = Instant::now();
+        let predictions = self.shared.predictions.lock();
         keys.into_iter()
             .map(|k| {
                 let o = found
                     .iter()
                     .find(|(w, _)| *w == k)
                     .map_or(Overlap::default(), |(_, o)| *o);
-                (k, o)
+                let predicted = if predictions.is_empty() {
+                    0
+                } else {
+                    predictions.prefix(k, hashes, now)
+                };
+                (k, with_prediction(o, predicted))
             })
             .collect()
     }
@@ -404,6 +463,12 @@ impl Router {
         request: &RequestTokens<'_>,
         request_id: Option<String>,
     ) -> Result<RouteAnswer, RouteError> {
+        if let Some(id) = &request_id {
+            let max = self.shared.config.max_request_id_bytes;
+            if id.len() > max {
+                return Err(RouteError::RequestIdTooLong { len: id.len(), max });
+            }
+        }
         let hashes = self.hashes(request);
         let overlaps = self.overlaps(&hashes);
         if overlaps.is_empty() {
@@ -434,19 +499,29 @@ impl Router {
         )
         .ok_or(RouteError::NoWorkers)?;
         let request_id = request_id.unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
-        load.tracker.routed(
-            request_id.clone(),
-            selection.chosen,
-            input_tokens,
-            config.block_size,
-            now,
-        );
+        if load.tracker.len() < config.max_tracked_requests {
+            load.tracker.routed(
+                request_id.clone(),
+                selection.chosen,
+                input_tokens,
+                config.block_size,
+                now,
+            );
+        } else {
+            self.shared.metrics.requests_untracked.inc();
+        }
         self.shared
             .metrics
             .active_requests
             .set(load.tracker.len() as i64);
         drop(load);
         let chosen = selection.chosen;
+        {
+            let mut predictions = self.shared.predictions.lock();
+            if predictions.enabled() {
+                predictions.predict(chosen, &hashes, now);
+            }
+        }
         let overlap = overlaps
             .iter()
             .find(|(w, _)| *w == chosen)
@@ -508,8 +583,19 @@ impl Router {
                     .set(blocks[t.index()] as i64);
             }
         }
-        m.distinct_blocks
-            .set(self.shared.index.read().distinct_blocks() as i64);
+        {
+            let index = self.shared.index.read();
+            m.distinct_blocks.set(index.distinct_blocks() as i64);
+            let keys: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
+            m.engine_hashes
+                .set(keys.iter().map(|&k| index.engine_hashes(k)).sum::<usize>() as i64);
+        }
+        {
+            let mut predictions = self.shared.predictions.lock();
+            predictions.expire(Instant::now());
+            m.predicted_blocks.set(predictions.len() as i64);
+            m.predictions_dropped.set(predictions.dropped() as i64);
+        }
         m.active_requests
             .set(self.shared.load.lock().tracker.len() as i64);
         m.render()
@@ -576,8 +662,17 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
             SubscriberEvent::Batch { seq, batch, .. } => {
                 {
                     let mut index = shared.index.write();
+                    let mut predictions = shared.predictions.lock();
+                    let predicting = !predictions.is_empty();
                     for e in &batch.events {
-                        let status = index.apply(worker, e);
+                        let status = index.apply_and(worker, e, |tier, ours| {
+                            if predicting && tier == Tier::Gpu {
+                                predictions.confirm(worker, ours);
+                            }
+                        });
+                        if matches!(e, WireEvent::Cleared) {
+                            predictions.forget(worker);
+                        }
                         m.applied(event_type(e), status.label(), 1);
                     }
                 }
@@ -618,6 +713,7 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
             SubscriberEvent::Restart { .. } => {
                 m.restarts.inc();
                 shared.index.write().remove_worker(worker);
+                shared.predictions.lock().forget(worker);
                 info.last_seq = None;
                 info.unfilled_gaps = 0;
                 info.resync_needed = false;

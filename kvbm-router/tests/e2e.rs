@@ -179,6 +179,10 @@ struct RouterProcess {
 
 impl RouterProcess {
     fn start(workers: &str) -> Self {
+        Self::start_with(workers, &[])
+    }
+
+    fn start_with(workers: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
             .args([
                 "--workers",
@@ -190,6 +194,7 @@ impl RouterProcess {
                 "--max-body-bytes",
                 "65536",
             ])
+            .args(extra)
             .env("DYN_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -595,5 +600,110 @@ fn a_bad_command_line_is_refused_with_the_flag_named() {
         "--router-temperature",
     ] {
         assert!(help.contains(flag), "--help lacks {flag}");
+    }
+}
+
+#[test]
+fn idle_connections_cannot_exhaust_the_router() {
+    // 20 connections at most, each closed after 1 s without traffic: 300 idle clients neither
+    // exhaust descriptors nor keep /healthz from answering.
+    let router = RouterProcess::start_with(
+        "",
+        &["--max-connections", "20", "--http-idle-timeout-secs", "1"],
+    );
+    let addr = router.base.trim_start_matches("http://").to_owned();
+    let idle: Vec<std::net::TcpStream> = (0..300)
+        .filter_map(|_| std::net::TcpStream::connect(&addr).ok())
+        .collect();
+    assert!(idle.len() > 20);
+    let healthy = |r: &RouterProcess| {
+        ureq::get(&format!("{}/healthz", r.base))
+            .timeout(Duration::from_secs(2))
+            .call()
+            .is_ok()
+    };
+    wait_until("/healthz answering beside 300 idle connections", || {
+        healthy(&router)
+    });
+    // The idle ones were closed: by the limit at once, or by the idle timeout.
+    wait_until("idle connections closed", || {
+        router.metric("kv_router_connections_refused_total") > 0.0
+            && router.metric("kv_router_connections_timed_out_total") > 0.0
+    });
+    drop(idle);
+}
+
+#[test]
+fn hostile_requests_and_registrations_are_bounded() {
+    let ctx = zmq::Context::new();
+    let w1 = Worker::new(&ctx, 1, 0, false);
+    let router = RouterProcess::start_with(
+        &w1.spec(),
+        &["--max-workers", "1", "--max-request-id-bytes", "64"],
+    );
+    // A request id of megabytes is refused (the body limit is 64 KiB here; 1 KiB passes it).
+    let long_id = "x".repeat(1024);
+    let (status, v) = router.call(
+        "POST",
+        "/route",
+        Some(json!({ "token_ids": [1, 2, 3, 4], "request_id": long_id })),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("request_id"), "{v}");
+    // A second worker is one too many.
+    let (status, v) = router.call(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": 2, "endpoint": "tcp://127.0.0.1:1" })),
+    );
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(router.metric("kv_router_workers_refused_total"), 1.0);
+    // Re-registering the same worker is not one more.
+    router.ok(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": 1, "endpoint": w1.endpoint })),
+    );
+}
+
+#[test]
+fn a_routing_decision_predicts_its_blocks_until_events_confirm_them() {
+    // Two idle workers holding nothing. A burst of sibling requests (one long shared prefix):
+    // without prediction the prefill load sends the second one to the other worker; with it,
+    // the first decision's blocks count as on the chosen worker, and the siblings follow it.
+    let ctx = zmq::Context::new();
+    let prompt: Vec<u32> = (0..64).collect();
+    for (ttl, together) in [("0", false), ("30", true)] {
+        let w1 = Worker::new(&ctx, 1, 0, false);
+        let w2 = Worker::new(&ctx, 2, 0, false);
+        let router = RouterProcess::start_with(
+            &format!("{};{}", w1.spec(), w2.spec()),
+            &["--router-predicted-ttl-secs", ttl],
+        );
+        let first = router.ok("POST", "/route", Some(json!({ "token_ids": prompt })));
+        let second = router.ok("POST", "/route", Some(json!({ "token_ids": prompt })));
+        assert_eq!(
+            first["worker_id"] == second["worker_id"],
+            together,
+            "ttl {ttl}: {first} / {second}"
+        );
+        if together {
+            assert_eq!(second["overlap"]["gpu_blocks"], 16, "{second}");
+            assert!(router.metric("kv_router_predicted_blocks") >= 16.0);
+            // The chosen worker's own store confirms the blocks (the prediction ends there), so
+            // its later eviction is not masked by a guess.
+            let mut chosen = if first["worker_id"] == 1 { w1 } else { w2 };
+            chosen.wait_for_subscriber();
+            let mut expected = KvIndex::new(
+                kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+                BLOCK as u32,
+            );
+            chosen.batch(&[stored(&prompt, 0, 16, Tier::Gpu)], false, &mut expected);
+            let seq = chosen.batch(&[removed(&prompt, 0, 16, Tier::Gpu)], false, &mut expected);
+            router.wait_applied(&chosen, seq);
+            let answer = router.ok("POST", "/query", Some(json!({ "token_ids": prompt })));
+            assert_eq!(overlap_of(&answer, chosen.id), (0, 0, 0), "{answer}");
+            assert_eq!(router.metric("kv_router_predicted_blocks"), 0.0);
+        }
     }
 }

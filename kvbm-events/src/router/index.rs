@@ -304,8 +304,6 @@ pub struct KvIndex {
     workers: Vec<WorkerState>,
     /// Per worker (same index), its engine hashes.
     names: Vec<Names>,
-    /// Seed of the engine-hash maps.
-    names_seed: u64,
     /// Tokens per block of the router: stores of another size are refused.
     block_size: u32,
     /// Scratch for translated hashes.
@@ -342,7 +340,6 @@ impl KvIndex {
     pub fn new(blocks_per_worker_max: usize, block_size: u32) -> Self {
         Self {
             names: Vec::new(),
-            names_seed: rand::random(),
             block_size,
             scratch: Vec::new(),
             hashes: MappedVec::new(),
@@ -426,7 +423,7 @@ impl KvIndex {
             Some(free) => free,
             None => {
                 self.workers.push(WorkerState::default());
-                self.names.push(Names::new(self.names_seed));
+                self.names.push(Names::new());
                 self.workers.len() - 1
             }
         };
@@ -448,6 +445,17 @@ impl KvIndex {
     /// Applies one decoded event from `worker`, translating its engine hashes (see
     /// [`crate::router::translate`]).
     pub fn apply(&mut self, worker: WorkerKey, event: &WireEvent) -> ApplyStatus {
+        self.apply_and(worker, event, |_, _| {})
+    }
+
+    /// As [`Self::apply`], calling `stored` with the tier and the router's hashes of the blocks
+    /// a store added (after translation).
+    pub fn apply_and(
+        &mut self,
+        worker: WorkerKey,
+        event: &WireEvent,
+        mut stored: impl FnMut(Tier, &[u64]),
+    ) -> ApplyStatus {
         match event {
             WireEvent::Cleared => {
                 self.remove_worker(worker);
@@ -482,7 +490,9 @@ impl KvIndex {
                 let status = if ours.is_empty() {
                     ApplyStatus::Ok
                 } else {
-                    self.store(worker, *tier, &ours)
+                    let status = self.store(worker, *tier, &ours);
+                    stored(*tier, &ours);
+                    status
                 };
                 self.scratch = ours;
                 refusal.map_or(status, ApplyStatus::from)

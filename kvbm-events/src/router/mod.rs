@@ -3,12 +3,14 @@
 //!
 //! Owns: the per-worker, per-tier block index ([`index`]) with the translation of engine hashes
 //! to block identity ([`translate`]), the selector (Dynamo's default cost,
-//! reproduced: [`selector`]) and the tracking of routed requests' load ([`load`]). The
+//! reproduced: [`selector`]), the tracking of routed requests' load ([`load`]) and the blocks a
+//! routing decision predicts on its worker ([`predict`]). The
 //! service around them is the `kvbm-router` crate.
 
 pub mod index;
 pub mod load;
 mod mapped;
+pub mod predict;
 pub mod selector;
 mod table;
 pub mod translate;
@@ -17,5 +19,6 @@ pub use index::{
     ApplyStatus, KvIndex, BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT, MIN_TOMBSTONES_DEFAULT,
 };
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
+pub use predict::{with_prediction, Predictions, PREDICTIONS_MAX_DEFAULT};
 pub use selector::{select, Candidate, Overlap, Selection, SelectorConfig, WorkerKey};
 pub use translate::Refusal;

@@ -11,12 +11,13 @@
 //!   hold, a block size other than the router's, tokens that are not whole blocks, keys the
 //!   router cannot hash (multimodal inputs, prompt embeddings), an engine hash that already names
 //!   another identity. Blocks before the refused one are applied.
-//! - The map is keyed with a per-index random seed, so a worker cannot pile its hashes into one
-//!   probe chain.
+//! - The map's hasher is seeded at random per map (foldhash's quality hasher), so a worker cannot
+//!   pile its hashes into one probe chain.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
-use xxhash_rust::xxh3::Xxh3Builder;
+use foldhash::quality::RandomState;
 
 use crate::hash::{namespace_term, BlockHasher, SequenceHash};
 
@@ -51,7 +52,7 @@ pub enum Refusal {
 /// One worker's engine hashes.
 #[derive(Debug, Clone)]
 pub(crate) struct Names {
-    map: HashMap<u64, Name, Xxh3Builder>,
+    map: HashMap<u64, Name, RandomState>,
 }
 
 /// A stored event's blocks, as the translation sees them.
@@ -66,9 +67,9 @@ pub(crate) struct StoredBlocks<'a> {
 }
 
 impl Names {
-    pub fn new(seed: u64) -> Self {
+    pub fn new() -> Self {
         Self {
-            map: HashMap::with_hasher(Xxh3Builder::new().with_seed(seed)),
+            map: HashMap::with_hasher(RandomState::default()),
         }
     }
 
@@ -141,19 +142,21 @@ impl Names {
             last = Some(ours);
             let engine = blocks.engine_hashes[i];
             let full = self.map.len() >= names_max;
-            match self.map.get_mut(&engine) {
-                Some(name) if name.ours == ours.0 => name.refs = name.refs.saturating_add(1),
-                Some(_) => return Some(Refusal::HashConflict),
-                None if full => return Some(Refusal::WorkerFull),
-                None => {
-                    self.map.insert(
-                        engine,
-                        Name {
-                            ours: ours.0,
-                            namespace,
-                            refs: 1,
-                        },
-                    );
+            match self.map.entry(engine) {
+                Entry::Occupied(mut o) => {
+                    let name = o.get_mut();
+                    if name.ours != ours.0 {
+                        return Some(Refusal::HashConflict);
+                    }
+                    name.refs = name.refs.saturating_add(1);
+                }
+                Entry::Vacant(_) if full => return Some(Refusal::WorkerFull),
+                Entry::Vacant(v) => {
+                    v.insert(Name {
+                        ours: ours.0,
+                        namespace,
+                        refs: 1,
+                    });
                 }
             }
             out.push(ours.0);
@@ -166,16 +169,16 @@ impl Names {
     pub fn remove(&mut self, engine_hashes: &[u64], out: &mut Vec<u64>) -> usize {
         out.clear();
         let mut unknown = 0;
-        for engine in engine_hashes {
-            match self.map.get_mut(engine) {
-                Some(name) => {
-                    out.push(name.ours);
-                    name.refs -= 1;
-                    if name.refs == 0 {
-                        self.map.remove(engine);
+        for &engine in engine_hashes {
+            match self.map.entry(engine) {
+                Entry::Occupied(mut o) => {
+                    out.push(o.get().ours);
+                    o.get_mut().refs -= 1;
+                    if o.get().refs == 0 {
+                        o.remove();
                     }
                 }
-                None => unknown += 1,
+                Entry::Vacant(_) => unknown += 1,
             }
         }
         unknown
