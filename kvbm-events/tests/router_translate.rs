@@ -535,11 +535,29 @@ proptest! {
         let mine: Vec<Vec<u64>> = prompts.iter().map(|t| ours(t, None, None)).collect();
         let mut translated = index();
         let mut direct = index();
+        // Halfway, a sibling router restores a snapshot of `translated`; from then on it takes
+        // the same events and must answer the same.
+        let half = ops.len() / 2;
+        let mut restored: Option<KvIndex> = None;
         // The engine's own view: stores per (engine hash, tier) not removed yet, so that a
         // removal is only sent for what is held and a store only with a parent it holds.
         let mut held: HashMap<(u64, Tier), u32> = HashMap::new();
         let mut names: HashMap<u64, u32> = HashMap::new();
-        for op in ops {
+        for (i, op) in ops.into_iter().enumerate() {
+            if i == half {
+                let mut sibling = index();
+                for snap in translated.snapshot(&[]) {
+                    prop_assert_eq!(sibling.restore(&snap), ApplyStatus::Ok);
+                }
+                restored = Some(sibling);
+            }
+            let mut both = |events: Vec<Value>, tr: &mut KvIndex| {
+                let st = apply(tr, events.clone());
+                if let Some(r) = restored.as_mut() {
+                    assert_eq!(apply(r, events), st, "the restored index answers alike");
+                }
+                st
+            };
             match op {
                 Op::Store { p, from, to, t } => {
                     let parent = from.checked_sub(1).map(|i| engine[p][i]);
@@ -548,7 +566,7 @@ proptest! {
                         continue;
                     }
                     let medium = t.medium_name();
-                    let st = apply(&mut translated, vec![stored_map(&engine[p][from..to], parent, &prompts[p][from * BS..to * BS], medium, None, None, form)]);
+                    let st = both(vec![stored_map(&engine[p][from..to], parent, &prompts[p][from * BS..to * BS], medium, None, None, form)], &mut translated);
                     prop_assert_eq!(st, vec![ApplyStatus::Ok]);
                     direct.store(W, t, &mine[p][from..to]);
                     for &h in &engine[p][from..to] {
@@ -560,7 +578,7 @@ proptest! {
                     let hs: Vec<u64> = engine[p][from..to].iter().copied().filter(|h| held.get(&(*h, t)).is_some_and(|&c| c > 0)).collect();
                     let idx: Vec<usize> = (from..to).filter(|&i| hs.contains(&engine[p][i])).collect();
                     if hs.is_empty() { continue; }
-                    let st = apply(&mut translated, vec![removed_map(&hs, t.medium_name(), form)]);
+                    let st = both(vec![removed_map(&hs, t.medium_name(), form)], &mut translated);
                     prop_assert_eq!(st, vec![ApplyStatus::Ok]);
                     let ours_removed: Vec<u64> = idx.iter().map(|&i| mine[p][i]).collect();
                     direct.remove(W, t, &ours_removed);
@@ -572,7 +590,7 @@ proptest! {
                     }
                 }
                 Op::Clear => {
-                    apply(&mut translated, vec![Value::Map(vec![(s("type"), s("AllBlocksCleared"))])]);
+                    both(vec![Value::Map(vec![(s("type"), s("AllBlocksCleared"))])], &mut translated);
                     direct.remove_worker(W);
                     held.clear();
                     names.clear();
@@ -581,9 +599,16 @@ proptest! {
             prop_assert_eq!(translated.engine_hashes(W), names.len());
             for q in mine.iter().chain([&mine[0][..3].to_vec()]) {
                 prop_assert_eq!(overlap(&translated, q), overlap(&direct, q));
+                if let Some(r) = &restored {
+                    prop_assert_eq!(overlap(r, q), overlap(&direct, q));
+                }
             }
             for t in Tier::ALL {
                 prop_assert_eq!(translated.blocks_in(W, t), direct.blocks_in(W, t));
+                if let Some(r) = &restored {
+                    prop_assert_eq!(r.blocks_in(W, t), direct.blocks_in(W, t));
+                    prop_assert_eq!(r.engine_hashes(W), names.len());
+                }
             }
         }
     }

@@ -36,6 +36,11 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub workers: String,
 
+    /// A file of workers, one per line in the --workers syntax ('#' starts a comment), re-read
+    /// when it changes: workers that appear are registered, those that disappear unregistered.
+    #[arg(long)]
+    pub workers_file: Option<std::path::PathBuf>,
+
     /// Address the HTTP API listens on. Anything other than loopback exposes the API to the
     /// network; it has no authentication.
     #[arg(long, default_value = "127.0.0.1")]

@@ -19,6 +19,7 @@ use tokio::time::{Instant, Sleep};
 use crate::metrics::RouterMetrics;
 
 /// A TCP listener that hands out at most `max` connections at once, each closed when idle.
+#[derive(Debug)]
 pub struct LimitedListener {
     inner: TcpListener,
     permits: Arc<Semaphore>,
@@ -80,6 +81,7 @@ impl axum::serve::Listener for LimitedListener {
 }
 
 /// A connection that fails its next read or write once it has been idle too long.
+#[derive(Debug)]
 pub struct IdleIo {
     stream: TcpStream,
     idle: Duration,

@@ -34,6 +34,17 @@ fn main() -> anyhow::Result<()> {
             .await?
             .context("subscribing to the workers")?;
         let router = Arc::new(router);
+        let _watcher = match &args.workers_file {
+            Some(path) => Some(
+                kvbm_router::discovery::watch(
+                    &router,
+                    path.clone(),
+                    std::time::Duration::from_secs(1),
+                )
+                .context("starting the workers-file watcher")?,
+            ),
+            None => None,
+        };
         // The line tests and scripts wait for.
         println!("kvbm-router listening on http://{bound}");
         tracing::info!(%bound, "serving");

@@ -17,7 +17,8 @@
 //! - Limits: `kv_router_requests_untracked_total` (routed beyond --max-tracked-requests),
 //!   `kv_router_connections` (open HTTP connections), `kv_router_connections_refused_total`
 //!   (beyond --max-connections), `kv_router_connections_timed_out_total` (idle),
-//!   `kv_router_workers_refused_total` (registrations beyond --max-workers).
+//!   `kv_router_workers_refused_total` (registrations beyond --max-workers),
+//!   `kv_router_workers_file_errors_total`.
 
 use prometheus::{
     exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
@@ -62,6 +63,8 @@ pub struct RouterMetrics {
     pub connections_timed_out: IntCounter,
     /// Registrations refused because --max-workers were registered.
     pub workers_refused: IntCounter,
+    /// Workers files that could not be read or parsed, and their workers that failed to register.
+    pub workers_file_errors: IntCounter,
     /// Routed requests still counted as load.
     pub active_requests: IntGauge,
     /// Distinct blocks indexed.
@@ -181,6 +184,10 @@ impl RouterMetrics {
             workers_refused: counter(
                 "kv_router_workers_refused_total",
                 "Worker registrations refused because --max-workers were registered",
+            ),
+            workers_file_errors: counter(
+                "kv_router_workers_file_errors_total",
+                "Workers-file reads or entries refused (the registered workers stay as they were)",
             ),
             active_requests: gauge(
                 "kv_router_active_requests",

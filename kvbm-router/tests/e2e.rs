@@ -707,3 +707,32 @@ fn a_routing_decision_predicts_its_blocks_until_events_confirm_them() {
         }
     }
 }
+
+#[test]
+fn workers_come_and_go_with_the_workers_file() {
+    let ctx = zmq::Context::new();
+    let w1 = Worker::new(&ctx, 1, 0, false);
+    let w2 = Worker::new(&ctx, 2, 0, true);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("workers");
+    std::fs::write(&file, format!("# the fleet\n{}\n", w1.spec())).unwrap();
+    let router = RouterProcess::start_with("", &["--workers-file", file.to_str().unwrap()]);
+    let ids = |r: &RouterProcess| -> Vec<u64> {
+        r.ok("GET", "/workers", None)["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w["worker_id"].as_u64().unwrap())
+            .collect()
+    };
+    wait_until("worker 1 from the file", || ids(&router) == vec![1]);
+    // Edited: worker 2 in, worker 1 out.
+    std::fs::write(&file, format!("{}\n", w2.spec().replace(';', "\n"))).unwrap();
+    wait_until("worker 2 instead of 1", || ids(&router) == vec![2]);
+    // A half-edited file changes nothing and is counted.
+    std::fs::write(&file, "2=tcp://127.0.0.1:1\nnot a worker\n").unwrap();
+    wait_until("the bad file counted", || {
+        router.metric("kv_router_workers_file_errors_total") >= 1.0
+    });
+    assert_eq!(ids(&router), vec![2]);
+}

@@ -100,6 +100,41 @@ impl ApplyStatus {
     }
 }
 
+/// One engine hash of a worker, as a snapshot keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameEntry {
+    /// The engine's hash.
+    pub engine: u64,
+    /// The block identity it stands for.
+    pub ours: u64,
+    /// The namespace term of its prompt.
+    pub namespace: u64,
+    /// Stores not matched by a removal yet.
+    pub refs: u32,
+}
+
+/// One holding of a worker, as a snapshot keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holding {
+    /// The tier.
+    pub tier: Tier,
+    /// The block identity.
+    pub hash: u64,
+    /// References (stores not matched by a removal).
+    pub count: u32,
+}
+
+/// Everything the index knows of one worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerSnapshot {
+    /// The worker.
+    pub worker: WorkerKey,
+    /// Its engine hashes.
+    pub names: Vec<NameEntry>,
+    /// Its holdings.
+    pub holdings: Vec<Holding>,
+}
+
 /// The empty set; a node whose set is empty is dead.
 const EMPTY: u32 = 0;
 
@@ -730,6 +765,89 @@ impl KvIndex {
         self.by_key
             .get(&worker)
             .map_or(0, |&w| self.workers[w as usize].blocks[tier.index()])
+    }
+
+    /// Everything the index knows of `workers` (all of them when empty): per worker its engine
+    /// hashes and its holdings with their reference counts, for a sibling router to restore
+    /// ([`Self::restore`]). One pass over the arena.
+    pub fn snapshot(&self, workers: &[WorkerKey]) -> Vec<WorkerSnapshot> {
+        let mut out: Vec<WorkerSnapshot> = Vec::new();
+        let mut slot_of: HashMap<u32, usize> = HashMap::new();
+        for (&key, &w) in &self.by_key {
+            if !workers.is_empty() && !workers.contains(&key) {
+                continue;
+            }
+            slot_of.insert(w, out.len());
+            out.push(WorkerSnapshot {
+                worker: key,
+                names: self.names[w as usize]
+                    .iter()
+                    .map(|(engine, n)| NameEntry {
+                        engine,
+                        ours: n.ours,
+                        namespace: n.namespace,
+                        refs: n.refs,
+                    })
+                    .collect(),
+                holdings: Vec::with_capacity(self.workers[w as usize].total()),
+            });
+        }
+        if out.is_empty() {
+            return out;
+        }
+        for n in 0..self.node_sets.len() as u32 {
+            let set = self.node_sets[n as usize];
+            if set == EMPTY {
+                continue;
+            }
+            let bits = self.sets.bits(set);
+            for (k, _) in bits.chunks(3).enumerate() {
+                for_each_bit(&[group(bits, k)], |b| {
+                    let w = k as u32 * 64 + b;
+                    let Some(&slot) = slot_of.get(&w) else { return };
+                    let mask = mask_of(bits, w);
+                    for t in Tier::ALL {
+                        let ti = t.index();
+                        if mask & (1 << ti) != 0 {
+                            let extra = self.extra.get(&(n, w, ti as u8)).copied().unwrap_or(0);
+                            out[slot].holdings.push(Holding {
+                                tier: t,
+                                hash: self.hashes[n as usize],
+                                count: extra + 1,
+                            });
+                        }
+                    }
+                });
+            }
+        }
+        out
+    }
+
+    /// Puts back what [`Self::snapshot`] took of one worker (replacing what the index held of
+    /// it). Holdings beyond the worker's limit are refused (counted in the returned status).
+    pub fn restore(&mut self, snapshot: &WorkerSnapshot) -> ApplyStatus {
+        let key = snapshot.worker;
+        self.remove_worker(key);
+        let w = self.worker_index(key) as usize;
+        for n in &snapshot.names {
+            self.names[w].restore(
+                n.engine,
+                crate::router::translate::Name {
+                    ours: n.ours,
+                    namespace: n.namespace,
+                    refs: n.refs.max(1),
+                },
+            );
+        }
+        let mut status = ApplyStatus::Ok;
+        for h in &snapshot.holdings {
+            for _ in 0..h.count.max(1) {
+                if self.store(key, h.tier, &[h.hash]) != ApplyStatus::Ok {
+                    status = ApplyStatus::WorkerFull;
+                }
+            }
+        }
+        status
     }
 
     /// Workers indexed.

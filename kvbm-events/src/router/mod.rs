@@ -16,7 +16,8 @@ mod table;
 pub mod translate;
 
 pub use index::{
-    ApplyStatus, KvIndex, BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT, MIN_TOMBSTONES_DEFAULT,
+    ApplyStatus, Holding, KvIndex, NameEntry, WorkerSnapshot, BLOCKS_PER_WORKER_MAX_DEFAULT,
+    BLOCK_SIZE_DEFAULT, MIN_TOMBSTONES_DEFAULT,
 };
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use predict::{with_prediction, Predictions, PREDICTIONS_MAX_DEFAULT};

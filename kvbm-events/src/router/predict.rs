@@ -200,9 +200,27 @@ mod tests {
         off.predict(w, &[1], t0);
         assert!(off.is_empty());
         // Combining with the index.
-        let o = Overlap { gpu: 2, host: 3, disk: 1 };
+        let o = Overlap {
+            gpu: 2,
+            host: 3,
+            disk: 1,
+        };
         assert_eq!(with_prediction(o, 1), o);
-        assert_eq!(with_prediction(o, 4), Overlap { gpu: 4, host: 1, disk: 1 });
-        assert_eq!(with_prediction(o, 7), Overlap { gpu: 7, host: 0, disk: 0 });
+        assert_eq!(
+            with_prediction(o, 4),
+            Overlap {
+                gpu: 4,
+                host: 1,
+                disk: 1
+            }
+        );
+        assert_eq!(
+            with_prediction(o, 7),
+            Overlap {
+                gpu: 7,
+                host: 0,
+                disk: 0
+            }
+        );
     }
 }

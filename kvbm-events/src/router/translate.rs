@@ -82,11 +82,6 @@ impl Names {
         self.map.shrink_to(0);
     }
 
-    /// What `engine` stands for.
-    pub fn get(&self, engine: u64) -> Option<&Name> {
-        self.map.get(&engine)
-    }
-
     /// Every entry (for dumps).
     pub fn iter(&self) -> impl Iterator<Item = (u64, &Name)> {
         self.map.iter().map(|(&k, v)| (k, v))

@@ -1,0 +1,145 @@
+//! Workers from a file (`--workers-file`): one worker per line in the `--workers` syntax (blank
+//! lines and `#` comments ignored), re-read when it changes. A worker that appears is registered,
+//! one whose line changed is registered again (its state is dropped), one that disappears is
+//! unregistered. Workers registered otherwise (`--workers`, `POST /register`) are not touched.
+//!
+//! A file that does not parse is reported in the log and leaves the registered workers as they
+//! were; one bad line fails the whole file, so that a half-edited file never unregisters half the
+//! fleet.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvbm_events::router::WorkerKey;
+use kvbm_events::WorkerEndpoint;
+
+use crate::config::{parse_worker, ConfigError};
+use crate::state::Router;
+
+/// Largest workers file read, in bytes.
+pub const WORKERS_FILE_BYTES_MAX: u64 = 1 << 20;
+
+/// Parses a workers file's text.
+pub fn parse_workers_file(text: &str) -> Result<BTreeMap<WorkerKey, WorkerEndpoint>, ConfigError> {
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let w = parse_worker(line)?;
+        if out.insert((w.worker_id, w.dp_rank), w.clone()).is_some() {
+            return Err(ConfigError::Worker {
+                entry: line.to_owned(),
+                why: format!("worker {}:{} is listed twice", w.worker_id, w.dp_rank),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn read(path: &Path) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
+    if meta.len() > WORKERS_FILE_BYTES_MAX {
+        return Err(format!(
+            "{} bytes; at most {WORKERS_FILE_BYTES_MAX} are read",
+            meta.len()
+        ));
+    }
+    std::fs::read_to_string(path).map_err(|e| e.to_string())
+}
+
+/// Follows the workers file at `path`, checking it every `every`, until the router is dropped.
+pub fn watch(
+    router: &Arc<Router>,
+    path: PathBuf,
+    every: Duration,
+) -> std::io::Result<JoinHandle<()>> {
+    let weak: Weak<Router> = Arc::downgrade(router);
+    let first = sync(router, &path, &BTreeMap::new(), None);
+    std::thread::Builder::new()
+        .name("kvbm-router-workers-file".into())
+        .spawn(move || {
+            let (mut known, mut last_text) = first;
+            loop {
+                std::thread::sleep(every);
+                let Some(router) = weak.upgrade() else { return };
+                let (k, t) = sync(&router, &path, &known, last_text.as_deref());
+                known = k;
+                last_text = t;
+            }
+        })
+}
+
+/// Applies the file's current contents against `known` (what the file registered before);
+/// returns what the file now registers and the text read.
+fn sync(
+    router: &Router,
+    path: &Path,
+    known: &BTreeMap<WorkerKey, WorkerEndpoint>,
+    last_text: Option<&str>,
+) -> (BTreeMap<WorkerKey, WorkerEndpoint>, Option<String>) {
+    let text = match read(path) {
+        Ok(t) => t,
+        Err(err) => {
+            tracing::warn!(path = %path.display(), error = %err, "workers file unreadable; workers unchanged");
+            router.metrics().workers_file_errors.inc();
+            return (known.clone(), last_text.map(str::to_owned));
+        }
+    };
+    if last_text == Some(text.as_str()) {
+        return (known.clone(), Some(text));
+    }
+    let wanted = match parse_workers_file(&text) {
+        Ok(w) => w,
+        Err(err) => {
+            tracing::warn!(path = %path.display(), error = %err, "workers file refused; workers unchanged");
+            router.metrics().workers_file_errors.inc();
+            return (known.clone(), Some(text));
+        }
+    };
+    let mut now = BTreeMap::new();
+    for (key, w) in &wanted {
+        if known.get(key) == Some(w) {
+            now.insert(*key, w.clone());
+            continue;
+        }
+        match router.register(w.clone()) {
+            Ok(()) => {
+                now.insert(*key, w.clone());
+            }
+            Err(err) => {
+                tracing::warn!(worker = ?key, error = %err, "worker from the workers file not registered");
+                router.metrics().workers_file_errors.inc();
+            }
+        }
+    }
+    for key in known.keys() {
+        if !wanted.contains_key(key) {
+            router.unregister(*key);
+        }
+    }
+    tracing::info!(path = %path.display(), workers = now.len(), "workers file applied");
+    (now, Some(text))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_files_parse_with_comments_and_refuse_bad_lines() {
+        let w = parse_workers_file(
+            "# fleet\n1=tcp://127.0.0.1:5557\n\n2:1=tcp://h:1,replay=tcp://h:2  # second\n",
+        )
+        .unwrap();
+        assert_eq!(w.len(), 2);
+        assert_eq!(w[&(2, 1)].replay.as_deref(), Some("tcp://h:2"));
+        assert!(parse_workers_file("1=tcp://h:1\nnope\n").is_err());
+        assert!(parse_workers_file("1=tcp://h:1\n1=tcp://h:2\n").is_err());
+        assert!(parse_workers_file("").unwrap().is_empty());
+    }
+}
