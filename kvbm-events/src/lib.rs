@@ -27,7 +27,8 @@ pub use hash::{
 };
 pub use tier::{Tier, TierParseError};
 pub use transport::{
-    request_replay, PublisherConfig, PublisherStats, SubscriberEvent, TransportError,
-    WorkerEndpoint, ZmqPublisher, ZmqSubscriber,
+    request_replay, LinkState, LinkStatus, PublisherConfig, PublisherStats, SubscriberEvent,
+    SubscriberOptions, SubscriberStats, TransportError, WorkerEndpoint, ZmqPublisher,
+    ZmqSubscriber,
 };
 pub use wire::{decode_batch, encode_batch, DecodeError, Location, WireBatch, WireEvent};

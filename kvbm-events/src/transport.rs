@@ -13,16 +13,45 @@
 //!   before they reached the publisher leave a hole in the wire sequence, so that downstream sees
 //!   the loss as a gap that no replay can fill, instead of missing it silently.
 //! - The replay buffer holds at most `replay_batches_max` batches.
+//! - The subscriber follows each worker on a thread of its own (its SUB socket, its socket
+//!   monitor, its replay requests): a worker that is slow, silent or hostile, or whose replay
+//!   never answers, delays only its own events (the shared sink aside). A worker's events reach
+//!   the sink in the order its thread decided them; different workers' events interleave.
+//!   Every wait of a worker thread (socket, replay, full sink) looks at its stop flag at least
+//!   every 50 ms: removing a worker (or dropping the subscriber) stops and joins its thread, and
+//!   nothing of it is reported afterwards.
 //! - The subscriber reports, per worker, every batch, gap (filled by replay or not), restart
-//!   (sequence back to 0) and undecodable payload; it never panics on what it receives.
+//!   and undecodable payload, and never drops a batch silently: a batch at most
+//!   [`DUPLICATE_WINDOW`] below the expected sequence number is a duplicate (dropped, counted);
+//!   one further below, or sequence 0, is a reset ([`SubscriberEvent::Restart`], then the new
+//!   sequence is followed from there, its unseen beginning reported as a gap); one above is a
+//!   gap, replayed if possible. Every anomaly is counted in [`SubscriberStats`].
+//! - It never panics on what it receives, and bounds what a peer can make it hold: a payload
+//!   over [`SubscriberOptions::max_message_bytes`] is reported undecodable without being
+//!   decoded; ZMQ (`ZMQ_MAXMSGSIZE` on SUB and replay DEALER sockets) refuses a frame over
+//!   [`SubscriberOptions::zmq_max_message_bytes`] from its header, before allocating it, by
+//!   dropping the connection as a protocol error, which ZMQ does not retry: the worker's thread
+//!   re-creates its SUB socket after [`RESUBSCRIBE_DELAY`] (a replay in flight times out). Only
+//!   the first frames of a message are kept (a message of the wrong shape is reported
+//!   undecodable); a replay is read one batch at a time and ends at its timeout whatever the
+//!   peer sends.
+//! - Backpressure: the sink is the caller's channel. When it is bounded and full, a worker
+//!   thread waits for room (counted in [`SubscriberStats::sink_waits`]); meanwhile that
+//!   worker's messages queue in ZMQ up to the SUB socket's receive high-water mark (and the
+//!   publisher's send high-water mark), beyond which ZMQ drops them; the thread then sees the
+//!   sequence gap and replays it (or reports it unfilled).
+//! - Each worker's connection state (connected, retrying, time of the last message) comes from
+//!   its SUB socket's monitor and is queryable with [`ZmqSubscriber::links`].
 
-use std::collections::VecDeque;
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crossbeam_channel::Sender;
+use crossbeam_channel::{SendTimeoutError, Sender, TrySendError};
+use parking_lot::Mutex;
 
 use crate::wire::{decode_batch, encode_batch, DecodeError, WireBatch};
 use crate::{EventPublisher, KvEvent};
@@ -397,105 +426,234 @@ pub enum SubscriberEvent {
         /// Whether replay filled it.
         filled: bool,
     },
-    /// The worker's sequence went back to 0: it restarted, its earlier state is gone.
+    /// The worker's sequence went back to 0, or further back than [`DUPLICATE_WINDOW`]: it
+    /// restarted (or its sequence is not to be trusted), its earlier state is gone. The batches
+    /// that follow are the new sequence's (a gap if its beginning was not seen).
     Restart {
         /// Worker id and dp rank.
         worker: (u64, u32),
     },
 }
 
-/// Subscribes to many workers on one thread until dropped, reporting to a channel. Workers can
-/// be added and removed while it runs.
+/// Time to wait for a replay before reporting the gap unfilled (the default of
+/// [`SubscriberOptions::replay_timeout`]).
+pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Worker additions and removals queued at most. Unused since every worker has its own thread
+/// (additions and removals are direct calls); kept for compatibility.
+pub const SUBSCRIBER_COMMANDS_MAX: usize = 256;
+
+/// How far below the expected sequence number a batch still counts as a duplicate (dropped and
+/// counted); further below, the publisher's sequence was reset ([`SubscriberEvent::Restart`]).
+pub const DUPLICATE_WINDOW: u64 = 1024;
+
+/// The default of [`SubscriberOptions::max_message_bytes`]: 16 MiB.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
+
+/// The default of [`SubscriberOptions::heartbeat_interval`].
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a worker thread waits at most (on its sockets, a replay, the sink) before it looks at
+/// its stop flag again: the bound on how long `remove` and dropping the subscriber take.
+const STOP_POLL: Duration = Duration::from_millis(50);
+
+/// Messages a worker thread takes from its SUB socket before it looks at its stop flag and its
+/// socket monitor again.
+const RECV_BURST: usize = 256;
+
+/// How long after a lost connection a worker thread waits for ZMQ to retry it before it
+/// re-creates the SUB socket itself (ZMQ does not retry after a protocol error, such as a frame
+/// over `ZMQ_MAXMSGSIZE` or a failed handshake).
+pub const RESUBSCRIBE_DELAY: Duration = Duration::from_secs(1);
+
+/// How the subscriber treats its peers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscriberOptions {
+    /// Time a replay (the initial one or a gap's) may take in all before what it did not bring
+    /// is reported as an unfilled gap.
+    pub replay_timeout: Duration,
+    /// Largest payload decoded; a larger one is reported as [`SubscriberEvent::Undecodable`]
+    /// with [`DecodeError::TooLarge`], and the stream goes on. ZMQ itself refuses any frame over
+    /// [`SubscriberOptions::zmq_max_message_bytes`] (it drops the connection, and the subscriber
+    /// connects again after [`RESUBSCRIBE_DELAY`]).
+    pub max_message_bytes: usize,
+    /// ZMTP heartbeat on each SUB socket (`ZMQ_HEARTBEAT_IVL`; the peer has three intervals
+    /// to answer before the connection is dropped and retried), so that a silent dead peer shows
+    /// in [`ZmqSubscriber::links`]. Zero: none.
+    pub heartbeat_interval: Duration,
+}
+
+impl Default for SubscriberOptions {
+    fn default() -> Self {
+        Self {
+            replay_timeout: REPLAY_TIMEOUT,
+            max_message_bytes: MAX_MESSAGE_BYTES,
+            heartbeat_interval: HEARTBEAT_INTERVAL,
+        }
+    }
+}
+
+impl SubscriberOptions {
+    /// The bound given to ZMQ as `ZMQ_MAXMSGSIZE` on every SUB and replay DEALER socket: twice
+    /// `max_message_bytes` plus 64 KiB, so that a payload somewhat over the limit is still
+    /// received and reported, while a frame over this bound is never allocated: ZMQ reads its
+    /// size from the frame header, treats it as a protocol error and drops the connection (the
+    /// link shows a disconnect) without retrying it; the subscriber re-creates the socket after
+    /// [`RESUBSCRIBE_DELAY`], and the batches lost meanwhile show as a sequence gap.
+    pub fn zmq_max_message_bytes(&self) -> i64 {
+        let bound = self
+            .max_message_bytes
+            .saturating_mul(2)
+            .saturating_add(64 << 10);
+        i64::try_from(bound).unwrap_or(i64::MAX)
+    }
+}
+
+/// Counters of a subscriber, over all its workers.
+#[derive(Debug, Default)]
+pub struct SubscriberStats {
+    /// Batches reported as [`SubscriberEvent::Batch`] (replayed ones included).
+    pub batches: AtomicU64,
+    /// Payloads that did not decode.
+    pub undecodable: AtomicU64,
+    /// Payloads over [`SubscriberOptions::max_message_bytes`], reported without being decoded.
+    pub oversized: AtomicU64,
+    /// Messages of the wrong shape (frames), on the live stream or in a replay.
+    pub malformed: AtomicU64,
+    /// Batches dropped as duplicates (at most [`DUPLICATE_WINDOW`] below the expected one).
+    pub duplicates: AtomicU64,
+    /// Sequence resets reported as [`SubscriberEvent::Restart`].
+    pub restarts: AtomicU64,
+    /// Gaps reported filled by replay.
+    pub gaps_filled: AtomicU64,
+    /// Gaps reported unfilled.
+    pub gaps_unfilled: AtomicU64,
+    /// Replay requests sent.
+    pub replay_requests: AtomicU64,
+    /// Replays that did not end in time.
+    pub replay_timeouts: AtomicU64,
+    /// Replays that failed otherwise (a ZMQ error).
+    pub replay_failures: AtomicU64,
+    /// Times a worker thread found the sink full and waited.
+    pub sink_waits: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A worker's connection, as the SUB socket's monitor reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkState {
+    /// The first connection attempt is under way.
+    Connecting,
+    /// Connected (the ZMTP handshake succeeded, or a message arrived).
+    Connected,
+    /// Not connected: an attempt failed (nobody listens, the handshake failed) or the connection
+    /// was lost (peer gone, heartbeat timeout, an oversized frame); ZMQ retries.
+    Retrying,
+}
+
+/// One worker's link.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkStatus {
+    /// The PUB endpoint.
+    pub endpoint: String,
+    /// Connected or not.
+    pub state: LinkState,
+    /// When `state` last changed.
+    pub since: SystemTime,
+    /// When the last message arrived, if any did.
+    pub last_message: Option<SystemTime>,
+    /// Connections made (handshakes that succeeded).
+    pub connects: u64,
+    /// Connections lost.
+    pub disconnects: u64,
+    /// Connection attempts that failed and were retried.
+    pub connect_retries: u64,
+    /// Times the subscriber re-created the SUB socket because ZMQ gave up on the connection (a
+    /// protocol error: an oversized frame, a failed handshake).
+    pub resubscribes: u64,
+    /// The sequence number expected next.
+    pub next_seq: u64,
+}
+
+impl LinkStatus {
+    fn new(endpoint: &str, next_seq: u64) -> Self {
+        Self {
+            endpoint: endpoint.to_owned(),
+            state: LinkState::Connecting,
+            since: SystemTime::now(),
+            last_message: None,
+            connects: 0,
+            disconnects: 0,
+            connect_retries: 0,
+            resubscribes: 0,
+            next_seq,
+        }
+    }
+
+    /// Whether the worker is connected now.
+    pub fn is_connected(&self) -> bool {
+        self.state == LinkState::Connected
+    }
+
+    fn set_state(&mut self, state: LinkState) {
+        if self.state != state {
+            self.state = state;
+            self.since = SystemTime::now();
+        }
+    }
+}
+
+/// Subscribes to many workers until dropped, each on its own thread (its SUB socket, its socket
+/// monitor, its replay requests), all reporting to one channel. Workers can be added and removed
+/// while it runs.
 ///
 /// A worker added with a replay endpoint is first synchronised from it: the subscriber asks for
-/// every buffered batch from sequence 0, reports them, and then follows the live stream from
-/// there (batches it already reported are skipped). If the buffer no longer starts at 0, the
-/// batches before it are reported as an unfilled gap.
+/// every buffered batch from the starting sequence number (0, or the one given to
+/// [`ZmqSubscriber::add_from`]), reports them, and then follows the live stream from there
+/// (batches it already reported are skipped). If the buffer no longer reaches back to the
+/// starting number, the batches before it are reported as an unfilled gap. Any later batch above
+/// the expected number (the first live one included, when the initial replay brought nothing)
+/// makes the subscriber ask the replay socket for what is missing before reporting the gap.
 pub struct ZmqSubscriber {
-    stop: Arc<AtomicBool>,
-    commands: crossbeam_channel::Sender<Command>,
-    thread: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    workers: Mutex<HashMap<(u64, u32), WorkerThread>>,
+    /// Serialises additions and removals, so that a replaced worker's thread has stopped before
+    /// its successor reports anything.
+    changes: Mutex<()>,
 }
 
 impl std::fmt::Debug for ZmqSubscriber {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ZmqSubscriber").finish_non_exhaustive()
+        f.debug_struct("ZmqSubscriber")
+            .field("workers", &self.workers.lock().len())
+            .field("options", &self.shared.options)
+            .finish_non_exhaustive()
     }
 }
 
-/// Time to wait for a replay before reporting the gap unfilled.
-pub const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
-
-enum Command {
-    Add(
-        WorkerEndpoint,
-        crossbeam_channel::Sender<Result<(), TransportError>>,
-    ),
-    Remove((u64, u32)),
+/// What every worker thread shares.
+struct Shared {
+    ctx: zmq::Context,
+    sink: Sender<SubscriberEvent>,
+    options: SubscriberOptions,
+    stats: SubscriberStats,
+    /// Numbers the monitors' inproc endpoints.
+    monitors: AtomicU64,
 }
 
-/// One subscribed worker.
-struct Subscribed {
-    endpoint: WorkerEndpoint,
-    socket: zmq::Socket,
-    /// The next sequence number expected; `None` before the first batch.
-    next_seq: Option<u64>,
+/// A running worker thread.
+struct WorkerThread {
+    stop: Arc<AtomicBool>,
+    link: Arc<Mutex<LinkStatus>>,
+    thread: Option<JoinHandle<()>>,
 }
 
-/// Worker additions and removals queued for the subscriber thread at most (callers wait).
-pub const SUBSCRIBER_COMMANDS_MAX: usize = 256;
-
-impl ZmqSubscriber {
-    /// Connects to every worker and starts reporting to `sink`.
-    pub fn start(
-        workers: Vec<WorkerEndpoint>,
-        sink: Sender<SubscriberEvent>,
-    ) -> Result<Self, TransportError> {
-        let (commands, command_rx) = crossbeam_channel::bounded(SUBSCRIBER_COMMANDS_MAX);
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvbm-zmq-sub".into())
-            .spawn(move || subscribe_loop(&command_rx, &sink, &thread_stop))
-            .map_err(|e| TransportError::Zmq {
-                call: "spawn",
-                endpoint: String::new(),
-                error: e.to_string(),
-            })?;
-        let subscriber = Self {
-            stop,
-            commands,
-            thread: Some(thread),
-        };
-        for w in workers {
-            subscriber.add(w)?;
-        }
-        Ok(subscriber)
-    }
-
-    /// Subscribes to one more worker (replacing any subscription of the same id and rank); returns
-    /// once its socket is connected and its initial replay, if any, was reported.
-    pub fn add(&self, worker: WorkerEndpoint) -> Result<(), TransportError> {
-        let (reply, answer) = crossbeam_channel::bounded(1);
-        let gone = || TransportError::Zmq {
-            call: "add",
-            endpoint: worker.endpoint.clone(),
-            error: "the subscriber thread has stopped".into(),
-        };
-        self.commands
-            .send(Command::Add(worker.clone(), reply))
-            .map_err(|_| gone())?;
-        answer.recv().map_err(|_| gone())?
-    }
-
-    /// Stops following a worker (its later batches are not reported).
-    pub fn remove(&self, worker: (u64, u32)) {
-        let _ = self.commands.send(Command::Remove(worker));
-    }
-}
-
-impl Drop for ZmqSubscriber {
-    fn drop(&mut self) {
+impl WorkerThread {
+    /// Stops the thread and waits for it: nothing of this worker is reported afterwards.
+    fn stop_and_join(mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -503,7 +661,154 @@ impl Drop for ZmqSubscriber {
     }
 }
 
-fn connect(ctx: &zmq::Context, w: &WorkerEndpoint) -> Result<zmq::Socket, TransportError> {
+impl ZmqSubscriber {
+    /// Connects to every worker and starts reporting to `sink`, with the default options.
+    pub fn start(
+        workers: Vec<WorkerEndpoint>,
+        sink: Sender<SubscriberEvent>,
+    ) -> Result<Self, TransportError> {
+        Self::start_with(workers, sink, SubscriberOptions::default())
+    }
+
+    /// Connects to every worker and starts reporting to `sink`.
+    pub fn start_with(
+        workers: Vec<WorkerEndpoint>,
+        sink: Sender<SubscriberEvent>,
+        options: SubscriberOptions,
+    ) -> Result<Self, TransportError> {
+        let subscriber = Self {
+            shared: Arc::new(Shared {
+                ctx: zmq::Context::new(),
+                sink,
+                options,
+                stats: SubscriberStats::default(),
+                monitors: AtomicU64::new(0),
+            }),
+            workers: Mutex::new(HashMap::new()),
+            changes: Mutex::new(()),
+        };
+        for w in workers {
+            subscriber.add(w)?;
+        }
+        Ok(subscriber)
+    }
+
+    /// Subscribes to one more worker from sequence number 0 (replacing any subscription of the
+    /// same id and rank); returns once its socket is connecting and its initial replay, if any,
+    /// was reported.
+    pub fn add(&self, worker: WorkerEndpoint) -> Result<(), TransportError> {
+        self.add_from(worker, 0)
+    }
+
+    /// Subscribes to one more worker whose batches before `next_seq` are already known (a router
+    /// that bootstrapped from a sibling's dump): with a replay endpoint, the initial replay asks
+    /// from `next_seq` and an unfilled gap is reported if the buffer no longer reaches back to
+    /// it; without one, the first live batch above `next_seq` is reported as an unfilled gap.
+    /// Batches up to [`DUPLICATE_WINDOW`] below `next_seq` are skipped as duplicates; a batch
+    /// further below (or sequence 0) is a [`SubscriberEvent::Restart`]. Returns as
+    /// [`ZmqSubscriber::add`] does.
+    pub fn add_from(&self, worker: WorkerEndpoint, next_seq: u64) -> Result<(), TransportError> {
+        let key = (worker.worker_id, worker.dp_rank);
+        let (ready, synced) = crossbeam_channel::bounded(1);
+        {
+            let _changes = self.changes.lock();
+            let old = self.workers.lock().remove(&key);
+            if let Some(old) = old {
+                old.stop_and_join();
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            let link = Arc::new(Mutex::new(LinkStatus::new(&worker.endpoint, next_seq)));
+            let (sub, monitor) = connect(&self.shared, &worker)?;
+            let follower = Follower {
+                key,
+                endpoint: worker.clone(),
+                sub,
+                monitor,
+                shared: self.shared.clone(),
+                stop: stop.clone(),
+                link: link.clone(),
+                expected: next_seq,
+                sink_open: true,
+                resubscribe_at: Cell::new(None),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("kvbm-sub-{}-{}", key.0, key.1))
+                .spawn(move || follower.run(next_seq, &ready))
+                .map_err(|e| TransportError::Zmq {
+                    call: "spawn",
+                    endpoint: worker.endpoint.clone(),
+                    error: e.to_string(),
+                })?;
+            self.workers.lock().insert(
+                key,
+                WorkerThread {
+                    stop,
+                    link,
+                    thread: Some(thread),
+                },
+            );
+        }
+        // The thread says when its initial replay is reported (or it was stopped first).
+        synced.recv().map_err(|_| TransportError::Zmq {
+            call: "add",
+            endpoint: worker.endpoint.clone(),
+            error: "the worker's thread stopped".into(),
+        })
+    }
+
+    /// Stops following a worker: returns once its thread has ended, so that none of its later
+    /// batches is reported.
+    pub fn remove(&self, worker: (u64, u32)) {
+        let _changes = self.changes.lock();
+        let old = self.workers.lock().remove(&worker);
+        if let Some(old) = old {
+            old.stop_and_join();
+        }
+    }
+
+    /// Every subscribed worker's link, in key order.
+    pub fn links(&self) -> Vec<((u64, u32), LinkStatus)> {
+        let mut links: Vec<_> = self
+            .workers
+            .lock()
+            .iter()
+            .map(|(key, w)| (*key, w.link.lock().clone()))
+            .collect();
+        links.sort_by_key(|(key, _)| *key);
+        links
+    }
+
+    /// Counters, over all workers.
+    pub fn stats(&self) -> &SubscriberStats {
+        &self.shared.stats
+    }
+
+    /// The options it runs with.
+    pub fn options(&self) -> &SubscriberOptions {
+        &self.shared.options
+    }
+}
+
+impl Drop for ZmqSubscriber {
+    fn drop(&mut self) {
+        let workers: Vec<WorkerThread> = self.workers.lock().drain().map(|(_, w)| w).collect();
+        // Stop them all first, so that they wind down together.
+        for w in &workers {
+            w.stop.store(true, Ordering::Relaxed);
+        }
+        for w in workers {
+            w.stop_and_join();
+        }
+    }
+}
+
+/// The worker's SUB socket, connecting, with its monitor (if the monitor could be set up).
+fn connect(
+    shared: &Shared,
+    w: &WorkerEndpoint,
+) -> Result<(zmq::Socket, Option<zmq::Socket>), TransportError> {
+    let ctx = &shared.ctx;
+    let options = &shared.options;
     let socket = ctx
         .socket(zmq::SUB)
         .map_err(|e| zmq_err("socket", &w.endpoint, e))?;
@@ -511,191 +816,535 @@ fn connect(ctx: &zmq::Context, w: &WorkerEndpoint) -> Result<zmq::Socket, Transp
         .set_linger(0)
         .map_err(|e| zmq_err("linger", &w.endpoint, e))?;
     socket
+        .set_maxmsgsize(options.zmq_max_message_bytes())
+        .map_err(|e| zmq_err("maxmsgsize", &w.endpoint, e))?;
+    if !options.heartbeat_interval.is_zero() {
+        let ivl = i32::try_from(options.heartbeat_interval.as_millis())
+            .unwrap_or(i32::MAX / 3)
+            .max(1);
+        socket
+            .set_heartbeat_ivl(ivl)
+            .map_err(|e| zmq_err("heartbeat", &w.endpoint, e))?;
+        socket
+            .set_heartbeat_timeout(ivl.saturating_mul(3))
+            .map_err(|e| zmq_err("heartbeat", &w.endpoint, e))?;
+    }
+    socket
         .set_subscribe(b"")
         .map_err(|e| zmq_err("subscribe", &w.endpoint, e))?;
+    // The monitor before the connection, so that it sees the first attempt.
+    let name = format!(
+        "inproc://kvbm-sub-monitor-{}",
+        shared.monitors.fetch_add(1, Ordering::Relaxed)
+    );
+    let monitor = socket
+        .monitor(&name, i32::from(zmq::SocketEvent::ALL.to_raw()))
+        .and_then(|()| {
+            let pair = ctx.socket(zmq::PAIR)?;
+            pair.set_linger(0)?;
+            pair.connect(&name)?;
+            Ok(pair)
+        })
+        .ok();
     socket
         .connect(&w.endpoint)
         .map_err(|e| zmq_err("connect", &w.endpoint, e))?;
-    Ok(socket)
+    Ok((socket, monitor))
 }
 
-fn subscribe_loop(
-    commands: &crossbeam_channel::Receiver<Command>,
-    sink: &Sender<SubscriberEvent>,
-    stop: &AtomicBool,
-) {
-    let ctx = zmq::Context::new();
-    let mut workers: Vec<Subscribed> = Vec::new();
-    while !stop.load(Ordering::Relaxed) {
-        while let Ok(command) = commands.try_recv() {
-            match command {
-                Command::Add(endpoint, reply) => {
-                    let key = (endpoint.worker_id, endpoint.dp_rank);
-                    workers.retain(|w| (w.endpoint.worker_id, w.endpoint.dp_rank) != key);
-                    match connect(&ctx, &endpoint) {
-                        Ok(socket) => {
-                            let mut w = Subscribed {
-                                endpoint,
-                                socket,
-                                next_seq: None,
-                            };
-                            initial_sync(&ctx, &mut w, sink);
-                            workers.push(w);
-                            let _ = reply.send(Ok(()));
-                        }
-                        Err(e) => {
-                            let _ = reply.send(Err(e));
-                        }
-                    }
-                }
-                Command::Remove(key) => {
-                    workers.retain(|w| (w.endpoint.worker_id, w.endpoint.dp_rank) != key);
-                }
+/// A message read frame by frame, keeping at most the first few frames.
+struct Received {
+    frames: Vec<zmq::Message>,
+    /// Frames in the message, kept or not.
+    total: usize,
+}
+
+/// Reads one whole message without blocking (`None` if there is none), keeping at most `keep`
+/// frames, so that a peer sending many frames cannot make this side hold them all.
+fn recv_frames(socket: &zmq::Socket, keep: usize) -> Result<Option<Received>, zmq::Error> {
+    let mut first = zmq::Message::new();
+    match socket.recv(&mut first, zmq::DONTWAIT) {
+        Ok(()) => {}
+        Err(zmq::Error::EAGAIN) => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let mut more = first.get_more();
+    let mut received = Received {
+        frames: vec![first],
+        total: 1,
+    };
+    while more {
+        // The rest of a multipart message is there already.
+        let mut part = zmq::Message::new();
+        socket.recv(&mut part, 0)?;
+        more = part.get_more();
+        received.total += 1;
+        if received.frames.len() < keep {
+            received.frames.push(part);
+        }
+    }
+    Ok(Some(received))
+}
+
+/// Where a batch stands against the expected sequence number.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    /// The expected one.
+    Next,
+    /// Already seen (within [`DUPLICATE_WINDOW`] below).
+    Duplicate,
+    /// The sequence went back to 0 or further back than the window: the publisher restarted.
+    Restart,
+    /// Batches `from..to` were skipped.
+    Gap { from: u64, to: u64 },
+}
+
+fn classify(expected: u64, seq: u64) -> Step {
+    if seq == expected {
+        Step::Next
+    } else if seq > expected {
+        Step::Gap {
+            from: expected,
+            to: seq,
+        }
+    } else if seq == 0 || expected - seq > DUPLICATE_WINDOW {
+        Step::Restart
+    } else {
+        Step::Duplicate
+    }
+}
+
+/// What a replay brought next.
+enum ReplayItem {
+    Batch(u64, zmq::Message),
+    End,
+    TimedOut,
+    Failed,
+    Stopped,
+}
+
+/// A replay request in flight: a DEALER with the subscriber's size bound.
+struct ReplayStream {
+    dealer: zmq::Socket,
+    deadline: Instant,
+}
+
+impl ReplayStream {
+    fn open(shared: &Shared, endpoint: &str, start_seq: u64) -> Result<Self, zmq::Error> {
+        let dealer = shared.ctx.socket(zmq::DEALER)?;
+        dealer.set_linger(0)?;
+        dealer.set_maxmsgsize(shared.options.zmq_max_message_bytes())?;
+        dealer.connect(endpoint)?;
+        let request: [&[u8]; 2] = [b"", &start_seq.to_be_bytes()];
+        // Queued until connected; the deadline covers the wait.
+        dealer.send_multipart(request, zmq::DONTWAIT)?;
+        Ok(Self {
+            dealer,
+            deadline: Instant::now() + shared.options.replay_timeout,
+        })
+    }
+
+    /// The next batch, the end, or why there is none; keeps the worker's monitor read and its
+    /// stop flag honoured while it waits.
+    fn next(&mut self, f: &Follower) -> ReplayItem {
+        loop {
+            if f.stopping() {
+                return ReplayItem::Stopped;
             }
-        }
-        if workers.is_empty() {
-            std::thread::sleep(Duration::from_millis(5));
-            continue;
-        }
-        let mut items: Vec<zmq::PollItem> = workers
-            .iter()
-            .map(|w| w.socket.as_poll_item(zmq::POLLIN))
-            .collect();
-        if zmq::poll(&mut items, 20).unwrap_or(0) == 0 {
-            continue;
-        }
-        let ready: Vec<usize> = items
-            .iter()
-            .enumerate()
-            .filter(|(_, i)| i.is_readable())
-            .map(|(k, _)| k)
-            .collect();
-        drop(items);
-        for k in ready {
-            while let Ok(frames) = workers[k].socket.recv_multipart(zmq::DONTWAIT) {
-                receive(&ctx, &mut workers[k], &frames, sink);
+            match recv_frames(&self.dealer, 4) {
+                Ok(Some(msg)) => {
+                    // [b"", topic, seq, payload]
+                    let seq = match msg.frames.get(2) {
+                        Some(seq) if msg.total == 4 => <[u8; 8]>::try_from(&seq[..]).ok(),
+                        _ => None,
+                    };
+                    let Some(seq) = seq.map(u64::from_be_bytes) else {
+                        bump(&f.shared.stats.malformed);
+                        continue;
+                    };
+                    if seq == REPLAY_END_SEQ {
+                        return ReplayItem::End;
+                    }
+                    let payload = msg.frames.into_iter().nth(3).expect("4 frames");
+                    return ReplayItem::Batch(seq, payload);
+                }
+                Ok(None) => {}
+                Err(_) => return ReplayItem::Failed,
+            }
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return ReplayItem::TimedOut;
+            }
+            let wait = left.min(STOP_POLL).as_millis().max(1) as i64;
+            let monitor_ready = {
+                let mut items = vec![self.dealer.as_poll_item(zmq::POLLIN)];
+                if let Some(m) = &f.monitor {
+                    items.push(m.as_poll_item(zmq::POLLIN));
+                }
+                if zmq::poll(&mut items, wait).is_err() {
+                    continue;
+                }
+                items.get(1).is_some_and(zmq::PollItem::is_readable)
+            };
+            if monitor_ready {
+                f.read_monitor();
             }
         }
     }
 }
 
-/// Reports what a new worker's replay socket still buffers, from sequence 0.
-fn initial_sync(ctx: &zmq::Context, w: &mut Subscribed, sink: &Sender<SubscriberEvent>) {
-    let Some(replay) = w.endpoint.replay.clone() else {
-        return;
-    };
-    let worker = (w.endpoint.worker_id, w.endpoint.dp_rank);
-    let Ok(batches) = request_replay(ctx, &replay, 0, REPLAY_TIMEOUT) else {
-        return;
-    };
-    let Some(&(first, _)) = batches.first() else {
-        return;
-    };
-    if first > 0 {
-        let _ = sink.send(SubscriberEvent::Gap {
-            worker,
-            from: 0,
-            to: first,
+/// One worker's thread: follows its SUB socket, replays its gaps, reports to the sink.
+struct Follower {
+    key: (u64, u32),
+    endpoint: WorkerEndpoint,
+    sub: zmq::Socket,
+    monitor: Option<zmq::Socket>,
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+    link: Arc<Mutex<LinkStatus>>,
+    /// The sequence number expected next.
+    expected: u64,
+    /// False once the sink's receiver is gone (the thread then ends).
+    sink_open: bool,
+    /// When to re-create the SUB socket, if the connection was lost and ZMQ has not (yet) said
+    /// that it retries.
+    resubscribe_at: Cell<Option<Instant>>,
+}
+
+impl Follower {
+    fn run(mut self, start_seq: u64, ready: &Sender<()>) {
+        if let Some(replay) = self.endpoint.replay.clone() {
+            self.initial_sync(&replay, start_seq);
+        }
+        let _ = ready.send(());
+        while !self.stopping() {
+            let (sub_ready, monitor_ready) = {
+                let mut items = vec![self.sub.as_poll_item(zmq::POLLIN)];
+                if let Some(m) = &self.monitor {
+                    items.push(m.as_poll_item(zmq::POLLIN));
+                }
+                if zmq::poll(&mut items, STOP_POLL.as_millis() as i64).is_err() {
+                    continue;
+                }
+                (
+                    items[0].is_readable(),
+                    items.get(1).is_some_and(zmq::PollItem::is_readable),
+                )
+            };
+            if monitor_ready {
+                self.read_monitor();
+            }
+            if self
+                .resubscribe_at
+                .get()
+                .is_some_and(|at| Instant::now() >= at)
+            {
+                self.resubscribe();
+                continue;
+            }
+            if sub_ready {
+                for _ in 0..RECV_BURST {
+                    if self.stopping() {
+                        break;
+                    }
+                    match recv_frames(&self.sub, 3) {
+                        Ok(Some(msg)) => self.receive(msg),
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+            }
+        }
+    }
+
+    fn stopping(&self) -> bool {
+        !self.sink_open || self.stop.load(Ordering::Relaxed)
+    }
+
+    /// A new SUB socket (and monitor) in place of one ZMQ gave up on.
+    fn resubscribe(&mut self) {
+        match connect(&self.shared, &self.endpoint) {
+            Ok((sub, monitor)) => {
+                self.sub = sub;
+                self.monitor = monitor;
+                self.resubscribe_at.set(None);
+                self.link.lock().resubscribes += 1;
+            }
+            Err(_) => self
+                .resubscribe_at
+                .set(Some(Instant::now() + RESUBSCRIBE_DELAY)),
+        }
+    }
+
+    /// Applies what the socket monitor reported to the link.
+    fn read_monitor(&self) {
+        let Some(monitor) = &self.monitor else {
+            return;
+        };
+        let connected = zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw();
+        let retried = zmq::SocketEvent::CONNECT_RETRIED.to_raw();
+        // ZMQ is (re)connecting by itself.
+        let trying = [
+            retried,
+            connected,
+            zmq::SocketEvent::CONNECT_DELAYED.to_raw(),
+            zmq::SocketEvent::CONNECTED.to_raw(),
+        ];
+        let lost = [
+            zmq::SocketEvent::DISCONNECTED.to_raw(),
+            zmq::SocketEvent::HANDSHAKE_FAILED_NO_DETAIL.to_raw(),
+            zmq::SocketEvent::HANDSHAKE_FAILED_PROTOCOL.to_raw(),
+            zmq::SocketEvent::HANDSHAKE_FAILED_AUTH.to_raw(),
+        ];
+        // [event u16 LE, value u32 LE], endpoint.
+        while let Ok(Some(msg)) = recv_frames(monitor, 1) {
+            let Some(event) = msg.frames[0].get(..2) else {
+                continue;
+            };
+            let event = u16::from_le_bytes([event[0], event[1]]);
+            if trying.contains(&event) {
+                self.resubscribe_at.set(None);
+            } else if lost.contains(&event) {
+                self.resubscribe_at
+                    .set(Some(Instant::now() + RESUBSCRIBE_DELAY));
+            }
+            let mut link = self.link.lock();
+            if event == connected {
+                link.connects += 1;
+                link.set_state(LinkState::Connected);
+            } else if event == retried {
+                link.connect_retries += 1;
+                link.set_state(LinkState::Retrying);
+            } else if lost.contains(&event) {
+                if event == lost[0] {
+                    link.disconnects += 1;
+                }
+                link.set_state(LinkState::Retrying);
+            }
+        }
+    }
+
+    /// Reports what the replay socket still buffers from `start_seq` on, as it arrives.
+    fn initial_sync(&mut self, replay: &str, start_seq: u64) {
+        bump(&self.shared.stats.replay_requests);
+        let mut stream = match ReplayStream::open(&self.shared, replay, start_seq) {
+            Ok(stream) => stream,
+            Err(_) => {
+                bump(&self.shared.stats.replay_failures);
+                return;
+            }
+        };
+        let mut next = start_seq;
+        loop {
+            match stream.next(self) {
+                ReplayItem::Batch(seq, payload) => {
+                    if seq < next {
+                        continue;
+                    }
+                    if seq > next {
+                        self.unfilled(next, seq);
+                    }
+                    next = seq.saturating_add(1);
+                    self.expected = next;
+                    self.link.lock().next_seq = next;
+                    self.report(seq, &payload);
+                }
+                ReplayItem::End => break,
+                ReplayItem::TimedOut => {
+                    bump(&self.shared.stats.replay_timeouts);
+                    break;
+                }
+                ReplayItem::Failed => {
+                    bump(&self.shared.stats.replay_failures);
+                    break;
+                }
+                ReplayItem::Stopped => return,
+            }
+        }
+    }
+
+    /// Batches `from..to` are missing: reports what the replay socket has of them as it arrives,
+    /// each hole as an unfilled gap, and, if there was none, the gap as filled.
+    fn fill_gap(&mut self, from: u64, to: u64) {
+        let Some(replay) = self.endpoint.replay.clone() else {
+            self.unfilled(from, to);
+            return;
+        };
+        bump(&self.shared.stats.replay_requests);
+        let mut stream = match ReplayStream::open(&self.shared, &replay, from) {
+            Ok(stream) => stream,
+            Err(_) => {
+                bump(&self.shared.stats.replay_failures);
+                self.unfilled(from, to);
+                return;
+            }
+        };
+        let mut next = from;
+        let mut holes = false;
+        while next < to {
+            match stream.next(self) {
+                ReplayItem::Batch(seq, payload) => {
+                    if seq < next {
+                        continue;
+                    }
+                    if seq >= to {
+                        // The live stream has the rest.
+                        break;
+                    }
+                    if seq > next {
+                        self.unfilled(next, seq);
+                        holes = true;
+                    }
+                    self.report(seq, &payload);
+                    next = seq + 1;
+                }
+                ReplayItem::End => break,
+                ReplayItem::TimedOut => {
+                    bump(&self.shared.stats.replay_timeouts);
+                    break;
+                }
+                ReplayItem::Failed => {
+                    bump(&self.shared.stats.replay_failures);
+                    break;
+                }
+                ReplayItem::Stopped => return,
+            }
+        }
+        if next < to {
+            self.unfilled(next, to);
+            holes = true;
+        }
+        if !holes {
+            bump(&self.shared.stats.gaps_filled);
+            self.emit(SubscriberEvent::Gap {
+                worker: self.key,
+                from,
+                to,
+                filled: true,
+            });
+        }
+    }
+
+    fn unfilled(&mut self, from: u64, to: u64) {
+        bump(&self.shared.stats.gaps_unfilled);
+        self.emit(SubscriberEvent::Gap {
+            worker: self.key,
+            from,
+            to,
             filled: false,
         });
     }
-    let mut next = first;
-    for (seq, payload) in &batches {
-        if *seq < next {
-            continue;
-        }
-        if *seq > next {
-            let _ = sink.send(SubscriberEvent::Gap {
-                worker,
-                from: next,
-                to: *seq,
-                filled: false,
-            });
-        }
-        report(sink, worker, *seq, payload);
-        next = seq + 1;
-    }
-    w.next_seq = Some(next);
-}
 
-/// Handles one message from a worker's PUB socket.
-fn receive(
-    ctx: &zmq::Context,
-    w: &mut Subscribed,
-    frames: &[Vec<u8>],
-    sink: &Sender<SubscriberEvent>,
-) {
-    let worker = (w.endpoint.worker_id, w.endpoint.dp_rank);
-    // [topic, seq, payload]; anything else is counted as undecodable.
-    let (seq, payload) = match frames {
-        [_, seq, payload] if seq.len() == 8 => (
-            u64::from_be_bytes(seq.as_slice().try_into().expect("8 bytes")),
-            payload,
-        ),
-        _ => {
+    /// Handles one message from the worker's PUB socket.
+    fn receive(&mut self, msg: Received) {
+        let worker = self.key;
+        // [topic, seq, payload]; anything else is reported as undecodable.
+        let seq = match msg.frames.get(1) {
+            Some(seq) if msg.total == 3 => <[u8; 8]>::try_from(&seq[..]).ok(),
+            _ => None,
+        };
+        let Some(seq) = seq.map(u64::from_be_bytes) else {
+            bump(&self.shared.stats.malformed);
+            self.note_message();
             let error = DecodeError::Shape(format!(
-                "{} frames, expected [topic, seq, payload]",
-                frames.len()
+                "{} frames, expected [topic, seq (8 bytes), payload]",
+                msg.total
             ));
-            let _ = sink.send(SubscriberEvent::Undecodable {
+            self.emit(SubscriberEvent::Undecodable {
                 worker,
                 seq: 0,
                 error,
             });
             return;
+        };
+        match classify(self.expected, seq) {
+            Step::Next => {}
+            Step::Duplicate => {
+                bump(&self.shared.stats.duplicates);
+                self.note_message();
+                return;
+            }
+            Step::Restart => {
+                bump(&self.shared.stats.restarts);
+                self.emit(SubscriberEvent::Restart { worker });
+                // The new incarnation's batches before this one were not seen.
+                if seq > 0 {
+                    self.fill_gap(0, seq);
+                }
+            }
+            Step::Gap { from, to } => self.fill_gap(from, to),
         }
-    };
-    match w.next_seq {
-        // The first batch seen, not the first sent: what came before is unknown here.
-        None if seq > 0 => {
-            let _ = sink.send(SubscriberEvent::Gap {
-                worker,
-                from: 0,
-                to: seq,
-                filled: false,
-            });
-        }
-        Some(expected) if seq == 0 && expected > 0 => {
-            let _ = sink.send(SubscriberEvent::Restart { worker });
-        }
-        Some(expected) if seq < expected => return, // a duplicate
-        Some(expected) if seq > expected => {
-            let filled = match &w.endpoint.replay {
-                Some(replay) => match request_replay(ctx, replay, expected, REPLAY_TIMEOUT) {
-                    Ok(batches) => {
-                        let wanted: Vec<_> = batches
-                            .into_iter()
-                            .filter(|(s, _)| (expected..seq).contains(s))
-                            .collect();
-                        let complete = wanted.len() as u64 == seq - expected;
-                        if complete {
-                            for (s, p) in &wanted {
-                                report(sink, worker, *s, p);
-                            }
-                        }
-                        complete
-                    }
-                    Err(_) => false,
-                },
-                None => false,
-            };
-            let _ = sink.send(SubscriberEvent::Gap {
-                worker,
-                from: expected,
-                to: seq,
-                filled,
-            });
-        }
-        _ => {}
+        self.expected = seq.saturating_add(1);
+        // The link first: whoever sees the batch sees the link that brought it.
+        self.note_message();
+        self.report(seq, &msg.frames[2]);
     }
-    w.next_seq = Some(seq + 1);
-    report(sink, worker, seq, payload);
-}
 
-fn report(sink: &Sender<SubscriberEvent>, worker: (u64, u32), seq: u64, payload: &[u8]) {
-    let event = match decode_batch(payload) {
-        Ok(batch) => SubscriberEvent::Batch { worker, seq, batch },
-        Err(error) => SubscriberEvent::Undecodable { worker, seq, error },
-    };
-    let _ = sink.send(event);
+    /// A message arrived: the link is up, and when.
+    fn note_message(&self) {
+        let mut link = self.link.lock();
+        link.last_message = Some(SystemTime::now());
+        link.next_seq = self.expected;
+        if link.state != LinkState::Connected {
+            link.set_state(LinkState::Connected);
+        }
+    }
+
+    /// Reports a payload: decoded, or why not (without decoding it if it is over the limit).
+    fn report(&mut self, seq: u64, payload: &[u8]) {
+        let worker = self.key;
+        let stats = &self.shared.stats;
+        let max = self.shared.options.max_message_bytes;
+        let event = if payload.len() > max {
+            bump(&stats.oversized);
+            SubscriberEvent::Undecodable {
+                worker,
+                seq,
+                error: DecodeError::TooLarge {
+                    bytes: payload.len(),
+                    max,
+                },
+            }
+        } else {
+            match decode_batch(payload) {
+                Ok(batch) => {
+                    bump(&stats.batches);
+                    SubscriberEvent::Batch { worker, seq, batch }
+                }
+                Err(error) => {
+                    bump(&stats.undecodable);
+                    SubscriberEvent::Undecodable { worker, seq, error }
+                }
+            }
+        };
+        self.emit(event);
+    }
+
+    /// Sends to the sink; while it is full, waits (counted), looking at the stop flag.
+    fn emit(&mut self, event: SubscriberEvent) {
+        if self.stopping() {
+            return;
+        }
+        let mut event = match self.shared.sink.try_send(event) {
+            Ok(()) => return,
+            Err(TrySendError::Disconnected(_)) => {
+                self.sink_open = false;
+                return;
+            }
+            Err(TrySendError::Full(event)) => event,
+        };
+        bump(&self.shared.stats.sink_waits);
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            match self.shared.sink.send_timeout(event, STOP_POLL) {
+                Ok(()) => return,
+                Err(SendTimeoutError::Timeout(back)) => event = back,
+                Err(SendTimeoutError::Disconnected(_)) => {
+                    self.sink_open = false;
+                    return;
+                }
+            }
+        }
+    }
 }

@@ -36,6 +36,11 @@ pub struct Args {
     #[arg(long, default_value = "")]
     pub workers: String,
 
+    /// A sibling router's URL (http://HOST:PORT): its index is read from GET /dump at start,
+    /// with its workers, and each is followed from the sequence number after the dump's.
+    #[arg(long)]
+    pub bootstrap_from: Option<String>,
+
     /// A file of workers, one per line in the --workers syntax ('#' starts a comment), re-read
     /// when it changes: workers that appear are registered, those that disappear unregistered.
     #[arg(long)]

@@ -135,6 +135,39 @@ struct WorkerView {
     info: crate::state::WorkerInfo,
     blocks: TierBlocks,
     load: LoadView,
+    link: Option<LinkView>,
+}
+
+/// A worker's connection as `/workers` shows it.
+#[derive(Debug, Serialize)]
+struct LinkView {
+    /// "connecting", "connected" or "retrying" (its endpoint does not answer: not routed to).
+    state: &'static str,
+    /// Seconds since the state last changed.
+    since_secs: f64,
+    /// Seconds since the last message, if any came.
+    last_message_secs: Option<f64>,
+    connects: u64,
+    disconnects: u64,
+    connect_retries: u64,
+    next_seq: u64,
+}
+
+fn link_view(l: &kvbm_events::LinkStatus) -> LinkView {
+    let age = |t: std::time::SystemTime| t.elapsed().map_or(0.0, |d| d.as_secs_f64());
+    LinkView {
+        state: match l.state {
+            kvbm_events::LinkState::Connecting => "connecting",
+            kvbm_events::LinkState::Connected => "connected",
+            kvbm_events::LinkState::Retrying => "retrying",
+        },
+        since_secs: age(l.since),
+        last_message_secs: l.last_message.map(age),
+        connects: l.connects,
+        disconnects: l.disconnects,
+        connect_retries: l.connect_retries,
+        next_seq: l.next_seq,
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -174,9 +207,9 @@ async fn route(
     let Json(body) = body?;
     match router.route(&body.tokens(), body.request_id.clone()) {
         Ok(answer) => Ok(Json(answer)),
-        Err(RouteError::NoWorkers) => Err(ApiError::new(
+        Err(e @ (RouteError::NoWorkers | RouteError::NoneReachable)) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "no worker is registered",
+            e.to_string(),
         )),
         Err(e @ RouteError::RequestIdTooLong { .. }) => {
             Err(ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))
@@ -264,7 +297,7 @@ async fn workers(State(router): State<Shared>) -> Json<serde_json::Value> {
     let workers: Vec<WorkerView> = router
         .workers()
         .into_iter()
-        .map(|(info, blocks, load)| WorkerView {
+        .map(|(info, blocks, load, link)| WorkerView {
             info,
             blocks: TierBlocks {
                 gpu: blocks[0],
@@ -276,9 +309,70 @@ async fn workers(State(router): State<Shared>) -> Json<serde_json::Value> {
                 decode_blocks: load.decode_blocks,
                 requests: load.requests,
             },
+            link: link.as_ref().map(link_view),
         })
         .collect();
     Json(json!({ "workers": workers }))
+}
+
+/// Chunks of a dump in flight to a client at most (the writer waits for the client beyond).
+const DUMP_CHUNKS_QUEUED_MAX: usize = 8;
+/// Bytes per chunk of a dump.
+const DUMP_CHUNK_BYTES: usize = 256 << 10;
+
+/// Sends what is written to it as body chunks.
+struct ChunkWriter {
+    buf: Vec<u8>,
+    tx: tokio::sync::mpsc::Sender<Result<axum::body::Bytes, std::io::Error>>,
+}
+
+impl std::io::Write for ChunkWriter {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        if self.buf.len() >= DUMP_CHUNK_BYTES {
+            self.flush()?;
+        }
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.buf.is_empty() {
+            return Ok(());
+        }
+        let chunk = axum::body::Bytes::from(std::mem::take(&mut self.buf));
+        self.tx
+            .blocking_send(Ok(chunk))
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::BrokenPipe, "client gone"))
+    }
+}
+
+/// `GET /dump`: the index as NDJSON (see [`crate::dump`]), one dump at a time. The snapshot is
+/// taken at once (the event pump waits only for that); it is then streamed at the client's pace.
+async fn dump(State(router): State<Shared>) -> Result<Response, ApiError> {
+    let Some(permit) = router.try_dump() else {
+        return Err(ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "a dump is being sent; try again when it is done",
+        ));
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(DUMP_CHUNKS_QUEUED_MAX);
+    let r = router.clone();
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        let snapshot = r.dump();
+        let mut w = ChunkWriter {
+            buf: Vec::with_capacity(DUMP_CHUNK_BYTES),
+            tx,
+        };
+        if let Err(err) = crate::dump::write(&snapshot, &mut w).and_then(|()| {
+            use std::io::Write;
+            w.flush()
+        }) {
+            tracing::info!(error = %err, "dump not sent whole");
+        }
+    });
+    let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
 }
 
 async fn metrics(State(router): State<Shared>) -> Response {
@@ -305,7 +399,7 @@ async fn method_not_allowed() -> ApiError {
 async fn count(State(router): State<Shared>, request: Request, next: Next) -> Response {
     let endpoint = match request.uri().path() {
         p @ ("/query" | "/route" | "/first_token" | "/finished" | "/register" | "/unregister"
-        | "/workers" | "/metrics" | "/healthz") => p.trim_start_matches('/').to_owned(),
+        | "/workers" | "/metrics" | "/healthz" | "/dump") => p.trim_start_matches('/').to_owned(),
         _ => "other".to_owned(),
     };
     let response = next.run(request).await;
@@ -328,6 +422,7 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .route("/register", post(register))
         .route("/unregister", post(unregister))
         .route("/workers", get(workers))
+        .route("/dump", get(dump))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
         .fallback(not_found)

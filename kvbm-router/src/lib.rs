@@ -3,12 +3,14 @@
 //! of `kvbm-events`, and answers over HTTP which worker should serve a request: the one holding
 //! most of its prefix, weighed against how busy each worker is (Dynamo's default cost).
 //!
-//! Modules: [`config`] (command line, `--workers`), [`discovery`] (`--workers-file`), [`state`] (the router: index, load, workers,
+//! Modules: [`config`] (command line, `--workers`), [`discovery`] (`--workers-file`), [`dump`] (`GET /dump`,
+//! `--bootstrap-from`), [`state`] (the router: index, load, workers,
 //! the event pump), [`http`] (the JSON API), [`listener`] (connection limits), [`metrics`]
 //! (Prometheus).
 
 pub mod config;
 pub mod discovery;
+pub mod dump;
 pub mod http;
 pub mod listener;
 pub mod metrics;

@@ -30,9 +30,25 @@ fn main() -> anyhow::Result<()> {
             .await
             .with_context(|| format!("binding the HTTP API to {addr}"))?;
         let bound = listener.local_addr()?;
-        let router = tokio::task::spawn_blocking(move || Router::start(config, workers))
-            .await?
-            .context("subscribing to the workers")?;
+        let bootstrap = args.bootstrap_from.clone();
+        let router = tokio::task::spawn_blocking(move || -> anyhow::Result<Router> {
+            let dump = match &bootstrap {
+                None => None,
+                Some(url) => {
+                    let dump = kvbm_router::dump::fetch(
+                        url,
+                        config.block_size,
+                        config.max_blocks_per_worker,
+                        std::time::Duration::from_secs(300),
+                    )
+                    .map_err(|e| anyhow::anyhow!("--bootstrap-from {url}: {e}"))?;
+                    tracing::info!(%url, workers = dump.workers.len(), "bootstrapped from a sibling");
+                    Some(dump)
+                }
+            };
+            Router::start_from(config, workers, dump).context("subscribing to the workers")
+        })
+        .await??;
         let router = Arc::new(router);
         let _watcher = match &args.workers_file {
             Some(path) => Some(

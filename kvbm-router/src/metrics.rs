@@ -19,6 +19,10 @@
 //!   (beyond --max-connections), `kv_router_connections_timed_out_total` (idle),
 //!   `kv_router_workers_refused_total` (registrations beyond --max-workers),
 //!   `kv_router_workers_file_errors_total`.
+//! - `kv_router_subscriber_total{what}`: the ZMQ subscriber's counters (sequence anomalies,
+//!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
+//!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
+//!   water mark, and the gap is replayed; every wait is counted here).
 
 use prometheus::{
     exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
@@ -65,6 +69,8 @@ pub struct RouterMetrics {
     pub workers_refused: IntCounter,
     /// Workers files that could not be read or parsed, and their workers that failed to register.
     pub workers_file_errors: IntCounter,
+    /// The subscriber's counters, copied at each scrape: `kv_router_subscriber_total{what}`.
+    pub subscriber: IntGaugeVec,
     /// Routed requests still counted as load.
     pub active_requests: IntGauge,
     /// Distinct blocks indexed.
@@ -184,6 +190,20 @@ impl RouterMetrics {
             workers_refused: counter(
                 "kv_router_workers_refused_total",
                 "Worker registrations refused because --max-workers were registered",
+            ),
+            subscriber: register(
+                &registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "kv_router_subscriber_total",
+                        "The event subscriber's counters: batches, undecodable, oversized, \
+                         malformed, duplicates, restarts, gaps_filled, gaps_unfilled, \
+                         replay_requests, replay_timeouts, replay_failures, and sink_waits (times \
+                         a worker's thread waited because the event queue to the index was full)",
+                    ),
+                    &["what"],
+                )
+                .expect("valid metric"),
             ),
             workers_file_errors: counter(
                 "kv_router_workers_file_errors_total",

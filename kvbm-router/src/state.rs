@@ -31,7 +31,8 @@ use kvbm_events::router::{
     WorkerLoad, PREDICTIONS_MAX_DEFAULT,
 };
 use kvbm_events::{
-    BlockHasher, SubscriberEvent, Tier, TransportError, WireEvent, WorkerEndpoint, ZmqSubscriber,
+    BlockHasher, LinkState, LinkStatus, SubscriberEvent, Tier, TransportError, WireEvent,
+    WorkerEndpoint, ZmqSubscriber,
 };
 use parking_lot::{Mutex, RwLock};
 use rand::rngs::StdRng;
@@ -39,6 +40,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::config::RouterConfig;
+use crate::dump::{Dump, DumpWorker};
 use crate::metrics::RouterMetrics;
 
 /// Subscriber reports (event batches, gaps, restarts) queued for the pump at most.
@@ -164,6 +166,9 @@ pub enum RouteError {
     /// No worker is registered.
     #[error("no worker is registered")]
     NoWorkers,
+    /// Every registered worker's endpoint is down.
+    #[error("no registered worker is reachable")]
+    NoneReachable,
     /// The caller's request id is longer than `--max-request-id-bytes`.
     #[error("request_id of {len} bytes; at most {max} are accepted")]
     RequestIdTooLong {
@@ -190,6 +195,8 @@ pub enum RegisterError {
 
 struct Shared {
     config: RouterConfig,
+    /// Whether a dump is being taken or sent (one at a time).
+    dumping: Arc<std::sync::atomic::AtomicBool>,
     index: RwLock<KvIndex>,
     predictions: Mutex<Predictions>,
     load: Mutex<LoadTrack>,
@@ -231,6 +238,16 @@ impl std::fmt::Debug for Router {
     }
 }
 
+/// The claim of the one dump in progress; released when dropped.
+#[derive(Debug)]
+pub struct DumpGuard(Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for DumpGuard {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
 /// How often, at most, routed requests past their time-to-live are expired.
 const EXPIRY_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -240,11 +257,38 @@ impl Router {
         config: RouterConfig,
         workers: Vec<WorkerEndpoint>,
     ) -> Result<Self, TransportError> {
+        Self::start_from(config, workers, None)
+    }
+
+    /// As [`Self::start`], first restoring a sibling's `dump` (its workers too, each followed
+    /// from the sequence number after the one the dump was taken at); `workers` named in the dump
+    /// keep its state, with their endpoints from `workers`.
+    pub fn start_from(
+        config: RouterConfig,
+        workers: Vec<WorkerEndpoint>,
+        dump: Option<Dump>,
+    ) -> Result<Self, TransportError> {
+        let mut index = KvIndex::new(config.max_blocks_per_worker, config.block_size as u32)
+            .with_capacity(config.index_capacity_blocks);
+        let mut resumed: Vec<(WorkerEndpoint, Option<u64>)> = Vec::new();
+        for (w, snapshot) in dump.map(|d| d.workers).unwrap_or_default() {
+            index.restore(&snapshot);
+            let key = (w.worker_id, w.dp_rank);
+            let endpoint = workers
+                .iter()
+                .find(|e| (e.worker_id, e.dp_rank) == key)
+                .cloned()
+                .unwrap_or(WorkerEndpoint {
+                    worker_id: w.worker_id,
+                    dp_rank: w.dp_rank,
+                    endpoint: w.endpoint,
+                    replay: w.replay_endpoint,
+                });
+            resumed.push((endpoint, w.last_seq));
+        }
         let shared = Arc::new(Shared {
-            index: RwLock::new(
-                KvIndex::new(config.max_blocks_per_worker, config.block_size as u32)
-                    .with_capacity(config.index_capacity_blocks),
-            ),
+            dumping: Arc::default(),
+            index: RwLock::new(index),
             predictions: Mutex::new(Predictions::new(
                 config.predicted_ttl,
                 PREDICTIONS_MAX_DEFAULT,
@@ -278,7 +322,21 @@ impl Router {
             subscriber: Some(subscriber),
             pump: Some(pump),
         };
+        for (w, last_seq) in &resumed {
+            router.follow(w.clone(), *last_seq).map_err(|e| match e {
+                RegisterError::Transport(t) => t,
+                other => TransportError::Zmq {
+                    call: "register",
+                    endpoint: String::new(),
+                    error: other.to_string(),
+                },
+            })?;
+        }
         for w in workers {
+            let key = (w.worker_id, w.dp_rank);
+            if resumed.iter().any(|(r, _)| (r.worker_id, r.dp_rank) == key) {
+                continue;
+            }
             router.register(w).map_err(|e| match e {
                 RegisterError::Transport(t) => t,
                 other => TransportError::Zmq {
@@ -349,6 +407,96 @@ impl Router {
         Ok(())
     }
 
+    /// Follows a worker restored from a dump: keeps its index state and subscribes from the
+    /// sequence number after `last_seq` (from the start when none was applied).
+    fn follow(&self, worker: WorkerEndpoint, last_seq: Option<u64>) -> Result<(), RegisterError> {
+        let key = (worker.worker_id, worker.dp_rank);
+        {
+            let mut workers = self.shared.workers.lock();
+            let max = self.shared.config.max_workers;
+            if workers.len() >= max {
+                self.shared.metrics.workers_refused.inc();
+                return Err(RegisterError::TooManyWorkers { max });
+            }
+            workers.insert(
+                key,
+                WorkerInfo {
+                    worker_id: worker.worker_id,
+                    dp_rank: worker.dp_rank,
+                    endpoint: worker.endpoint.clone(),
+                    replay_endpoint: worker.replay.clone(),
+                    last_seq,
+                    batches: 0,
+                    events: 0,
+                    unfilled_gaps: 0,
+                    resync_needed: false,
+                },
+            );
+            self.shared.metrics.workers.set(workers.len() as i64);
+        }
+        let subscribed = match last_seq {
+            Some(seq) => self.subscriber().add_from(worker, seq + 1),
+            None => self.subscriber().add(worker),
+        };
+        if let Err(e) = subscribed {
+            let mut workers = self.shared.workers.lock();
+            workers.remove(&key);
+            self.shared.metrics.workers.set(workers.len() as i64);
+            return Err(e.into());
+        }
+        tracing::info!(worker = ?key, ?last_seq, "worker restored from a dump");
+        Ok(())
+    }
+
+    /// Claims the one dump allowed at a time; None while another is being sent. The claim ends
+    /// when the returned guard drops.
+    pub fn try_dump(&self) -> Option<DumpGuard> {
+        use std::sync::atomic::Ordering;
+        self.shared
+            .dumping
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .ok()
+            .map(|_| DumpGuard(self.shared.dumping.clone()))
+    }
+
+    /// The index and every worker's last applied sequence number, consistent per worker (taken
+    /// under the lock the pump applies batches under), for a sibling to start from.
+    pub fn dump(&self) -> Dump {
+        let workers = self.shared.workers.lock();
+        let index = self.shared.index.read();
+        let keys: Vec<WorkerKey> = workers.keys().copied().collect();
+        let mut snapshots = index.snapshot(&keys);
+        drop(index);
+        let out = workers
+            .values()
+            .map(|info| {
+                let key = (info.worker_id, info.dp_rank);
+                let snapshot = snapshots
+                    .iter()
+                    .position(|s| s.worker == key)
+                    .map(|i| snapshots.swap_remove(i))
+                    .unwrap_or(kvbm_events::router::WorkerSnapshot {
+                        worker: key,
+                        ..Default::default()
+                    });
+                (
+                    DumpWorker {
+                        worker_id: info.worker_id,
+                        dp_rank: info.dp_rank,
+                        endpoint: info.endpoint.clone(),
+                        replay_endpoint: info.replay_endpoint.clone(),
+                        last_seq: info.last_seq,
+                    },
+                    snapshot,
+                )
+            })
+            .collect();
+        Dump {
+            block_size: self.shared.config.block_size,
+            workers: out,
+        }
+    }
+
     /// Stops following a worker and forgets its blocks and load. False if it was not registered.
     /// Returns once the pump (the index's one writer) dropped the worker's blocks.
     pub fn unregister(&self, key: WorkerKey) -> bool {
@@ -370,9 +518,10 @@ impl Router {
         known
     }
 
-    /// The registered workers.
-    pub fn workers(&self) -> Vec<(WorkerInfo, [usize; 3], WorkerLoad)> {
+    /// The registered workers: what is known of each, its blocks per tier, its load, its link.
+    pub fn workers(&self) -> Vec<(WorkerInfo, [usize; 3], WorkerLoad, Option<LinkStatus>)> {
         let infos: Vec<WorkerInfo> = self.shared.workers.lock().values().cloned().collect();
+        let links = self.subscriber().links();
         let index = self.shared.index.read();
         let load = self.shared.load.lock();
         infos
@@ -381,8 +530,22 @@ impl Router {
                 let key = (info.worker_id, info.dp_rank);
                 let blocks = Tier::ALL.map(|t| index.blocks_in(key, t));
                 let l = load.tracker.load(key);
-                (info, blocks, l)
+                let link = links
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, l)| l.clone());
+                (info, blocks, l, link)
             })
+            .collect()
+    }
+
+    /// Workers whose link is known to be down (their endpoint does not answer): not routed to.
+    fn unreachable(&self) -> Vec<WorkerKey> {
+        self.subscriber()
+            .links()
+            .into_iter()
+            .filter(|(_, l)| l.state == LinkState::Retrying)
+            .map(|(k, _)| k)
             .collect()
     }
 
@@ -470,9 +633,14 @@ impl Router {
             }
         }
         let hashes = self.hashes(request);
-        let overlaps = self.overlaps(&hashes);
+        let mut overlaps = self.overlaps(&hashes);
         if overlaps.is_empty() {
             return Err(RouteError::NoWorkers);
+        }
+        let down = self.unreachable();
+        overlaps.retain(|(k, _)| !down.contains(k));
+        if overlaps.is_empty() {
+            return Err(RouteError::NoneReachable);
         }
         let config = &self.shared.config;
         let input_tokens = request.token_ids.len();
@@ -575,7 +743,7 @@ impl Router {
     pub fn render_metrics(&self) -> String {
         let m = &self.shared.metrics;
         m.blocks.reset();
-        for (info, blocks, _) in self.workers() {
+        for (info, blocks, _, _) in self.workers() {
             let (id, rank) = (info.worker_id.to_string(), info.dp_rank.to_string());
             for t in Tier::ALL {
                 m.blocks
@@ -589,6 +757,28 @@ impl Router {
             let keys: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
             m.engine_hashes
                 .set(keys.iter().map(|&k| index.engine_hashes(k)).sum::<usize>() as i64);
+        }
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            let st = self.subscriber().stats();
+            for (what, c) in [
+                ("batches", &st.batches),
+                ("undecodable", &st.undecodable),
+                ("oversized", &st.oversized),
+                ("malformed", &st.malformed),
+                ("duplicates", &st.duplicates),
+                ("restarts", &st.restarts),
+                ("gaps_filled", &st.gaps_filled),
+                ("gaps_unfilled", &st.gaps_unfilled),
+                ("replay_requests", &st.replay_requests),
+                ("replay_timeouts", &st.replay_timeouts),
+                ("replay_failures", &st.replay_failures),
+                ("sink_waits", &st.sink_waits),
+            ] {
+                m.subscriber
+                    .with_label_values(&[what])
+                    .set(c.load(Relaxed) as i64);
+            }
         }
         {
             let mut predictions = self.shared.predictions.lock();

@@ -668,9 +668,10 @@ fn hostile_requests_and_registrations_are_bounded() {
 
 #[test]
 fn a_routing_decision_predicts_its_blocks_until_events_confirm_them() {
-    // Two idle workers holding nothing. A burst of sibling requests (one long shared prefix):
-    // without prediction the prefill load sends the second one to the other worker; with it,
-    // the first decision's blocks count as on the chosen worker, and the siblings follow it.
+    // Two idle workers holding nothing. A first request is routed and finishes (its load is
+    // released) before any KV event of it arrives; a sibling sharing its prompt follows. With
+    // prediction, the first decision's blocks count as on the chosen worker: the sibling goes
+    // there with that overlap (cost 0 against 16). Without, nothing is predicted.
     let ctx = zmq::Context::new();
     let prompt: Vec<u32> = (0..64).collect();
     for (ttl, together) in [("0", false), ("30", true)] {
@@ -680,12 +681,21 @@ fn a_routing_decision_predicts_its_blocks_until_events_confirm_them() {
             &format!("{};{}", w1.spec(), w2.spec()),
             &["--router-predicted-ttl-secs", ttl],
         );
-        let first = router.ok("POST", "/route", Some(json!({ "token_ids": prompt })));
+        let first = router.ok(
+            "POST",
+            "/route",
+            Some(json!({ "token_ids": prompt, "request_id": "first" })),
+        );
+        router.ok("POST", "/finished", Some(json!({ "request_id": "first" })));
         let second = router.ok("POST", "/route", Some(json!({ "token_ids": prompt })));
+        if !together {
+            assert_eq!(second["overlap"]["gpu_blocks"], 0, "{second}");
+            assert_eq!(router.metric("kv_router_predicted_blocks"), 0.0);
+            continue;
+        }
         assert_eq!(
-            first["worker_id"] == second["worker_id"],
-            together,
-            "ttl {ttl}: {first} / {second}"
+            first["worker_id"], second["worker_id"],
+            "{first} / {second}"
         );
         if together {
             assert_eq!(second["overlap"]["gpu_blocks"], 16, "{second}");
@@ -735,4 +745,126 @@ fn workers_come_and_go_with_the_workers_file() {
         router.metric("kv_router_workers_file_errors_total") >= 1.0
     });
     assert_eq!(ids(&router), vec![2]);
+}
+
+impl Worker {
+    /// Every subscription reaches the test, even a second router's to the same topic.
+    fn verbose(&self) {
+        self.xpub.set_xpub_verbose(true).unwrap();
+    }
+
+    /// Drops subscription messages already received.
+    fn drain_subscriptions(&self) {
+        while self.xpub.poll(zmq::POLLIN, 0).unwrap() > 0 {
+            let _ = self.xpub.recv_bytes(0);
+        }
+    }
+
+    /// The replay buffer forgets batches before `seq`, as an engine's bounded buffer does.
+    fn forget_before(&self, seq: u64) {
+        self.buffer.lock().unwrap().retain(|(s, _)| *s >= seq);
+    }
+}
+
+#[test]
+fn a_restarted_replica_recovers_from_its_sibling_and_answers_alike() {
+    // Two router replicas follow the same two workers, each subscribed directly (no broker).
+    // One is killed mid-stream; the workers' replay buffers then forget their first batches, so
+    // replay from 0 cannot rebuild it. Restarted with --bootstrap-from its sibling, it takes the
+    // sibling's dump, follows each worker from the dump's sequence number, and after catching up
+    // answers every query as the sibling does.
+    let ctx = zmq::Context::new();
+    let mut expected = KvIndex::new(
+        kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+        BLOCK as u32,
+    );
+    let a: Vec<u32> = (0..40).collect();
+    let b: Vec<u32> = (5000..5040).collect();
+    let c: Vec<u32> = (0..16).chain(9000..9024).collect();
+    let mut w1 = Worker::new(&ctx, 1, 0, true);
+    let mut w2 = Worker::new(&ctx, 2, 0, true);
+    w1.verbose();
+    w2.verbose();
+    let spec = format!("{};{}", w1.spec(), w2.spec());
+    let r1 = RouterProcess::start(&spec);
+    let r2 = RouterProcess::start(&spec);
+    for w in [&w1, &w2] {
+        w.wait_for_subscriber();
+        w.wait_for_subscriber();
+    }
+    w1.batch(&[stored(&a, 0, 10, Tier::Gpu)], false, &mut expected);
+    w1.batch(&[stored(&a, 0, 6, Tier::Host)], false, &mut expected);
+    let s2 = w2.batch(&[stored(&b, 0, 10, Tier::Gpu)], false, &mut expected);
+    r2.wait_applied(&w2, s2);
+    drop(r2);
+    // Meanwhile, without the killed replica.
+    w1.batch(&[removed(&a, 6, 10, Tier::Gpu)], false, &mut expected);
+    let s1 = w1.batch(
+        &[stored(&c, 0, 4, Tier::Gpu), stored(&c, 4, 10, Tier::Disk)],
+        false,
+        &mut expected,
+    );
+    let s2 = w2.batch(&[removed(&b, 8, 10, Tier::Gpu)], false, &mut expected);
+    r1.wait_applied(&w1, s1);
+    r1.wait_applied(&w2, s2);
+    w1.forget_before(s1);
+    w2.forget_before(s2);
+    for w in [&w1, &w2] {
+        w.drain_subscriptions();
+    }
+    let r2 = RouterProcess::start_with("", &["--bootstrap-from", &r1.base]);
+    for w in [&w1, &w2] {
+        w.wait_for_subscriber();
+    }
+    // The stream goes on; both replicas take it.
+    let s1 = w1.batch(
+        &[removed(&a, 0, 3, Tier::Host), stored(&c, 4, 6, Tier::Gpu)],
+        false,
+        &mut expected,
+    );
+    let s2 = w2.batch(&[stored(&b, 0, 10, Tier::Host)], false, &mut expected);
+    for r in [&r1, &r2] {
+        r.wait_applied(&w1, s1);
+        r.wait_applied(&w2, s2);
+    }
+    for prompt in [&a[..], &b[..], &c[..], &a[..12], &c[..20]] {
+        let one = check_query(&r1, &expected, prompt);
+        let two = check_query(&r2, &expected, prompt);
+        assert_eq!(
+            one["workers"], two["workers"],
+            "the replicas disagree on {prompt:?}"
+        );
+    }
+    for w in r2.ok("GET", "/workers", None)["workers"]
+        .as_array()
+        .unwrap()
+    {
+        assert_eq!(w["resync_needed"], false, "{w}");
+        assert_eq!(w["link"]["state"], "connected", "{w}");
+    }
+}
+
+#[test]
+fn an_unreachable_worker_shows_as_such_and_is_not_routed_to() {
+    let ctx = zmq::Context::new();
+    let live = Worker::new(&ctx, 1, 0, false);
+    // A port nobody listens on.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let router = RouterProcess::start(&format!("{};2=tcp://127.0.0.1:{dead}", live.spec()));
+    let state = |id: u64| router.worker(id, 0).unwrap()["link"]["state"].clone();
+    wait_until("the dead worker's link retrying", || state(2) == "retrying");
+    wait_until("the live worker's link connected", || {
+        state(1) == "connected"
+    });
+    for _ in 0..20 {
+        let r = router.ok(
+            "POST",
+            "/route",
+            Some(json!({ "token_ids": [1, 2, 3, 4, 5] })),
+        );
+        assert_eq!(r["worker_id"], 1, "{r}");
+    }
 }
