@@ -868,3 +868,75 @@ fn an_unreachable_worker_shows_as_such_and_is_not_routed_to() {
         assert_eq!(r["worker_id"], 1, "{r}");
     }
 }
+
+#[test]
+fn a_vllm_worker_publishing_its_own_hashes_is_routed_to() {
+    // A vLLM worker's events carry its prefix-cache hashes (SHA-256 based by default), never the
+    // router's: here a chain from another function, on the GPU and, after CPU offloading, the
+    // same hashes in host memory; then the GPU copies are evicted. /query must answer as an index
+    // fed the router's own hashes for the same blocks.
+    let ctx = zmq::Context::new();
+    let mut w = Worker::new(&ctx, 5, 0, true);
+    let tokens: Vec<u32> = (300..340).collect(); // 10 blocks
+    let engine: Vec<SequenceHash> = {
+        let mut last = 0u64;
+        tokens
+            .chunks(BLOCK)
+            .map(|b| {
+                let mut bytes = last.to_be_bytes().to_vec();
+                bytes.extend(b.iter().flat_map(|t| t.to_be_bytes()));
+                last = xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, 0xabcdef);
+                SequenceHash(last)
+            })
+            .collect()
+    };
+    let stored_engine = |from: usize, to: usize, tier: Tier| {
+        KvEvent::BlockStored(BlockStored {
+            tier,
+            block_hashes: engine[from..to].to_vec(),
+            parent_hash: from.checked_sub(1).map(|p| engine[p]),
+            token_ids: tokens[from * BLOCK..to * BLOCK].to_vec(),
+            block_size: BLOCK as u32,
+            lora_name: None,
+        })
+    };
+    let router = RouterProcess::start(&w.spec());
+    w.wait_for_subscriber();
+    let mut translated = KvIndex::new(
+        kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+        BLOCK as u32,
+    );
+    w.batch(
+        &[
+            stored_engine(0, 6, Tier::Gpu),
+            stored_engine(6, 10, Tier::Gpu),
+        ],
+        false,
+        &mut translated,
+    );
+    w.batch(&[stored_engine(0, 8, Tier::Host)], false, &mut translated);
+    let seq = w.batch(
+        &[KvEvent::BlockRemoved(BlockRemoved {
+            tier: Tier::Gpu,
+            block_hashes: engine[3..].iter().rev().copied().collect(),
+        })],
+        false,
+        &mut translated,
+    );
+    router.wait_applied(&w, seq);
+    // The direct index: the router's own hashes of the same blocks, same operations.
+    let ours: Vec<u64> = hashes(&tokens).iter().map(|h| h.0).collect();
+    let mut direct = KvIndex::new(
+        kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+        BLOCK as u32,
+    );
+    direct.store((5, 0), Tier::Gpu, &ours);
+    direct.store((5, 0), Tier::Host, &ours[..8]);
+    direct.remove((5, 0), Tier::Gpu, &ours[3..]);
+    let answer = check_query(&router, &direct, &tokens);
+    assert_eq!(overlap_of(&answer, 5), (3, 5, 0));
+    assert_eq!(
+        router.metric("kv_cache_events_applied{event_type=\"stored\",status=\"ok\"}"),
+        3.0
+    );
+}
