@@ -322,29 +322,22 @@ impl Router {
             subscriber: Some(subscriber),
             pump: Some(pump),
         };
+        let transport = |e: RegisterError| match e {
+            RegisterError::Transport(t) => t,
+            other => TransportError::Zmq {
+                call: "register",
+                endpoint: String::new(),
+                error: other.to_string(),
+            },
+        };
         for (w, last_seq) in &resumed {
-            router.follow(w.clone(), *last_seq).map_err(|e| match e {
-                RegisterError::Transport(t) => t,
-                other => TransportError::Zmq {
-                    call: "register",
-                    endpoint: String::new(),
-                    error: other.to_string(),
-                },
-            })?;
+            router.follow(w.clone(), *last_seq).map_err(transport)?;
         }
         for w in workers {
             let key = (w.worker_id, w.dp_rank);
-            if resumed.iter().any(|(r, _)| (r.worker_id, r.dp_rank) == key) {
-                continue;
+            if !resumed.iter().any(|(r, _)| (r.worker_id, r.dp_rank) == key) {
+                router.register(w).map_err(transport)?;
             }
-            router.register(w).map_err(|e| match e {
-                RegisterError::Transport(t) => t,
-                other => TransportError::Zmq {
-                    call: "register",
-                    endpoint: String::new(),
-                    error: other.to_string(),
-                },
-            })?;
         }
         Ok(router)
     }
@@ -368,41 +361,9 @@ impl Router {
     /// was read.
     pub fn register(&self, worker: WorkerEndpoint) -> Result<(), RegisterError> {
         let key = (worker.worker_id, worker.dp_rank);
-        {
-            let workers = self.shared.workers.lock();
-            let max = self.shared.config.max_workers;
-            if !workers.contains_key(&key) && workers.len() >= max {
-                self.shared.metrics.workers_refused.inc();
-                return Err(RegisterError::TooManyWorkers { max });
-            }
-        }
+        self.check_room(key)?;
         self.unregister(key);
-        self.shared.workers.lock().insert(
-            key,
-            WorkerInfo {
-                worker_id: worker.worker_id,
-                dp_rank: worker.dp_rank,
-                endpoint: worker.endpoint.clone(),
-                replay_endpoint: worker.replay.clone(),
-                last_seq: None,
-                batches: 0,
-                events: 0,
-                unfilled_gaps: 0,
-                resync_needed: false,
-            },
-        );
-        self.shared
-            .metrics
-            .workers
-            .set(self.shared.workers.lock().len() as i64);
-        if let Err(e) = self.subscriber().add(worker) {
-            self.shared.workers.lock().remove(&key);
-            self.shared
-                .metrics
-                .workers
-                .set(self.shared.workers.lock().len() as i64);
-            return Err(e.into());
-        }
+        self.subscribe(worker, None)?;
         tracing::info!(worker = ?key, "worker registered");
         Ok(())
     }
@@ -411,13 +372,36 @@ impl Router {
     /// sequence number after `last_seq` (from the start when none was applied).
     fn follow(&self, worker: WorkerEndpoint, last_seq: Option<u64>) -> Result<(), RegisterError> {
         let key = (worker.worker_id, worker.dp_rank);
+        self.check_room(key)?;
+        self.subscribe(worker, last_seq)?;
+        tracing::info!(worker = ?key, ?last_seq, "worker restored from a dump");
+        Ok(())
+    }
+
+    /// Refuses a worker not registered yet when `--max-workers` are.
+    fn check_room(&self, key: WorkerKey) -> Result<(), RegisterError> {
+        let workers = self.shared.workers.lock();
+        let max = self.shared.config.max_workers;
+        if !workers.contains_key(&key) && workers.len() >= max {
+            self.shared.metrics.workers_refused.inc();
+            return Err(RegisterError::TooManyWorkers { max });
+        }
+        Ok(())
+    }
+
+    /// Records the worker and subscribes to it, from the sequence number after `last_seq`
+    /// (from the start when None); forgets it again if that fails.
+    fn subscribe(
+        &self,
+        worker: WorkerEndpoint,
+        last_seq: Option<u64>,
+    ) -> Result<(), RegisterError> {
+        let key = (worker.worker_id, worker.dp_rank);
+        let count = |workers: &BTreeMap<WorkerKey, WorkerInfo>| {
+            self.shared.metrics.workers.set(workers.len() as i64);
+        };
         {
             let mut workers = self.shared.workers.lock();
-            let max = self.shared.config.max_workers;
-            if workers.len() >= max {
-                self.shared.metrics.workers_refused.inc();
-                return Err(RegisterError::TooManyWorkers { max });
-            }
             workers.insert(
                 key,
                 WorkerInfo {
@@ -432,7 +416,7 @@ impl Router {
                     resync_needed: false,
                 },
             );
-            self.shared.metrics.workers.set(workers.len() as i64);
+            count(&workers);
         }
         let subscribed = match last_seq {
             Some(seq) => self.subscriber().add_from(worker, seq + 1),
@@ -441,10 +425,9 @@ impl Router {
         if let Err(e) = subscribed {
             let mut workers = self.shared.workers.lock();
             workers.remove(&key);
-            self.shared.metrics.workers.set(workers.len() as i64);
+            count(&workers);
             return Err(e.into());
         }
-        tracing::info!(worker = ?key, ?last_seq, "worker restored from a dump");
         Ok(())
     }
 
