@@ -62,8 +62,11 @@ enum Path {
     Wire,
 }
 
+/// Each event with the worker that published it.
+type ByWorker<T> = Vec<((u64, u32), T)>;
+
 /// The events as decoded `WireEvent`s and as one msgpack payload each.
-fn wire_events(w: &Workload) -> (Vec<((u64, u32), WireEvent)>, Vec<((u64, u32), Vec<u8>)>) {
+fn wire_events(w: &Workload) -> (ByWorker<WireEvent>, ByWorker<Vec<u8>>) {
     let mut decoded = Vec::with_capacity(w.events.len());
     let mut payloads = Vec::with_capacity(w.events.len());
     for e in &w.events {

@@ -87,7 +87,7 @@ fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
     for t in tokens {
         bytes.extend_from_slice(&t.to_be_bytes());
     }
-    xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, 0xe461_0e)
+    xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, 0x00e4_610e)
 }
 
 /// `total` blocks: `prefix`, then new random blocks chained onto it.

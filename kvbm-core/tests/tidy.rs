@@ -33,9 +33,11 @@ fn no_source_creates_an_unbounded_queue() {
             text.lines()
                 .enumerate()
                 .filter(|(_, l)| {
+                    // std's `mpsc::channel()` is unbounded; tokio's `mpsc::channel(n)` is not.
                     l.contains("::unbounded(")
                         || l.contains("unbounded_channel(")
-                        || l.contains("mpsc::channel(")
+                        || l.contains("mpsc::channel()")
+                        || l.contains("mpsc::channel::<")
                 })
                 .map(|(n, l)| format!("{}:{}: {}", f.display(), n + 1, l.trim()))
                 .collect::<Vec<_>>()
