@@ -41,6 +41,9 @@ pub struct RouterArgs {
     /// Times the apply phase is repeated (fresh index each time); the median is reported.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
+    /// Paths to run, comma-separated (raw, translated, wire); the others show as 0.
+    #[arg(long, default_value = "raw,translated,wire", value_delimiter = ',', value_parser = parse_path)]
+    paths: Vec<Path>,
     /// End with one JSON line per worker count.
     #[arg(long)]
     json: bool,
@@ -60,6 +63,15 @@ enum Path {
     Translated,
     /// Wire bytes: decoded, then translated and applied.
     Wire,
+}
+
+fn parse_path(s: &str) -> Result<Path, String> {
+    match s {
+        "raw" => Ok(Path::Raw),
+        "translated" => Ok(Path::Translated),
+        "wire" => Ok(Path::Wire),
+        other => Err(format!("unknown path {other:?} (raw, translated, wire)")),
+    }
 }
 
 /// Each event with the worker that published it.
@@ -143,7 +155,7 @@ pub fn run(args: RouterArgs) -> anyhow::Result<bool> {
         let mut rates: Vec<(Path, Vec<f64>)> = Vec::new();
         let mut index = KvIndex::default();
         let mut heap_delta = 0;
-        for path in [Path::Raw, Path::Translated, Path::Wire] {
+        for &path in &args.paths {
             let mut path_rates = Vec::with_capacity(args.rounds);
             for _ in 0..args.rounds {
                 drop(std::mem::take(&mut index));

@@ -346,9 +346,34 @@ impl std::io::Write for ChunkWriter {
     }
 }
 
-/// `GET /dump`: the index as NDJSON (see [`crate::dump`]), one dump at a time. The snapshot is
-/// taken at once (the event pump waits only for that); it is then streamed at the client's pace.
-async fn dump(State(router): State<Shared>) -> Result<Response, ApiError> {
+/// Whether a `/dump` request asks for the msgpack form: `?format=msgpack`, or an `Accept` header
+/// naming `application/msgpack` (NDJSON otherwise; `?format=ndjson` forces it).
+fn wants_msgpack(request: &Request) -> Result<bool, ApiError> {
+    match request.uri().query().unwrap_or("") {
+        "" => {}
+        "format=msgpack" => return Ok(true),
+        "format=ndjson" => return Ok(false),
+        _ => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "the only query /dump takes is format=msgpack or format=ndjson",
+            ))
+        }
+    }
+    Ok(request
+        .headers()
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|m| m.split(';').next().unwrap_or("").trim() == crate::dump::MSGPACK_MEDIA_TYPE))
+}
+
+/// `GET /dump`: the index as NDJSON or msgpack (see [`crate::dump`]), one dump at a time. The
+/// snapshot is taken at once (the event pump waits only for that); it is then streamed at the
+/// client's pace.
+async fn dump(State(router): State<Shared>, request: Request) -> Result<Response, ApiError> {
+    let msgpack = wants_msgpack(&request)?;
     let Some(permit) = router.try_dump() else {
         return Err(ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -364,7 +389,12 @@ async fn dump(State(router): State<Shared>) -> Result<Response, ApiError> {
             buf: Vec::with_capacity(DUMP_CHUNK_BYTES),
             tx,
         };
-        if let Err(err) = crate::dump::write(&snapshot, &mut w).and_then(|()| {
+        let written = if msgpack {
+            crate::dump::write_msgpack(&snapshot, &mut w)
+        } else {
+            crate::dump::write(&snapshot, &mut w)
+        };
+        if let Err(err) = written.and_then(|()| {
             use std::io::Write;
             w.flush()
         }) {
@@ -372,7 +402,12 @@ async fn dump(State(router): State<Shared>) -> Result<Response, ApiError> {
         }
     });
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+    let media = if msgpack {
+        crate::dump::MSGPACK_MEDIA_TYPE
+    } else {
+        crate::dump::NDJSON_MEDIA_TYPE
+    };
+    Ok(([(header::CONTENT_TYPE, media)], body).into_response())
 }
 
 async fn metrics(State(router): State<Shared>) -> Response {

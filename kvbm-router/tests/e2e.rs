@@ -15,6 +15,7 @@ use kvbm_events::router::KvIndex;
 use kvbm_events::{
     decode_batch, encode_batch, BlockHasher, BlockRemoved, BlockStored, KvEvent, SequenceHash, Tier,
 };
+use kvbm_router::dump;
 use serde_json::{json, Value};
 
 const BLOCK: usize = 4;
@@ -842,6 +843,54 @@ fn a_restarted_replica_recovers_from_its_sibling_and_answers_alike() {
         assert_eq!(w["resync_needed"], false, "{w}");
         assert_eq!(w["link"]["state"], "connected", "{w}");
     }
+    // Both replicas dump the same index, in either form (the restart above read the msgpack one,
+    // which `--bootstrap-from` asks for).
+    let get_dump = |r: &RouterProcess, accept: Option<&str>, query: &str| {
+        let mut request = ureq::get(&format!("{}/dump{query}", r.base));
+        if let Some(a) = accept {
+            request = request.set("Accept", a);
+        }
+        let response = request.call().unwrap();
+        let media = response.content_type().to_owned();
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut response.into_reader(), &mut bytes).unwrap();
+        let parsed = if media == dump::MSGPACK_MEDIA_TYPE {
+            dump::read_msgpack(&bytes[..], BLOCK, 1 << 20)
+        } else {
+            assert_eq!(media, dump::NDJSON_MEDIA_TYPE);
+            dump::read(&bytes[..], BLOCK, 1 << 20)
+        };
+        let mut parsed = parsed.unwrap();
+        // Compare what the index holds, in one order.
+        parsed
+            .workers
+            .sort_by_key(|(w, _)| (w.worker_id, w.dp_rank));
+        for (w, snap) in &mut parsed.workers {
+            w.last_seq = None;
+            snap.names.sort_by_key(|n| n.engine);
+            snap.holdings.sort_by_key(|h| (h.tier.index(), h.hash));
+        }
+        (media, parsed)
+    };
+    let (media, reference) = get_dump(&r1, None, "");
+    assert_eq!(media, dump::NDJSON_MEDIA_TYPE);
+    assert_eq!(reference.workers.len(), 2);
+    for (r, accept, query) in [
+        (&r1, Some("application/msgpack"), ""),
+        (&r2, Some("text/html, application/msgpack;q=0.9"), ""),
+        (&r2, None, "?format=msgpack"),
+        (&r2, Some("application/msgpack"), "?format=ndjson"),
+    ] {
+        let (media, parsed) = get_dump(r, accept, query);
+        let want = if query == "?format=ndjson" {
+            dump::NDJSON_MEDIA_TYPE
+        } else {
+            dump::MSGPACK_MEDIA_TYPE
+        };
+        assert_eq!(media, want, "{accept:?} {query}");
+        assert_eq!(parsed, reference, "{accept:?} {query}");
+    }
+    assert_eq!(r1.call("GET", "/dump?format=xml", None).0, 400);
 }
 
 #[test]
