@@ -1123,29 +1123,47 @@ impl Follower {
         }
     }
 
-    /// Reports what the replay socket still buffers from `start_seq` on, as it arrives.
-    fn initial_sync(&mut self, replay: &str, start_seq: u64) {
+    /// Asks the replay socket for its batches from `from` on; None (counted) when it cannot.
+    fn open_replay(&self, replay: &str, from: u64) -> Option<ReplayStream> {
         bump(&self.shared.stats.replay_requests);
-        let mut stream = match ReplayStream::open(&self.shared, replay, start_seq) {
-            Ok(stream) => stream,
-            Err(_) => {
-                bump(&self.shared.stats.replay_failures);
-                return;
-            }
-        };
-        let mut next = start_seq;
-        loop {
+        let stream = ReplayStream::open(&self.shared, replay, from).ok();
+        if stream.is_none() {
+            bump(&self.shared.stats.replay_failures);
+        }
+        stream
+    }
+
+    /// Reports the replayed batches from `next` on (before `to`, if given), as they arrive, each
+    /// hole before one as an unfilled gap. With `advance`, the live stream's expectation follows
+    /// each batch. Returns the first sequence number not reported and whether there were holes;
+    /// None when the subscriber is stopping.
+    fn replay_batches(
+        &mut self,
+        stream: &mut ReplayStream,
+        mut next: u64,
+        to: Option<u64>,
+        advance: bool,
+    ) -> Option<(u64, bool)> {
+        let mut holes = false;
+        while to.is_none_or(|to| next < to) {
             match stream.next(self) {
                 ReplayItem::Batch(seq, payload) => {
                     if seq < next {
                         continue;
                     }
+                    if to.is_some_and(|to| seq >= to) {
+                        // The live stream has the rest.
+                        break;
+                    }
                     if seq > next {
                         self.unfilled(next, seq);
+                        holes = true;
                     }
                     next = seq.saturating_add(1);
-                    self.expected = next;
-                    self.link.lock().next_seq = next;
+                    if advance {
+                        self.expected = next;
+                        self.link.lock().next_seq = next;
+                    }
                     self.report(seq, &payload);
                 }
                 ReplayItem::End => break,
@@ -1157,8 +1175,16 @@ impl Follower {
                     bump(&self.shared.stats.replay_failures);
                     break;
                 }
-                ReplayItem::Stopped => return,
+                ReplayItem::Stopped => return None,
             }
+        }
+        Some((next, holes))
+    }
+
+    /// Reports what the replay socket still buffers from `start_seq` on, as it arrives.
+    fn initial_sync(&mut self, replay: &str, start_seq: u64) {
+        if let Some(mut stream) = self.open_replay(replay, start_seq) {
+            self.replay_batches(&mut stream, start_seq, None, true);
         }
     }
 
@@ -1169,46 +1195,14 @@ impl Follower {
             self.unfilled(from, to);
             return;
         };
-        bump(&self.shared.stats.replay_requests);
-        let mut stream = match ReplayStream::open(&self.shared, &replay, from) {
-            Ok(stream) => stream,
-            Err(_) => {
-                bump(&self.shared.stats.replay_failures);
-                self.unfilled(from, to);
-                return;
-            }
+        let Some(mut stream) = self.open_replay(&replay, from) else {
+            self.unfilled(from, to);
+            return;
         };
-        let mut next = from;
-        let mut holes = false;
-        while next < to {
-            match stream.next(self) {
-                ReplayItem::Batch(seq, payload) => {
-                    if seq < next {
-                        continue;
-                    }
-                    if seq >= to {
-                        // The live stream has the rest.
-                        break;
-                    }
-                    if seq > next {
-                        self.unfilled(next, seq);
-                        holes = true;
-                    }
-                    self.report(seq, &payload);
-                    next = seq + 1;
-                }
-                ReplayItem::End => break,
-                ReplayItem::TimedOut => {
-                    bump(&self.shared.stats.replay_timeouts);
-                    break;
-                }
-                ReplayItem::Failed => {
-                    bump(&self.shared.stats.replay_failures);
-                    break;
-                }
-                ReplayItem::Stopped => return,
-            }
-        }
+        let Some((next, mut holes)) = self.replay_batches(&mut stream, from, Some(to), false)
+        else {
+            return;
+        };
         if next < to {
             self.unfilled(next, to);
             holes = true;

@@ -40,7 +40,7 @@ use crate::Tier;
 pub const BLOCKS_PER_WORKER_MAX_DEFAULT: usize = 1 << 24;
 
 /// How many blocks ahead an event's table buckets are prefetched.
-const PREFETCH_DISTANCE: usize = 8;
+const PREFETCH_DISTANCE: usize = 16;
 
 /// Default number of tombstones tolerated before a compaction is considered.
 pub const MIN_TOMBSTONES_DEFAULT: usize = 1 << 16;

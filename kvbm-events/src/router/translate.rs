@@ -20,6 +20,21 @@ use std::collections::HashMap;
 use foldhash::quality::RandomState;
 
 use crate::hash::{namespace_term, BlockHasher, SequenceHash};
+use crate::router::mapped::prefetch;
+
+/// How many blocks ahead of the one being hashed an event's tokens are prefetched. The tokens of a
+/// batch are read once, from memory: without the hint, hashing a block waited for its bytes
+/// (measured: 27 ns a 16-token block from a cold buffer, 8 ns with it, 5 ns from cache).
+const TOKEN_PREFETCH_BLOCKS: usize = 24;
+
+/// Starts loading the cache lines of `tokens`.
+#[inline]
+fn prefetch_tokens(tokens: &[u32]) {
+    // 16 tokens to a 64-byte line; the last token covers a line the block only starts in.
+    for t in tokens.iter().step_by(16).chain(tokens.last()) {
+        prefetch(t);
+    }
+}
 
 /// What an engine hash stands for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,11 +143,14 @@ impl Names {
             return refusal;
         }
         let hasher = BlockHasher::with_namespace_term(bs, blocks.lora_name, namespace);
+        let token_ids = &blocks.token_ids[..hashable * bs];
+        prefetch_tokens(&token_ids[..token_ids.len().min(TOKEN_PREFETCH_BLOCKS * bs)]);
         let mut last = parent;
-        for (i, tokens) in blocks.token_ids[..hashable * bs]
-            .chunks_exact(bs)
-            .enumerate()
-        {
+        for (i, tokens) in token_ids.chunks_exact(bs).enumerate() {
+            let ahead = (i + TOKEN_PREFETCH_BLOCKS) * bs;
+            if let Some(ahead) = token_ids.get(ahead..ahead + bs) {
+                prefetch_tokens(ahead);
+            }
             let ours = SequenceHash::chain(last, hasher.block_hash(tokens));
             last = Some(ours);
             let engine = blocks.engine_hashes[i];
