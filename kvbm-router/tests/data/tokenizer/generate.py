@@ -326,7 +326,6 @@ def write_model(name: str, tok: Tokenizer, config: dict) -> Path:
         "added_tokens_decoder": added_tokens_decoder(tok),
         "clean_up_tokenization_spaces": False,
         "model_max_length": 8192,
-        "tokenizer_class": "PreTrainedTokenizerFast",
         **config,
     }
     (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -346,6 +345,10 @@ def make_chatml() -> Path:
         "chatml",
         tok,
         {
+            # As Qwen checkpoints name it: transformers 5 then rebuilds the pipeline from the
+            # vocabulary and merges with Qwen2Tokenizer's own normalizer and pre-tokenizer (the same
+            # as this tokenizer.json's), keeping the file's post-processor.
+            "tokenizer_class": "Qwen2Tokenizer",
             "bos_token": None,
             "eos_token": "<|im_end|>",
             "pad_token": "<|endoftext|>",
@@ -383,6 +386,7 @@ def make_llama3() -> Path:
         "llama3",
         tok,
         {
+            "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": bos,
             "eos_token": "<|eot_id|>",
             "chat_template": LLAMA3_TEMPLATE,
@@ -391,15 +395,18 @@ def make_llama3() -> Path:
 
 
 def make_parts() -> Path:
+    # No post-processor in the file, and add_bos_token in the config, which transformers 5 drops
+    # when a tokenizer.json exists (tokenization_utils_base.py `_from_pretrained` pops
+    # add_bos_token/add_eos_token), so `TokenizersBackend.update_post_processor` builds a
+    # post-processor that adds nothing: no BOS on plain encodes; the template writes its own.
     tok = build_tokenizer(LLAMA3_SPLIT, specials=["<s>", "</s>", "<unk>"], plain_added=[], nfc=False)
-    bos_id = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s>:0 $A:0", pair="<s>:0 $A:0 $B:1", special_tokens=[("<s>", bos_id)]
-    )
     write_model(
         "parts",
         tok,
         {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": True,
+            "add_eos_token": False,
             # The AddedToken form of a named token, as older checkpoints write it.
             "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False,
                           "normalized": False, "rstrip": False, "single_word": False},
