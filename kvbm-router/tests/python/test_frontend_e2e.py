@@ -1,0 +1,372 @@
+"""The router as a user deploys it: the official `openai` client talks to `kvbm-router` in front of
+scripted vLLM workers (fake_vllm_worker.py), which tokenize, answer and publish KV events as
+vLLM 0.33 does, with their own engine hashes.
+
+Each test starts its own workers and router (conftest.py) and waits by bounded polling only.
+Skipped when KVBM_ROUTER_BIN is unset.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import (
+    BLOCK_SIZE,
+    MODEL_NAME,
+    TOKENIZER_DIR,
+    FakeWorker,
+    Router,
+    router_bin,
+    wait_until,
+)
+
+pytestmark = pytest.mark.skipif(router_bin() is None, reason="KVBM_ROUTER_BIN is not set")
+
+openai = pytest.importorskip("openai")
+transformers = pytest.importorskip("transformers")
+
+import fake_vllm_worker  # noqa: E402 (after the skips: it needs msgspec, zmq, transformers)
+
+SHARED_BLOCKS_MIN = 20
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+         "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The model's tokenizer as transformers loads it: the reference for prompt ids."""
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        pytest.skip(f"tokenizer fixture {TOKENIZER_DIR} is missing")
+    return transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+@pytest.fixture(scope="module")
+def fake_tokenizer():
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        pytest.skip(f"tokenizer fixture {TOKENIZER_DIR} is missing")
+    return fake_vllm_worker.Tokenizer(str(TOKENIZER_DIR), "string")
+
+
+def prose(seed: int, n_words: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def prompt_ids(reference, prompt: str) -> list[int]:
+    """vLLM's ids for a completion prompt (add_special_tokens=True)."""
+    return list(reference(prompt, add_special_tokens=True)["input_ids"])
+
+
+def chat_ids(reference, messages: list[dict]) -> list[int]:
+    """vLLM's ids for a chat request: the template's text, then encoded without special tokens."""
+    text = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(reference(text, add_special_tokens=False)["input_ids"])
+
+
+def shared_blocks(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n // BLOCK_SIZE
+
+
+def sharing_prompts(reference, seed: int, count: int) -> list[str]:
+    """`count` completion prompts that share a prefix of at least SHARED_BLOCKS_MIN full blocks
+    and then differ (checked on the tokens, not assumed from the text)."""
+    prefix = prose(seed, 600)
+    prompts = [f"{prefix} {prose(seed * 1000 + i, 40)}" for i in range(count)]
+    ids = [prompt_ids(reference, p) for p in prompts]
+    for other in ids[1:]:
+        assert shared_blocks(ids[0], other) >= SHARED_BLOCKS_MIN
+        assert other != ids[0]
+    return prompts
+
+
+def expected_text(fake_tokenizer, worker_id: int, count: int) -> str:
+    return fake_tokenizer.decode(fake_vllm_worker.output_token_ids(fake_tokenizer, worker_id, count))
+
+
+def served_by(raw) -> int:
+    """The worker id in the router's `x-kvbm-worker: ID:RANK` header."""
+    value = raw.headers.get("x-kvbm-worker")
+    assert value, f"no x-kvbm-worker header in {dict(raw.headers)}"
+    return int(value.split(":")[0])
+
+
+def complete(router: Router, prompt: str, max_tokens: int = 4) -> tuple[int, object]:
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens)
+    return served_by(raw), raw.parse()
+
+
+def wait_idle(router: Router) -> None:
+    wait_until(lambda: all(v["load"]["requests"] == 0 and v["load"]["prefill_tokens"] == 0
+                           and v["load"]["decode_blocks"] == 0
+                           for v in router.workers().values()),
+               "no load on any worker in the router's /workers")
+
+
+def wait_indexed(router: Router, worker: FakeWorker) -> dict:
+    """Until the router's block counts for `worker` equal what the worker holds."""
+    def probe():
+        st = worker.stats()
+        view = router.workers()[worker.worker_id]["blocks"]
+        held = {"gpu": st["gpu_blocks"], "host": st["cpu_blocks"], "disk": 0}
+        return view if view == held else None
+
+    return wait_until(probe, f"the router's /workers blocks for worker {worker.worker_id} to "
+                             "equal the worker's holdings")
+
+
+def by_id(workers: list[FakeWorker]) -> dict[int, FakeWorker]:
+    return {w.worker_id: w for w in workers}
+
+
+# ---------------------------------------------------------------------------------------------
+# a. The OpenAI surface, answered correctly.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models_list(cluster):
+    router, _ = cluster(2)
+    models = router.client().models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_is_answered_by_a_worker(cluster, reference, fake_tokenizer, stream):
+    router, workers = cluster(2)
+    prompt = "The quick brown fox jumps over the lazy dog. " + prose(1, 30)
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=5, stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}))
+    wid = served_by(raw)
+    expected = expected_text(fake_tokenizer, wid, 5)
+    ids = prompt_ids(reference, prompt)
+    if stream:
+        chunks = list(raw.parse())
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert "".join(texts) == expected
+        assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+        assert chunks[-1].usage.prompt_tokens == len(ids)
+    else:
+        answer = raw.parse()
+        assert answer.choices[0].text == expected
+        assert answer.choices[0].finish_reason == "length"
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), 5)
+        assert answer.model == MODEL_NAME
+    stats = {w.worker_id: w.stats() for w in workers}
+    assert stats[wid]["last_prompt_token_ids"] == ids
+    assert {k: s["requests"] for k, s in stats.items()} == {w.worker_id: int(w.worker_id == wid)
+                                                            for w in workers}
+    assert stats[wid]["completed"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_completion_is_answered_by_a_worker(cluster, reference, fake_tokenizer, stream):
+    router, workers = cluster(2)
+    messages = [{"role": "system", "content": "You are a terse assistant. " + prose(2, 20)},
+                {"role": "user", "content": "Say something about " + prose(3, 10)}]
+    raw = router.client().chat.completions.with_raw_response.create(
+        model=MODEL_NAME, messages=messages, stream=stream)
+    wid = served_by(raw)
+    expected = expected_text(fake_tokenizer, wid, 8)  # the worker's natural length: "stop"
+    if stream:
+        chunks = list(raw.parse())
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    else:
+        answer = raw.parse()
+        assert answer.choices[0].message.role == "assistant"
+        assert answer.choices[0].message.content == expected
+        assert answer.choices[0].finish_reason == "stop"
+    assert by_id(workers)[wid].stats()["last_prompt_token_ids"] == chat_ids(reference, messages)
+
+
+# ---------------------------------------------------------------------------------------------
+# b, c. Routing by KV overlap, from the workers' own events.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shared_prefix_goes_to_the_worker_that_served_it(cluster, reference):
+    router, workers = cluster(3)
+    first, second = sharing_prompts(reference, seed=10, count=2)
+    wid, _ = complete(router, first)
+    view = wait_indexed(router, by_id(workers)[wid])
+    assert view["gpu"] >= SHARED_BLOCKS_MIN
+    wait_idle(router)
+
+    again, _ = complete(router, second)
+    assert again == wid
+    assert by_id(workers)[wid].stats()["requests"] == 2
+    assert sum(w.stats()["requests"] for w in workers) == 2
+
+
+def test_prefix_held_by_each_worker_attracts_its_requests(cluster, reference):
+    """Each worker computes its own prefix (asked directly, as another front end would); then a
+    request sharing worker i's prefix goes to worker i, for every i: no tie-break can pass this."""
+    router, workers = cluster(3)
+    prompts = {w.worker_id: sharing_prompts(reference, seed=20 + w.worker_id, count=2)
+               for w in workers}
+    for w in workers:
+        w.complete(prompts[w.worker_id][0])
+    for w in workers:
+        wait_indexed(router, w)
+    wait_idle(router)
+
+    for w in workers:
+        got, _ = complete(router, prompts[w.worker_id][1])
+        assert got == w.worker_id, f"a request sharing worker {w.worker_id}'s prefix went to {got}"
+        wait_idle(router)
+
+
+def test_host_tier_hold_still_attracts_after_gpu_eviction(cluster, reference):
+    router, workers = cluster(3)
+    first, second, third = sharing_prompts(reference, seed=30, count=3)
+    wid, _ = complete(router, first)
+    holder = by_id(workers)[wid]
+    wait_indexed(router, holder)
+    wait_idle(router)
+    assert complete(router, second)[0] == wid
+
+    evicted = holder.evict_gpu()
+    assert evicted["evicted_gpu"] > 0 and evicted["stored_cpu"] == evicted["evicted_gpu"]
+    view = wait_indexed(router, holder)
+    assert view["gpu"] == 0 and view["host"] >= SHARED_BLOCKS_MIN
+    wait_idle(router)
+
+    assert complete(router, third)[0] == wid
+
+
+def test_host_tier_holds_of_each_worker_attract_their_requests(cluster, reference):
+    router, workers = cluster(3)
+    prompts = {w.worker_id: sharing_prompts(reference, seed=40 + w.worker_id, count=2)
+               for w in workers}
+    for w in workers:
+        w.complete(prompts[w.worker_id][0])
+        w.evict_gpu()
+    for w in workers:
+        view = wait_indexed(router, w)
+        assert view["gpu"] == 0 and view["host"] >= SHARED_BLOCKS_MIN
+    wait_idle(router)
+
+    for w in workers:
+        got, _ = complete(router, prompts[w.worker_id][1])
+        assert got == w.worker_id, f"a request sharing worker {w.worker_id}'s host-tier prefix " \
+                                   f"went to {got}"
+        wait_idle(router)
+
+
+# ---------------------------------------------------------------------------------------------
+# d. Cancellation.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_cancelled_stream_releases_load_and_aborts_on_the_worker(cluster, api):
+    # 400 tokens 50 ms apart: the request would run 20 s if nothing cancelled it.
+    router, workers = cluster(2, output_tokens=400, step_delay_s=0.05)
+    client = router.client()
+    if api == "completions":
+        raw = client.completions.with_raw_response.create(
+            model=MODEL_NAME, prompt=prose(50, 200), stream=True)
+    else:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": prose(51, 200)}], stream=True)
+    wid = served_by(raw)
+    worker = by_id(workers)[wid]
+    stream = raw.parse()
+    next(iter(stream))
+    assert router.workers()[wid]["load"]["requests"] == 1
+    assert worker.stats()["running"] == 1
+    stream.close()
+
+    wait_until(lambda: router.workers()[wid]["load"] == {"prefill_tokens": 0, "decode_blocks": 0,
+                                                         "requests": 0},
+               f"worker {wid}'s load in the router to return to nothing")
+    stats = wait_until(lambda: (s := worker.stats())["aborted"] == 1 and s["running"] == 0 and s,
+                       f"worker {wid} to count the request aborted")
+    assert stats["completed"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# e. Workers that fail.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_worker_dropping_the_request_before_its_first_byte_is_retried(cluster, reference,
+                                                                      fake_tokenizer, stream):
+    """The worker holding the prefix (the router's first choice) drops the connection without
+    answering; the router tries the next best and the client never sees the failure."""
+    router, workers = cluster(2)
+    first, second = sharing_prompts(reference, seed=60, count=2)
+    holder = workers[0]
+    holder.complete(first)
+    wait_indexed(router, holder)
+    holder.fail_requests("close")
+
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=second, max_tokens=3, stream=stream)
+    wid = served_by(raw)
+    text = ("".join(c.choices[0].text for c in raw.parse() if c.choices) if stream
+            else raw.parse().choices[0].text)
+    assert wid == workers[1].worker_id
+    assert text == expected_text(fake_tokenizer, wid, 3)
+    assert holder.stats()["refused"] == 1, "the router never tried the worker holding the prefix"
+    assert workers[1].stats()["completed"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_killed_worker_is_survived(cluster, reference, fake_tokenizer, stream):
+    router, workers = cluster(2)
+    first, second = sharing_prompts(reference, seed=70, count=2)
+    wid, _ = complete(router, first)
+    holder = by_id(workers)[wid]
+    survivor = next(w for w in workers if w.worker_id != wid)
+    wait_indexed(router, holder)
+    wait_idle(router)
+    holder.kill()
+
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=second, max_tokens=3, stream=stream)
+    got = served_by(raw)
+    text = ("".join(c.choices[0].text for c in raw.parse() if c.choices) if stream
+            else raw.parse().choices[0].text)
+    assert got == survivor.worker_id
+    assert text == expected_text(fake_tokenizer, got, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# f. Errors a client sees.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_unknown_model_is_not_found(cluster, api):
+    router, workers = cluster(2)
+    client = router.client()
+    with pytest.raises(openai.NotFoundError) as err:
+        if api == "completions":
+            client.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
+        else:
+            client.chat.completions.create(model="no-such-model", max_tokens=2,
+                                           messages=[{"role": "user", "content": "hello"}])
+    assert err.value.status_code == 404
+    assert isinstance(err.value.body, dict) and err.value.body.get("message")
+    assert sum(w.stats()["requests"] for w in workers) == 0
+
+
+def test_no_live_worker_is_503(cluster):
+    router, workers = cluster(2)
+    for w in workers:
+        w.kill()
+    with pytest.raises(openai.APIStatusError) as err:
+        router.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=2)
+    assert err.value.status_code == 503
+    assert isinstance(err.value.body, dict) and err.value.body.get("message")
