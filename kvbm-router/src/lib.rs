@@ -15,6 +15,7 @@ pub mod http;
 pub mod listener;
 pub mod metrics;
 pub mod state;
+pub mod tokenize;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

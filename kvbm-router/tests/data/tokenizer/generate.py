@@ -271,6 +271,9 @@ PARTS_TEMPLATE = r"""{%- macro render_content(content) -%}
 {%- for message in messages %}
 {{ '### ' + message['role'] | title + ':\n' }}
 {{- render_content(message['content']) | trim }}
+{%- if message.tool_calls is defined %}
+{{ 'calls: ' + message.tool_calls | tojson }}
+{%- endif %}
 {{ eos_token if message['role'] == 'assistant' else '' }}
 {%- endfor %}
 {%- if add_generation_prompt %}
@@ -279,7 +282,8 @@ PARTS_TEMPLATE = r"""{%- macro render_content(content) -%}
 """
 
 
-def build_tokenizer(split: str, specials: list[str], plain_added: list[str], nfc: bool) -> Tokenizer:
+def build_tokenizer(split: str, specials: list[str], plain_added: list[str], nfc: bool,
+                    vocab_size: int = VOCAB_SIZE) -> Tokenizer:
     tok = Tokenizer(models.BPE(byte_fallback=False, fuse_unk=False))
     if nfc:
         tok.normalizer = normalizers.NFC()
@@ -291,7 +295,7 @@ def build_tokenizer(split: str, specials: list[str], plain_added: list[str], nfc
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -428,6 +432,23 @@ class BadRequest(Exception):
     """What vLLM answers with 400 before the template runs (or transformers' ValueError)."""
 
 
+class TemplateFailed(Exception):
+    """The template raised (`raise_exception`) or failed while rendering (vLLM: 400)."""
+
+
+def raised_in_template(e: BaseException) -> bool:
+    import jinja2
+
+    if isinstance(e, jinja2.TemplateError):
+        return True
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _text_of_part(part) -> str | None:
     # vllm/renderers/chat_utils/chat_message.py `parse_chat_message_content_part`: a str part is
     # text; a dict part of a text type ("text", "input_text", "output_text", "refusal",
@@ -474,7 +495,7 @@ def vllm_conversation(messages: list, content_format: str) -> list[dict]:
             out = {"role": role, "content": "\n".join(texts)}
         if role == "assistant":
             if msg.get("tool_calls") is not None:
-                out["tool_calls"] = copy.deepcopy(list(msg["tool_calls"]))
+                out["tool_calls"] = [validated_tool_call(c) for c in msg["tool_calls"]]
             if msg.get("reasoning") is not None:
                 out["reasoning"] = msg["reasoning"]
                 out["reasoning_content"] = msg["reasoning"]
@@ -596,33 +617,83 @@ def vllm_chat_ids(tok, body: dict, content_format: str) -> tuple[str, list[int]]
     add_generation_prompt = body.get("add_generation_prompt", True)
     continue_final_message = body.get("continue_final_message", False)
     add_special_tokens = body.get("add_special_tokens", False)
-    user_kwargs = dict(body.get("chat_template_kwargs") or {})
-    kwargs = {"tools": body.get("tools"), "tokenize": False}
-    kwargs.update(user_kwargs)
-    kwargs["add_generation_prompt"] = add_generation_prompt
-    kwargs["continue_final_message"] = continue_final_message
-    if kwargs.get("tokenize") is not False or "chat_template" in kwargs:
-        raise BadRequest("per-request tokenize/chat_template are not served")
-    tools = kwargs.pop("tools")
-    kwargs.pop("tokenize")
+    tool_dicts = None if body.get("tools") is None else [tool_model_dump(t) for t in body["tools"]]
+    chat_kwargs = merge_kwargs(
+        body.get("chat_template_kwargs"),
+        dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message),
+    )
+    defaults = merge_kwargs(None, dict(tools=tool_dicts, tokenize=False))
+    kwargs = merge_kwargs(defaults, chat_kwargs)  # ChatParams.with_defaults
+    kwargs = merge_kwargs(kwargs, dict(chat_template=None, return_dict=False))  # get_apply_chat_template_kwargs
+    # safe_apply_chat_template's own parameters.
+    tools = kwargs.pop("tools", None)
+    if kwargs.pop("chat_template", None) is not None:
+        raise BadRequest("per-request chat templates are refused")
+    tokenize = kwargs.pop("tokenize", True)
+    if tokenize:
+        raise BadRequest("tokenize=True in chat_template_kwargs: not exercised by these fixtures")
 
-    template = tok.chat_template
+    template = tok.get_chat_template(None, tools)
     conversation = vllm_conversation(body["messages"], content_format)
     conversation = vllm_developer_to_system(conversation, template)
     accept = (template_variables(template) | HF_BASE_PARAMS) - {"chat_template", "tokenize"}
     kwargs = {k: v for k, v in kwargs.items() if k in accept}
-    import jinja2
-
     try:
-        text = tok.apply_chat_template(
-            conversation, tools=tools, tokenize=False, return_dict=False, **kwargs
-        )
-    except jinja2.TemplateError:
-        raise
-    except (ValueError, TypeError) as e:
+        text = tok.apply_chat_template(conversation, tools=tools, tokenize=False, **kwargs)
+    except Exception as e:
+        # vLLM answers 400 either way; the fixtures tell a failure inside the template's code
+        # ("template") from transformers refusing the input around it ("bad_request").
+        if raised_in_template(e):
+            raise TemplateFailed(str(e)) from e
         raise BadRequest(str(e)) from e
     ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
     return text, list(ids)
+
+
+def merge_kwargs(defaults: dict | None, overrides: dict | None) -> dict:
+    """vllm/renderers/params.py `merge_kwargs`: overrides whose value is None or "auto" do not
+    override."""
+    defaults = defaults or {}
+    overrides = overrides or {}
+    return defaults | {k: v for k, v in overrides.items() if v not in (None, "auto")}
+
+
+def tool_model_dump(tool: dict) -> dict:
+    """What `ChatCompletionToolsParam.model_dump()` gives for a request's tool
+    (vllm/entrypoints/openai/chat_completion/protocol.py `ChatCompletionToolsParam` and
+    vllm/entrypoints/generate/base/protocol.py `FunctionDefinition`): type, function (name,
+    description, parameters, then strict and defer_loading when set), then defer_loading when
+    set; other keys dropped; a tool's defer_loading is copied into its function when the
+    function has none (`_propagate_defer_loading`)."""
+    if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+        raise BadRequest("tools must be function tools")
+    fn = tool["function"]
+    if not isinstance(fn.get("name"), str):
+        raise BadRequest("a tool function needs a name")
+    out_fn = {"name": fn["name"], "description": fn.get("description"), "parameters": fn.get("parameters")}
+    defer = tool.get("defer_loading")
+    fn_defer = fn.get("defer_loading")
+    if defer is not None and fn_defer is None:
+        fn_defer = defer
+    if fn.get("strict") is not None:
+        out_fn["strict"] = fn["strict"]
+    if fn_defer is not None:
+        out_fn["defer_loading"] = fn_defer
+    out = {"type": "function", "function": out_fn}
+    if defer is not None:
+        out["defer_loading"] = defer
+    return out
+
+
+def validated_tool_call(item):
+    """A tool call as pydantic leaves it after validating the message against openai's
+    TypedDicts (what vLLM's request model does): fields in the TypedDict's order, extras
+    dropped."""
+    from openai.types.chat import ChatCompletionMessageFunctionToolCallParam
+    from pydantic import TypeAdapter
+
+    validated = TypeAdapter(ChatCompletionMessageFunctionToolCallParam).validate_python(item)
+    return json.loads(json.dumps(validated))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -734,6 +805,23 @@ CHATS = [
             {"id": "d", "type": "function", "function": {"name": "g", "arguments": "[1, 2]"}},
             {"id": "e", "type": "function", "function": {"name": "h", "arguments": ""}}]},
         {"role": "tool", "content": "done"}]}),
+    ("tools_sparse", {"tools": [
+        {"function": {"name": "ping"}, "extra_key": 1},
+        {"type": "function", "defer_loading": True,
+         "function": {"name": "lookup", "description": "Find \u00e9l\u00e8ves", "strict": True,
+                      "parameters": {"type": "object", "properties": {}}, "unknown": "x"}}],
+        "messages": [{"role": "user", "content": "Ping?"}]}),
+    ("tool_call_key_order", {"messages": [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{\"z\": 1, \"a\": [1.5, 2e20, true, null]}"},
+             "id": "x1", "extra": "dropped"}]},
+        {"role": "tool", "content": "ok"}]}),
+    ("kwargs_null_and_auto", {"chat_template_kwargs": {"enable_thinking": None, "date_string": "auto"},
+                              "messages": [{"role": "user", "content": "Defaults stay."}]}),
+    ("kwargs_tools_override", {"tools": [{"type": "function", "function": {"name": "a"}}],
+                               "chat_template_kwargs": {"tools": [{"name": "from_kwargs"}]},
+                               "messages": [{"role": "user", "content": "Which tools?"}]}),
     ("developer_role", {"messages": [
         {"role": "system", "content": "System one."},
         {"role": "developer", "content": "Developer rules."},
@@ -776,11 +864,7 @@ def generate_expected(model_dir: Path, content_format: str) -> dict:
         except BadRequest as e:
             errors.append({"name": name, "request": body, "error": "bad_request", "message": str(e)})
             continue
-        except Exception as e:  # jinja2.TemplateError (raise_exception and friends)
-            import jinja2
-
-            if not isinstance(e, jinja2.TemplateError):
-                raise
+        except TemplateFailed as e:
             errors.append({"name": name, "request": body, "error": "template", "message": str(e)})
             continue
         chats.append({"name": name, "request": body, "text": text, "ids": ids})
@@ -791,6 +875,96 @@ def generate_expected(model_dir: Path, content_format: str) -> dict:
         "chats": chats,
         "errors": errors,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Jinja cases: one feature of transformers' Jinja2 environment each, rendered as the model's chat
+# template (with the chatml tokenizer, bos "<s>", eos "</s>") through the same reference path.
+# ---------------------------------------------------------------------------------------------
+
+JINJA_VALUES = {
+    "xs": ["a", "b", "c"],
+    "obj": {"a": 1, "k": "v", "n": None, "f": 1.5, "nested": {"l": [1, "two", None, True]},
+            "html": "<&>'\"", "uni": "é😀"},
+    "objs": [{"n": 1, "s": "x"}, {"n": 3, "s": "y"}, {"n": 2, "s": "z"}],
+    "s": "  xa b\u001fAa x\n",
+    "nums": [3, 1.5, -2, 10000000000000000.0, 1e-05],
+}
+
+JINJA_CASES = [
+    ("print_literals", "{{ true }}|{{ false }}|{{ none }}|{{ True }}|{{ None }}|{{ 1.0 }}|{{ 2.5e20 }}|{{ 0.00001 }}|{{ 7 }}|{{ -3 }}|{{ -0.0 }}"),
+    ("print_values", "{{ nums }}|{% for n in nums %}{{ n }};{% endfor %}|{{ obj.f }}|{{ obj.n }}"),
+    ("print_containers", "{{ [1, 'a', none, true, 1.5] }}|{{ {'k': 'v', 'n': none} }}|{{ messages[0] }}|{{ obj }}"),
+    ("print_reprs", "{{ [\"it's\", 'say \"hi\"', 'both \\' \"', 'tab\there', 'nl\n', 'uni é'] }}"),
+    ("tojson_default", "{{ obj | tojson }}|{{ xs | tojson }}|{{ 'x' | tojson }}|{{ none | tojson }}|{{ nums | tojson }}"),
+    ("tojson_indent", "{{ obj | tojson(indent=2) }}|{{ xs | tojson(indent=0) }}|{{ objs | tojson(indent='\t') }}|{{ {} | tojson(indent=2) }}|{{ [] | tojson(indent=2) }}"),
+    ("tojson_options", "{{ obj | tojson(sort_keys=true) }}|{{ obj | tojson(ensure_ascii=true) }}|{{ obj | tojson(separators=(',', ':')) }}|{{ obj | tojson(true) }}"),
+    ("tojson_escapes", "{{ '\u0001\u007f\u2028 \\\\ \"q\" \n\t😀é' | tojson }}|{{ '\u0001\u007f😀é' | tojson(ensure_ascii=true) }}"),
+    ("tojson_messages", "{{ messages | tojson }}"),
+    ("str_methods_space", "[{{ s.strip() }}][{{ s.lstrip() }}][{{ s.rstrip() }}][{{ s.split() }}]"),
+    ("str_methods", "[{{ s.strip('x ') }}][{{ 'a,b,,c'.split(',') }}][{{ 'a b c'.split(' ', 1) }}][{{ s.upper() }}][{{ s.lower() }}][{{ 'hello wORLD'.title() }}][{{ 'hELLO'.capitalize() }}][{{ s.replace('a', 'b') }}][{{ s.startswith('  x') }}][{{ s.endswith('x') }}][{{ s.find('a') }}][{{ s.count('a') }}][{{ ', '.join(xs) }}]"),
+    ("dict_methods", "{% for k, v in obj.items() %}{{ k }}={{ v }};{% endfor %}|{{ obj.keys() | list }}|{{ obj.values() | list | length }}|{{ obj.get('missing', 'dflt') }}|{{ obj.get('a') }}|{{ obj.get('missing') }}"),
+    ("filters_lists", "{{ xs | join(', ') }}|{{ [true, none, 1.5, 'x'] | join('-') }}|{{ xs | length }}|{{ xs | first }}|{{ xs | last }}|{{ xs | reverse | list }}|{{ ['b', 'c', 'a'] | sort | list }}|{{ ['a', 'b', 'a'] | unique | list }}|{{ xs | map('upper') | list }}|{{ objs | map(attribute='n') | join }}|{{ objs | selectattr('n', 'equalto', 2) | list | length }}|{{ objs | sort(attribute='n', reverse=true) | map(attribute='s') | join }}|{{ xs | select('equalto', 'b') | list }}|{{ xs | reject('equalto', 'b') | list }}|{{ objs | join(', ', attribute='s') }}"),
+    ("filters_values", "{{ missing | default('d') }}|{{ '' | default('d', true) }}|{{ s | trim }}|{{ 'xxhixx' | trim('x') }}|{{ 3.7 | int }}|{{ '42' | int + 1 }}|{{ 2 | float }}|{{ 1 | string }}|{{ true | string }}|{{ none | string }}|{{ [1, true] | string }}|{{ 'straße' | upper }}|{{ 'hello world-foo bar_baz' | title }}|{{ 'hELLO wORLD' | capitalize }}|{{ 'aaa' | replace('a', 'b', 2) }}|{{ 'abc' | list }}|{{ obj | length }}|{{ 'a\nb' | indent(2) }}"),
+    ("filters_round", "{{ 3.14159 | round(2) }}|{{ 2.7 | round }}|{{ 2.4 | round(0, 'ceil') }}|{{ -3 | abs }}"),
+    ("filters_dicts", "{% for k, v in obj | dictsort %}{{ k }};{% endfor %}|{% for k, v in obj | items %}{{ k }};{% endfor %}"),
+    ("tests", "{{ 'a' is string }}{{ xs is sequence }}{{ 'a' is sequence }}{{ obj is sequence }}{{ obj is mapping }}{{ xs is mapping }}{{ 1 is number }}{{ true is number }}{{ 1 is integer }}{{ true is integer }}{{ 1.0 is float }}{{ none is none }}{{ missing is defined }}{{ missing is undefined }}{{ xs is iterable }}{{ 1 is iterable }}{{ 'a' is iterable }}{{ obj is iterable }}{{ missing is iterable }}{{ missing is sequence }}{{ true is true }}{{ 1 is true }}{{ false is false }}{{ true is boolean }}{{ 3 is odd }}{{ 4 is even }}{{ 6 is divisibleby 3 }}"),
+    ("loops", "{% for x in xs %}{{ loop.index }}{{ loop.index0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }}{{ loop.revindex }}{{ loop.revindex0 }}{% if not loop.first %}<{{ loop.previtem }}{% endif %}{% if not loop.last %}>{{ loop.nextitem }}{% endif %}{{ loop.cycle('o', 'e') }};{% endfor %}"),
+    ("loop_controls", "{% for x in xs %}{% if x == 'b' %}{% continue %}{% endif %}{{ x }}{% endfor %}|{% for x in xs %}{% if x == 'b' %}{% break %}{% endif %}{{ x }}{% endfor %}|{% for x in [] %}{{ x }}{% else %}empty{% endfor %}|{% for x in xs if x != 'a' %}{{ loop.index }}{{ x }}{% endfor %}"),
+    ("loop_nested", "{% for a in xs %}{% for b in xs %}{{ loop.index }}{{ a }}{{ b }} {% endfor %}{{ loop.index }}|{% endfor %}"),
+    ("loop_string_and_dict", "{% for c in 'abc' %}{{ c }},{% endfor %}|{% for k in obj %}{{ k }},{% endfor %}"),
+    ("namespace", "{% set ns = namespace(c=0, s='', found=false) %}{% for x in xs %}{% set ns.c = ns.c + 1 %}{% set ns.s = ns.s ~ x %}{% if x == 'b' %}{% set ns.found = true %}{% endif %}{% endfor %}{{ ns.c }} {{ ns.s }} {{ ns.found }}"),
+    ("scoping", "{% set x = 'outer' %}{% for i in [1] %}{% set x = 'inner' %}{{ x }}{% endfor %}{{ x }}{% if true %}{% set y = 'if-set' %}{% endif %}{{ y }}"),
+    ("whitespace_blocks", "{% for m in messages %}\n  {% if m.role == 'user' %}\n    U: {{ m.content }}\n  {% endif %}\n{% endfor %}\nend\n"),
+    ("whitespace_markers", "A  {%- if true -%}  B  {%+ if true %}C{% endif %}{% endif %}\n  {{- ' D ' -}}  E\n  {{ 'F' }}  \n\n"),
+    ("whitespace_comments", "a\n  {# a comment #}\nb\n{#- trimmed -#}\n  c {# inline #} d\n"),
+    ("whitespace_trailing_newlines", "x\n\n"),
+    ("set_block", "{% set x %}inner {{ 1 + 1 }}{% endset %}[{{ x }}]"),
+    ("macros", "{% macro greet(name, punct='!') %}Hi {{ name }}{{ punct }}{% endmacro %}{{ greet('a') }} {{ greet('b', punct='?') }} {{ greet(name='c') }}"),
+    ("macro_caller", "{% macro wrap() %}[{{ caller() }}]{% endmacro %}{% call wrap() %}inside {{ xs[0] }}{% endcall %}"),
+    ("slicing", "{{ xs[1:] }}|{{ xs[-1] }}|{{ xs[::-1] }}|{{ s[2:4] }}|{{ messages[-1].content }}|{{ xs[:-1] }}|{{ xs[10] }}|{{ 'hello'[1] }}"),
+    ("operators", "{{ 'a' in xs }} {{ 'k' in obj }} {{ 'ell' in 'hello' }} {{ 'z' not in xs }} {{ 7 // 2 }} {{ 7 % 3 }} {{ 2 ** 10 }} {{ 7 / 2 }} {{ 1 + 2.5 }} {{ -7 // 2 }} {{ 10 / 5 }} {{ 0.1 + 0.2 }} {{ 'a' ~ 1 ~ 2.5 }} {{ 'x' * 3 }} {{ [1] + [2] }} {{ 1 == 1.0 }} {{ 'a' < 'b' }} {{ [1, 2] == [1, 2] }} {{ none or 'x' }} {{ 'a' and 'b' }} {{ 0 or [] }} {{ 'y' if true else 'n' }}[{{ 'y' if none }}] {{ not xs }}"),
+    ("literals", "{{ dict(a=1, b='two') }} {{ {'x': [1, {'y': none}]} | tojson }} {{ range(3) | list }} {{ range(1, 10, 3) | list }} {{ (1, 2) | list }} {{ 'a\\nb' }} {{ \"q'uote\" }}"),
+    ("format", "{{ '%s-%d' | format('a', 3) }} {{ '{}-{}'.format('a', 3) }} {{ '{x}!'.format(x=1) }}"),
+    ("generation_block", "{% for m in messages %}{% generation %}\n  {{ m.content }}\n{% endgeneration %}|{%- generation -%}  trimmed  {%- endgeneration -%}|{% endfor %}"),
+    ("raw", "{% raw %}{{ not rendered }}{% endraw %}"),
+    ("undefined_prints_empty", "[{{ missing }}][{{ messages[5] }}][{{ obj.missing }}][{{ obj['missing'] }}][{{ missing | length }}]"),
+    ("undefined_attribute_fails", "{{ missing.attr }}"),
+    ("none_attribute", "{% set n = none %}[{{ n.attr }}]"),
+    ("raise_exception", "{% if messages | length < 5 %}{{ raise_exception('need 5 messages, got ' ~ (messages | length)) }}{% endif %}"),
+    ("zero_division", "{{ 1 / 0 }}"),
+    ("concat_type_error", "{{ 'a' + 1 }}"),
+    ("special_tokens", "{{ bos_token }}|{{ eos_token }}|{{ unk_token is defined }}|{{ pad_token }}"),
+    ("flags", "{{ add_generation_prompt }}|{{ tools }}|{{ documents }}|{{ continue_final_message is defined }}"),
+]
+
+
+def generate_jinja_cases() -> dict:
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copy(HERE / "chatml" / "tokenizer.json", Path(tmp) / "tokenizer.json")
+        config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": "{{ 1 }}"}
+        (Path(tmp) / "tokenizer_config.json").write_text(json.dumps(config))
+        tok = AutoTokenizer.from_pretrained(tmp)
+    cases = []
+    for name, template in JINJA_CASES:
+        body = {"messages": [{"role": "user", "content": "hi"}],
+                "chat_template_kwargs": copy.deepcopy(JINJA_VALUES)}
+        tok.chat_template = template
+        case = {"name": name, "template": template, "request": body}
+        try:
+            text, _ = vllm_chat_ids(tok, copy.deepcopy(body), "string")
+            case["text"] = text
+        except TemplateFailed as e:
+            case["error"], case["message"] = "template", str(e)
+        except BadRequest as e:
+            case["error"], case["message"] = "bad_request", str(e)
+        cases.append(case)
+    return {"generated_by": "kvbm-router/tests/data/tokenizer/generate.py", "cases": cases}
 
 
 FIXTURES = [("chatml", make_chatml, "string"), ("llama3", make_llama3, "string"),
@@ -806,6 +980,9 @@ def main() -> int:
         size = (d / "tokenizer.json").stat().st_size
         print(f"{name}: tokenizer.json {size} bytes, {len(expected['prompts'])} prompts, "
               f"{len(expected['chats'])} chats, {len(expected['errors'])} errors")
+    jinja = generate_jinja_cases()
+    (HERE / "jinja_cases.json").write_text(json.dumps(jinja, indent=1, ensure_ascii=False) + "\n")
+    print(f"jinja_cases.json: {len(jinja['cases'])} cases")
     return 0
 
 

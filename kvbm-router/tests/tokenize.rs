@@ -1,0 +1,447 @@
+//! The router's tokenizer against the reference: every case of the committed fixtures
+//! (`tests/data/tokenizer/<model>/expected.json`, written by `generate.py` from transformers and
+//! vLLM 0.33's chat path) must give the same text and the same ids; the Jinja cases
+//! (`tests/data/tokenizer/jinja_cases.json`) check the template environment against Jinja2
+//! feature by feature; and the refusals (no template, a template that raises, malformed
+//! requests, the work bounds) must come back as the right error.
+
+use std::path::{Path, PathBuf};
+
+use kvbm_router::tokenize::{ChatRequest, ContentFormat, ModelTokenizer, TokenizeError};
+use serde_json::{json, Value};
+
+fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/tokenizer")
+}
+
+fn load(model: &str) -> ModelTokenizer {
+    ModelTokenizer::from_dir(&data_dir().join(model)).unwrap_or_else(|e| panic!("{model}: {e}"))
+}
+
+fn expected(model: &str) -> Value {
+    let text = std::fs::read_to_string(data_dir().join(model).join("expected.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// The error kinds expected.json names.
+fn kind(e: &TokenizeError) -> &'static str {
+    match e {
+        TokenizeError::BadRequest(_) => "bad_request",
+        TokenizeError::NoChatTemplate => "no_chat_template",
+        TokenizeError::Template(_) => "template",
+        TokenizeError::Load(_) => "load",
+        TokenizeError::Encode(_) => "encode",
+    }
+}
+
+/// Tokenizes one chat body; the rendered text and the ids, or the error.
+fn chat(tok: &ModelTokenizer, body: &Value) -> Result<(String, Vec<u32>), TokenizeError> {
+    let request = ChatRequest::from_body(body)?;
+    let text = tok.render_chat(&request)?;
+    let ids = tok.encode_chat(&request)?;
+    Ok((text, ids))
+}
+
+/// Every case of one model's expected.json; returns how many were checked.
+fn check_model(model: &str) -> usize {
+    let tok = load(model);
+    let exp = expected(model);
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for case in exp["prompts"].as_array().unwrap() {
+        let add = case["add_special_tokens"].as_bool().unwrap();
+        let got = tok
+            .encode_prompt(case["prompt"].as_str().unwrap(), add)
+            .unwrap();
+        if got != ids(&case["ids"]) {
+            failures.push(format!(
+                "prompt {} (add_special_tokens={add}): {got:?} != {}",
+                case["name"], case["ids"]
+            ));
+        }
+        checked += 1;
+    }
+    for case in exp["chats"].as_array().unwrap() {
+        match chat(&tok, &case["request"]) {
+            Ok((text, got)) => {
+                if text != case["text"].as_str().unwrap() {
+                    failures.push(format!(
+                        "chat {}: text {text:?} != {}",
+                        case["name"], case["text"]
+                    ));
+                } else if got != ids(&case["ids"]) {
+                    failures.push(format!(
+                        "chat {}: ids {got:?} != {}",
+                        case["name"], case["ids"]
+                    ));
+                }
+            }
+            Err(e) => failures.push(format!("chat {}: {e}", case["name"])),
+        }
+        checked += 1;
+    }
+    for case in exp["errors"].as_array().unwrap() {
+        let want = case["error"].as_str().unwrap();
+        match chat(&tok, &case["request"]) {
+            Ok((text, _)) => failures.push(format!(
+                "error {}: rendered {text:?}, want {want}",
+                case["name"]
+            )),
+            Err(e) if kind(&e) != want => failures.push(format!(
+                "error {}: {e} is {}, want {want}",
+                case["name"],
+                kind(&e)
+            )),
+            Err(_) => {}
+        }
+        checked += 1;
+    }
+    assert!(
+        failures.is_empty(),
+        "{model}: {} of {checked} cases differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    checked
+}
+
+#[test]
+fn chatml_matches_reference() {
+    assert!(check_model("chatml") > 50);
+}
+
+#[test]
+fn llama3_matches_reference() {
+    assert!(check_model("llama3") > 50);
+}
+
+#[test]
+fn parts_matches_reference() {
+    assert!(check_model("parts") > 50);
+}
+
+#[test]
+fn content_formats_as_vllm_detects_them() {
+    assert_eq!(load("chatml").content_format(), Some(ContentFormat::String));
+    assert_eq!(load("llama3").content_format(), Some(ContentFormat::String));
+    assert_eq!(load("parts").content_format(), Some(ContentFormat::OpenAi));
+}
+
+/// Each Jinja case renders its template (as the model's chat template) with its request, as
+/// transformers' Jinja2 environment does.
+#[test]
+fn jinja_environment_matches_jinja2() {
+    let text = std::fs::read_to_string(data_dir().join("jinja_cases.json")).unwrap();
+    let cases: Value = serde_json::from_str(&text).unwrap();
+    let tokenizer_json = std::fs::read(data_dir().join("chatml/tokenizer.json")).unwrap();
+    let mut failures = Vec::new();
+    let cases = cases["cases"].as_array().unwrap();
+    for case in cases {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), &tokenizer_json).unwrap();
+        let config =
+            json!({"bos_token": "<s>", "eos_token": "</s>", "chat_template": case["template"]});
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+        let got = ChatRequest::from_body(&case["request"]).and_then(|r| tok.render_chat(&r));
+        match (&got, case.get("text"), case.get("error")) {
+            (Ok(text), Some(want), _) if text == want.as_str().unwrap() => {}
+            (Err(e), _, Some(want)) if kind(e) == want.as_str().unwrap() => {}
+            _ => failures.push(format!(
+                "{}: got {got:?}, want {}",
+                case["name"],
+                case.get("text").or(case.get("error")).unwrap()
+            )),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} Jinja cases differ:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+/// A model directory in a temporary folder: the chatml tokenizer with `config` as its
+/// tokenizer_config.json.
+fn model_with(config: Value) -> (tempfile::TempDir, ModelTokenizer) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        data_dir().join("chatml/tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+    (dir, tok)
+}
+
+fn user(text: &str) -> Value {
+    json!({"messages": [{"role": "user", "content": text}]})
+}
+
+#[test]
+fn a_model_without_a_template_refuses_chats_but_encodes_prompts() {
+    let (_dir, tok) = model_with(json!({"eos_token": "<|im_end|>"}));
+    assert!(!tok.has_chat_template());
+    let request = ChatRequest::from_body(&user("hi")).unwrap();
+    assert!(matches!(
+        tok.encode_chat(&request),
+        Err(TokenizeError::NoChatTemplate)
+    ));
+    assert!(!tok.encode_prompt("hi", true).unwrap().is_empty());
+    // No tokenizer_config.json at all is the same.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        data_dir().join("chatml/tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+    assert!(matches!(
+        tok.encode_chat(&request),
+        Err(TokenizeError::NoChatTemplate)
+    ));
+}
+
+#[test]
+fn loading_failures_are_load_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(matches!(
+        ModelTokenizer::from_dir(dir.path()),
+        Err(TokenizeError::Load(_))
+    ));
+    std::fs::write(dir.path().join("tokenizer.json"), "{not json").unwrap();
+    assert!(matches!(
+        ModelTokenizer::from_dir(dir.path()),
+        Err(TokenizeError::Load(_))
+    ));
+    std::fs::copy(
+        data_dir().join("chatml/tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("tokenizer_config.json"), "[1,").unwrap();
+    assert!(matches!(
+        ModelTokenizer::from_dir(dir.path()),
+        Err(TokenizeError::Load(_))
+    ));
+}
+
+#[test]
+fn templates_that_raise_or_fail_are_template_errors() {
+    for (name, template, want) in [
+        (
+            "raise",
+            "{{ raise_exception('no ' + messages[0].role + ' here') }}",
+            "no user here",
+        ),
+        (
+            "undefined_attribute",
+            "{{ messages[0].nothing.deeper }}",
+            "",
+        ),
+        ("bad_call", "{{ messages[0].content.nope() }}", ""),
+        ("syntax", "{% for m in messages %}{{ m.content }}", ""),
+        (
+            "fuel",
+            "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
+            "fuel",
+        ),
+        (
+            "output_size",
+            "{% for i in range(40) %}{{ messages[0].content * 1000000 }}{% endfor %}",
+            "",
+        ),
+        (
+            "tojson_undefined",
+            "{{ nothing | tojson }}",
+            "not JSON serializable",
+        ),
+    ] {
+        let (_dir, tok) = model_with(json!({"chat_template": template}));
+        let request = ChatRequest::from_body(&user("hi")).unwrap();
+        match tok.encode_chat(&request) {
+            Err(TokenizeError::Template(message)) => {
+                assert!(message.contains(want), "{name}: {message:?} lacks {want:?}")
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn malformed_requests_are_bad_requests() {
+    let tok = load("chatml");
+    for (name, body) in [
+        ("not_an_object", json!([1, 2])),
+        ("no_messages", json!({"prompt": "x"})),
+        ("messages_not_a_list", json!({"messages": {"role": "user"}})),
+        ("message_not_an_object", json!({"messages": ["hi"]})),
+        ("no_role", json!({"messages": [{"content": "hi"}]})),
+        (
+            "role_not_a_string",
+            json!({"messages": [{"role": 3, "content": "hi"}]}),
+        ),
+        (
+            "content_a_number",
+            json!({"messages": [{"role": "user", "content": 5}]}),
+        ),
+        (
+            "image_part",
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+        ),
+        (
+            "untyped_part",
+            json!({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}),
+        ),
+        (
+            "unknown_part",
+            json!({"messages": [{"role": "user", "content": [{"type": "hologram"}]}]}),
+        ),
+        (
+            "text_not_a_string",
+            json!({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}),
+        ),
+        (
+            "both_flags",
+            json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": true, "continue_final_message": true}),
+        ),
+        (
+            "flag_not_a_bool",
+            json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "maybe"}),
+        ),
+        (
+            "request_template",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}),
+        ),
+        (
+            "kwargs_template",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}),
+        ),
+        (
+            "kwargs_not_an_object",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}),
+        ),
+        (
+            "kwargs_messages",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}}),
+        ),
+        (
+            "kwargs_sanitize",
+            json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"sanitize_control_tokens": true}}),
+        ),
+        (
+            "tools_not_a_list",
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": {"type": "function"}}),
+        ),
+        (
+            "tool_without_name",
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {}}]}),
+        ),
+        (
+            "tool_wrong_type",
+            json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+        ),
+        (
+            "tool_call_not_function",
+            json!({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "a", "type": "custom", "custom": {}}]}]}),
+        ),
+        ("empty", json!({"messages": []})),
+        (
+            "continue_without_content_in_template",
+            json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false, "continue_final_message": true, "chat_template_kwargs": {}}),
+        ),
+    ] {
+        let result = ChatRequest::from_body(&body).and_then(|r| tok.encode_chat(&r));
+        // The chatml template names "content", so its continue case renders: checked below.
+        if name == "continue_without_content_in_template" {
+            assert!(result.is_ok(), "{name}: {result:?}");
+            continue;
+        }
+        assert!(
+            matches!(result, Err(TokenizeError::BadRequest(_))),
+            "{name}: {result:?}"
+        );
+    }
+    // A template that never names "content" cannot continue a final message (transformers).
+    let (_dir, tok) =
+        model_with(json!({"chat_template": "{% for m in messages %}{{ m['role'] }}{% endfor %}"}));
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": false, "continue_final_message": true});
+    let result = ChatRequest::from_body(&body).and_then(|r| tok.encode_chat(&r));
+    assert!(
+        matches!(result, Err(TokenizeError::BadRequest(_))),
+        "{result:?}"
+    );
+}
+
+#[test]
+fn sizes_are_bounded() {
+    let tok = load("chatml");
+    let big = "a".repeat(kvbm_router::tokenize::PROMPT_BYTES_MAX + 1);
+    assert!(matches!(
+        tok.encode_prompt(&big, false),
+        Err(TokenizeError::BadRequest(_))
+    ));
+    let request = ChatRequest::from_body(&user(&big)).unwrap();
+    assert!(matches!(
+        tok.encode_chat(&request),
+        Err(TokenizeError::BadRequest(_))
+    ));
+    // A long but allowed chat goes through within the fuel budget.
+    let turns: Vec<Value> = (0..256)
+        .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("turn {i} ").repeat(200)}))
+        .collect();
+    let request = ChatRequest::from_body(&json!({"messages": turns})).unwrap();
+    assert!(tok.encode_chat(&request).unwrap().len() > 100_000);
+}
+
+#[test]
+fn named_templates_pick_tool_use_for_tools() {
+    let (_dir, tok) = model_with(json!({"chat_template": [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}"}
+    ]}));
+    let plain = ChatRequest::from_body(&user("x")).unwrap();
+    assert_eq!(tok.render_chat(&plain).unwrap(), "Dx");
+    let with_tools = ChatRequest::from_body(&json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]})).unwrap();
+    assert_eq!(tok.render_chat(&with_tools).unwrap(), "T1");
+    // chat_template.jinja takes priority over the config's template.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        data_dir().join("chatml/tokenizer.json"),
+        dir.path().join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        json!({"chat_template": "config"}).to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "file {{ messages | length }}\n",
+    )
+    .unwrap();
+    let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+    assert_eq!(tok.render_chat(&plain).unwrap(), "file 1");
+}
+
+#[test]
+fn strftime_now_writes_today() {
+    let (_dir, tok) = model_with(json!({"chat_template": "{{ strftime_now('%Y-%m-%d') }}"}));
+    let text = tok
+        .render_chat(&ChatRequest::from_body(&user("x")).unwrap())
+        .unwrap();
+    assert_eq!(text.len(), 10, "{text}");
+    assert!(text.starts_with("20"), "{text}");
+}
