@@ -45,6 +45,7 @@ import uuid
 from collections import deque
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Union
 
 import msgspec
@@ -304,6 +305,19 @@ def bad_request(message: str, param: str | None = None) -> RequestError:
     return RequestError(HTTPStatus.BAD_REQUEST, message, "BadRequestError", param)
 
 
+def _chat_reference():
+    """The one reading of vLLM 0.33's chat steps in this repository: `vllm_chat_ids` of the
+    tokenizer fixtures' generator (tests/data/tokenizer/generate.py), which the fixtures' expected
+    ids come from. The fake renders and tokenizes chats with it rather than with a second copy."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "data" / "tokenizer" / "generate.py"
+    spec = importlib.util.spec_from_file_location("kvbm_tokenizer_fixture_reference", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 class Tokenizer:
     def __init__(self, model_path: str, content_format: str):
         # vLLM loads the HF tokenizer with AutoTokenizer (vllm/tokenizers/hf.py).
@@ -311,21 +325,7 @@ class Tokenizer:
 
         self.tok = AutoTokenizer.from_pretrained(model_path)
         self.content_format = content_format
-        self.template = self.tok.chat_template
-        self._template_vars = template_variables(self.template) if self.template else set()
-        # vllm/renderers/hf.py _get_hf_base_chat_template_params: the named parameters of
-        # transformers' PythonBackend.apply_chat_template (and, through supports_kw, of this
-        # tokenizer's own apply_chat_template).
-        import inspect
-
-        import transformers
-
-        def named(fn) -> set[str]:
-            return {p.name for p in inspect.signature(fn).parameters.values()
-                    if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-
-        self._hf_params = named(transformers.PythonBackend.apply_chat_template) | named(
-            self.tok.apply_chat_template)
+        self._reference = _chat_reference()
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """vllm/renderers/base.py _tokenize_prompt: `tokenizer(text, **kwargs)["input_ids"]` with
@@ -333,234 +333,37 @@ class Tokenizer:
         request, truncation only past max_model_len (not modelled: prompts here are short)."""
         return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def render_chat(self, body: dict) -> str:
-        """The chat template's text, as vLLM 0.33 renders it for an HF tokenizer:
-
-        1. ChatCompletionRequest.check_generation_prompt refuses add_generation_prompt together
-           with continue_final_message; validate_chat_template (vllm/renderers/online_renderer.py)
-           refuses a request's own template (the fake never trusts one).
-        2. ChatCompletionRequest.build_chat_params
-           (vllm/entrypoints/openai/chat_completion/protocol.py): the request's
-           chat_template_kwargs, overridden by add_generation_prompt, continue_final_message,
-           documents, reasoning_effort (and enable_thinking when reasoning_effort is set), values
-           None dropped (vllm/renderers/params.py merge_kwargs); OnlineRenderer.preprocess_chat
-           puts them over the defaults tools=<request tools>, tokenize=False (non-Mistral
-           tokenizer, no prompt embeddings) in ChatParams.with_defaults.
-        3. HfRenderer.render_messages_async (vllm/renderers/hf.py): the conversation from
-           parse_chat_messages (see `conversation`), then safe_apply_chat_template: developer
-           messages become system ones when the template never names "developer"
-           (_convert_developer_to_system, _consolidate_system_messages), the kwargs are filtered
-           by resolve_chat_template_kwargs (template variables, apply_chat_template's named
-           parameters), then `tokenizer.apply_chat_template(conversation, tools=...,
-           chat_template=..., tokenize=False, **kwargs)`; an exception there is a 400 with the
-           template's reason.
-        """
-        if self.template is None:
-            raise bad_request("As of transformers v4.44, default chat template is no longer "
-                              "allowed, so you must provide a chat template if the tokenizer "
-                              "does not define one.")
-        add_generation_prompt = body.get("add_generation_prompt", True)
-        continue_final_message = body.get("continue_final_message", False)
-        if add_generation_prompt and continue_final_message:
-            raise bad_request("Cannot set both `continue_final_message` and "
-                              "`add_generation_prompt` to True.")
+    def _chat(self, body: dict) -> tuple[str, list[int]]:
+        """The chat template's text and its ids, as vLLM renders and tokenizes a chat request for
+        an HF tokenizer (vllm/entrypoints/openai/chat_completion/protocol.py build_chat_params,
+        vllm/renderers/online_renderer.py preprocess_chat, vllm/renderers/hf.py
+        render_messages_async and safe_apply_chat_template, apply_chat_template(tokenize=False),
+        then vllm/renderers/base.py _tokenize_prompt with the request's add_special_tokens,
+        default False): see generate.py vllm_chat_ids, step by step. What vLLM refuses, or a
+        template that raises, is a 400 with the reason."""
         if body.get("chat_template") is not None:
+            # vllm/renderers/online_renderer.py validate_chat_template: a request's own template
+            # needs --trust-request-chat-template, which the fake never has.
             raise bad_request("Chat template is passed with request, but "
                               "--trust-request-chat-template is not set. Refused request "
-                              "with untrusted chat template.")
-        extra: dict[str, Any] = {
-            "add_generation_prompt": add_generation_prompt,
-            "continue_final_message": continue_final_message,
-            "documents": body.get("documents"),
-            "reasoning_effort": body.get("reasoning_effort"),
-        }
-        user_kwargs = dict(body.get("chat_template_kwargs") or {})
-        if body.get("reasoning_effort") is not None and "enable_thinking" not in user_kwargs:
-            extra["enable_thinking"] = body["reasoning_effort"] != "none"
-        kwargs = merge_kwargs(user_kwargs, extra)
-        kwargs = merge_kwargs({"tools": body.get("tools"), "tokenize": False}, kwargs)
-        if kwargs.pop("tokenize", False) is not False or "chat_template" in kwargs:
-            # A request that asks the template for token ids or for another template: vLLM
-            # would honour the first and refuse the second; the fake serves neither.
-            raise bad_request("Found unexpected chat template kwargs from request: "
-                              "tokenize/chat_template")
-        tools = kwargs.pop("tools", None)
-        accept = self._template_vars | self._hf_params
-        kwargs = {k: v for k, v in kwargs.items() if k in accept}
-        conv = developer_to_system(conversation(body.get("messages"), self.content_format),
-                                   self.template)
+                              "with untrusted chat template.", "chat_template")
+        if "messages" not in body:
+            raise bad_request("messages is required", "messages")
+        ref = self._reference
         try:
-            text = self.tok.apply_chat_template(
-                conv, tools=tools, chat_template=self.template, tokenize=False,
-                return_dict=False, **kwargs,
-            )
-        except Exception as e:  # the template raised: vLLM answers 400 with its reason
+            return ref.vllm_chat_ids(self.tok, body, self.content_format)
+        except (ref.BadRequest, ref.TemplateFailed) as e:
             raise bad_request(str(e)) from e
-        return text
+
+    def render_chat(self, body: dict) -> str:
+        return self._chat(body)[0]
 
     def encode_chat(self, body: dict) -> list[int]:
-        """The rendered text tokenized with the chat request's add_special_tokens (default False,
-        ChatCompletionRequest.add_special_tokens), through the same _tokenize_prompt."""
-        return self.encode(self.render_chat(body), bool(body.get("add_special_tokens", False)))
+        return self._chat(body)[1]
 
     def decode(self, ids: list[int]) -> str:
         # vLLM detokenizes output with skip_special_tokens=True by default (SamplingParams).
         return self.tok.decode(ids, skip_special_tokens=True)
-
-
-def merge_kwargs(defaults: dict, overrides: dict) -> dict:
-    """vllm/renderers/params.py merge_kwargs: overrides whose value is None or "auto" are
-    dropped."""
-    return {**defaults, **{k: v for k, v in overrides.items() if v not in (None, "auto")}}
-
-
-def template_variables(template: str) -> set[str]:
-    """vllm/renderers/hf.py _resolve_chat_template_kwargs: the template's undeclared variables,
-    parsed by a sandboxed Jinja environment with loop controls and the `{% generation %}` tag."""
-    import jinja2.ext
-    import jinja2.meta
-    import jinja2.sandbox
-
-    class GenerationTag(jinja2.ext.Extension):
-        # vllm/renderers/hf.py AssistantTracker (only its parse matters here)
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            call = self.call_method("_generation_support")
-            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    return set(jinja2.meta.find_undeclared_variables(env.parse(template)))
-
-
-# vllm/renderers/chat_utils/chat_message.py TEXT_PART_TYPES and MM_PARSER_MAP: the key each
-# text part type carries its text under.
-TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text",
-                  "refusal": "refusal", "thinking": "thinking"}
-# PART_TYPES_TO_SKIP_NONE_CONTENT: these parts are skipped when their text is None.
-SKIP_NONE_PART_TYPES = ("text", "refusal")
-BILLING_HEADER = "x-anthropic-billing-header"
-
-
-def conversation(messages: Any, content_format: str) -> list[dict]:
-    """vllm/renderers/chat_utils/chat_message.py parse_chat_messages for text-only messages:
-    parse_chat_message_content (a string content is one text part; a system message loses a
-    leading billing-header line, _strip_claude_code_billing_header),
-    parse_chat_message_content_parts (the "string" content format joins the texts with "\\n",
-    "openai" keeps them as text parts), the assistant's tool_calls and reasoning, the tool's
-    tool_call_id and string content, name, task, developer tools; then _postprocess_messages
-    (tool-call arguments as dicts). Media parts and extra part fields are not modelled."""
-    if not isinstance(messages, list):
-        raise bad_request("messages must be a list", "messages")
-    out: list[dict] = []
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request("each message needs a string role", "messages")
-        role = m["role"]
-        content = m.get("content")
-        if content is None:
-            parts: list = []
-        elif isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
-        elif isinstance(content, list):
-            parts = content
-        else:
-            raise bad_request("content must be a string, a list of parts or null", "messages")
-        texts: list[str] = []
-        for part in parts:
-            if isinstance(part, str):
-                text = part
-            elif isinstance(part, dict) and part.get("type") in TEXT_PART_KEYS:
-                text = part.get(TEXT_PART_KEYS[part["type"]])
-                if text is None and part["type"] in SKIP_NONE_PART_TYPES:
-                    continue
-                if not isinstance(text, str):
-                    raise bad_request("a text part needs its text", "messages")
-            else:
-                raise bad_request("the fake worker serves text content parts only", "messages")
-            if role == "system" and text.startswith(BILLING_HEADER):
-                text = text.partition("\n")[2]
-                if not text:
-                    continue
-            texts.append(text)
-        msg: dict[str, Any] = {"role": role}
-        if content_format == "openai":
-            msg["content"] = [{"type": "text", "text": t} for t in texts]
-        else:
-            msg["content"] = "\n".join(texts)
-        if role == "assistant":
-            if m.get("tool_calls") is not None:
-                msg["tool_calls"] = json.loads(json.dumps(list(m["tool_calls"])))
-            if m.get("reasoning") is not None:
-                msg["reasoning"] = m["reasoning"]
-                msg["reasoning_content"] = m["reasoning"]
-        elif role == "tool":
-            if "tool_call_id" in m:
-                msg["tool_call_id"] = m["tool_call_id"]
-            if isinstance(msg["content"], list):
-                msg["content"] = "\n".join(p["text"] for p in msg["content"])
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
-        if isinstance(m.get("task"), str):
-            msg["task"] = m["task"]
-        if role == "developer":
-            msg["tools"] = m.get("tools")
-        out.append(msg)
-    for msg in out:  # _postprocess_messages
-        calls = msg.get("tool_calls")
-        if msg["role"] != "assistant" or not isinstance(calls, list):
-            continue
-        if not calls:
-            del msg["tool_calls"]
-            continue
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(call, dict) or call.get("type", "function") != "function" \
-                    or not isinstance(fn, dict):
-                raise bad_request("chat completions only support assistant tool_calls of "
-                                  "type 'function'.", "tool_calls")
-            args = fn.get("arguments")
-            if args and isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    args = None
-            fn["arguments"] = args if isinstance(args, dict) else {}
-    return out
-
-
-def developer_to_system(conv: list[dict], template: str) -> list[dict]:
-    """vllm/renderers/hf.py safe_apply_chat_template: with a developer message and a template
-    that never names the role (_detect_developer_role_support), _convert_developer_to_system
-    then _consolidate_system_messages (all system texts joined with a blank line, first)."""
-    if not any(m["role"] == "developer" for m in conv):
-        return conv
-    if '"developer"' in template or "'developer'" in template:
-        return conv
-    converted = []
-    for m in conv:
-        if m["role"] == "developer":
-            m = {k: v for k, v in m.items() if k != "tools"}
-            m["role"] = "system"
-        converted.append(m)
-    system_texts, rest, merge = [], [], False
-    for i, m in enumerate(converted):
-        if m["role"] != "system":
-            rest.append(m)
-            continue
-        merge = merge or i > 0 or bool(system_texts)
-        c = m.get("content", "")
-        if isinstance(c, list):
-            c = "\n".join(p["text"] if isinstance(p, dict) else p for p in c
-                          if isinstance(p, str) or (isinstance(p, dict) and "text" in p))
-        if c:
-            system_texts.append(c)
-    if not merge:
-        return converted
-    return [{"role": "system", "content": "\n\n".join(system_texts)}, *rest]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The scripted vLLM worker against what it stands in for, without the router: its tokenization
 against the ids the tokenizer fixtures recorded from vLLM 0.33's steps (tests/data/tokenizer/
-*/expected.json, written by generate.py), its KV events against vLLM's wire form and default
+*/expected.json, written by generate.py, whose vllm_chat_ids the worker's chat path calls: for
+chats this checks the worker's plumbing around it), its KV events against vLLM's wire form and default
 block hash (restated here from vllm/utils/hashing.py sha256 and vllm/v1/core/kv_cache_utils.py
 hash_block_tokens), replay, and abort on disconnect.
 """
