@@ -29,10 +29,13 @@ pub const HTTP_IDLE_TIMEOUT_SECS_DEFAULT: u64 = 60;
 #[derive(Parser, Debug, Clone)]
 #[command(name = "kvbm-router", version)]
 pub struct Args {
-    /// Workers to follow, separated by ';': "ID[:DP_RANK]=tcp://HOST:PORT[,replay=tcp://HOST:PORT]".
+    /// Workers to follow, separated by ';':
+    /// "ID[:DP_RANK]=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,http=http://HOST:PORT]".
     /// ID is the worker id (u64), DP_RANK its data-parallel rank (default 0), then the engine's
     /// KV events PUB endpoint and, optionally, its replay (ROUTER) endpoint, used to fill gaps and
-    /// to catch up when the router starts. More can be added with POST /register.
+    /// to catch up when the router starts, and its OpenAI-compatible HTTP server (`vllm serve`'s
+    /// address), to which /v1/completions and /v1/chat/completions are forwarded. More can be
+    /// added with POST /register.
     #[arg(long, default_value = "")]
     pub workers: String,
 
@@ -125,6 +128,39 @@ pub struct Args {
     /// Largest request body accepted, in bytes (larger ones get 413).
     #[arg(long, default_value_t = MAX_BODY_BYTES_DEFAULT)]
     pub max_body_bytes: usize,
+
+    /// The served model's directory: its `tokenizer.json` and `tokenizer_config.json` (with the
+    /// chat template, or a `chat_template.jinja` next to them), the same files `vllm serve` loads.
+    /// Needed for the OpenAI endpoints (/v1/completions, /v1/chat/completions) and /tokenize.
+    #[arg(long)]
+    pub model_path: Option<std::path::PathBuf>,
+
+    /// The model name clients send in `model` and /v1/models lists (default: --model-path as
+    /// given, as vLLM names it).
+    #[arg(long)]
+    pub model_name: Option<String>,
+
+    /// Seconds to wait for a TCP connection to a worker's HTTP server.
+    #[arg(long, default_value_t = 5.0)]
+    pub worker_connect_timeout_secs: f64,
+
+    /// Seconds to wait for a worker's response headers (a non-streaming request sends them when
+    /// it is done, so this bounds its whole generation).
+    #[arg(long, default_value_t = 600.0)]
+    pub worker_response_timeout_secs: f64,
+
+    /// Seconds a worker may stay silent in the middle of a response before the request is failed.
+    #[arg(long, default_value_t = 300.0)]
+    pub worker_idle_timeout_secs: f64,
+
+    /// Times a request is sent to the next best worker when its worker refuses it or fails before
+    /// answering (connection refused or reset, 502/503/504, timeout).
+    #[arg(long, default_value_t = 2)]
+    pub max_retries: usize,
+
+    /// Seconds a worker that failed a request is not routed to (it still follows events).
+    #[arg(long, default_value_t = 10.0)]
+    pub worker_failure_cooldown_secs: f64,
 }
 
 /// Why the configuration was refused.
@@ -177,6 +213,41 @@ pub struct RouterConfig {
     pub max_connections: usize,
     /// Idle time after which an HTTP connection is closed.
     pub http_idle_timeout: Duration,
+    /// The OpenAI front end's settings.
+    pub frontend: FrontendConfig,
+}
+
+/// The OpenAI front end's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FrontendConfig {
+    /// The model's directory (tokenizer files), if the front end is on.
+    pub model_path: Option<std::path::PathBuf>,
+    /// The served model's name.
+    pub model_name: Option<String>,
+    /// Connecting to a worker.
+    pub connect_timeout: Duration,
+    /// Waiting for a worker's response headers.
+    pub response_timeout: Duration,
+    /// Silence in the middle of a response.
+    pub idle_timeout: Duration,
+    /// Retries on another worker before the first byte.
+    pub max_retries: usize,
+    /// How long a failed worker is left out of routing.
+    pub failure_cooldown: Duration,
+}
+
+impl Default for FrontendConfig {
+    fn default() -> Self {
+        Self {
+            model_path: None,
+            model_name: None,
+            connect_timeout: Duration::from_secs(5),
+            response_timeout: Duration::from_secs(600),
+            idle_timeout: Duration::from_secs(300),
+            max_retries: 2,
+            failure_cooldown: Duration::from_secs(10),
+        }
+    }
 }
 
 impl Default for RouterConfig {
@@ -194,6 +265,7 @@ impl Default for RouterConfig {
             max_workers: MAX_WORKERS_DEFAULT,
             max_connections: MAX_CONNECTIONS_DEFAULT,
             http_idle_timeout: Duration::from_secs(HTTP_IDLE_TIMEOUT_SECS_DEFAULT),
+            frontend: FrontendConfig::default(),
         }
     }
 }
@@ -212,6 +284,19 @@ fn bounded(flag: &'static str, value: u64, max: u64) -> Result<u64, ConfigError>
         });
     }
     Ok(value)
+}
+
+/// A number of seconds above 0 and at most a week.
+fn seconds(flag: &'static str, value: f64) -> Result<Duration, ConfigError> {
+    if value.is_finite() && value > 0.0 && value <= TTL_SECS_MAX as f64 {
+        Ok(Duration::from_secs_f64(value))
+    } else {
+        Err(ConfigError::Flag {
+            flag,
+            value: value.to_string(),
+            why: "must be a number of seconds above 0 and at most a week",
+        })
+    }
 }
 
 fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
@@ -312,6 +397,48 @@ impl Args {
             max_workers,
             max_connections,
             http_idle_timeout: Duration::from_secs(idle),
+            frontend: self.frontend_config()?,
+        })
+    }
+
+    fn frontend_config(&self) -> Result<FrontendConfig, ConfigError> {
+        if let Some(name) = &self.model_name {
+            if name.trim().is_empty() || name.len() > 1024 {
+                return Err(ConfigError::Flag {
+                    flag: "model-name",
+                    value: name.clone(),
+                    why: "must be a non-empty name of at most 1024 bytes",
+                });
+            }
+        }
+        if self.max_retries > 16 {
+            return Err(ConfigError::Flag {
+                flag: "max-retries",
+                value: self.max_retries.to_string(),
+                why: "is above the largest value accepted (16)",
+            });
+        }
+        Ok(FrontendConfig {
+            model_path: self.model_path.clone(),
+            model_name: self.model_name.clone().or_else(|| {
+                self.model_path
+                    .as_ref()
+                    .map(|p| p.to_string_lossy().into_owned())
+            }),
+            connect_timeout: seconds(
+                "worker-connect-timeout-secs",
+                self.worker_connect_timeout_secs,
+            )?,
+            response_timeout: seconds(
+                "worker-response-timeout-secs",
+                self.worker_response_timeout_secs,
+            )?,
+            idle_timeout: seconds("worker-idle-timeout-secs", self.worker_idle_timeout_secs)?,
+            max_retries: self.max_retries,
+            failure_cooldown: seconds(
+                "worker-failure-cooldown-secs",
+                self.worker_failure_cooldown_secs,
+            )?,
         })
     }
 }
@@ -330,8 +457,45 @@ fn check_endpoint(entry: &str, endpoint: &str) -> Result<(), ConfigError> {
     }
 }
 
-/// One worker: `ID[:DP_RANK]=ENDPOINT[,replay=ENDPOINT]`.
-pub fn parse_worker(entry: &str) -> Result<WorkerEndpoint, ConfigError> {
+/// One worker as configured: where its KV events come from and, for the OpenAI front end, where
+/// its own OpenAI-compatible HTTP server answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    /// Its event endpoints (what the subscriber follows).
+    pub events: WorkerEndpoint,
+    /// Base URL of its HTTP server (`http://HOST:PORT`), if requests may be sent to it.
+    pub http: Option<String>,
+}
+
+impl WorkerSpec {
+    /// Its id and rank.
+    pub fn key(&self) -> (u64, u32) {
+        (self.events.worker_id, self.events.dp_rank)
+    }
+}
+
+impl From<WorkerEndpoint> for WorkerSpec {
+    fn from(events: WorkerEndpoint) -> Self {
+        Self { events, http: None }
+    }
+}
+
+/// Checks a worker's HTTP base URL: `http://HOST:PORT` with an optional path prefix, no query.
+/// Returns it without a trailing '/'.
+pub fn check_http_url(url: &str) -> Result<String, String> {
+    let url = url.trim();
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("{url:?} is not an http:// URL (https is not supported)"))?;
+    let host = rest.split('/').next().unwrap_or("");
+    if host.is_empty() || rest.contains(['?', '#', ' ']) {
+        return Err(format!("{url:?} is not an http://HOST:PORT URL"));
+    }
+    Ok(url.trim_end_matches('/').to_owned())
+}
+
+/// One worker: `ID[:DP_RANK]=ENDPOINT[,replay=ENDPOINT][,http=http://HOST:PORT]`.
+pub fn parse_worker(entry: &str) -> Result<WorkerSpec, ConfigError> {
     let entry = entry.trim();
     let bad = |why: String| ConfigError::Worker {
         entry: entry.to_owned(),
@@ -359,40 +523,43 @@ pub fn parse_worker(entry: &str) -> Result<WorkerEndpoint, ConfigError> {
     let endpoint = parts.next().unwrap_or_default().trim().to_owned();
     check_endpoint(entry, &endpoint)?;
     let mut replay = None;
+    let mut http = None;
     for option in parts {
         match option.trim().split_once('=') {
-            Some(("replay", value)) => {
+            Some(("replay", value)) if replay.is_none() => {
                 let value = value.trim();
                 check_endpoint(entry, value)?;
                 replay = Some(value.to_owned());
             }
-            _ => {
-                return Err(bad(format!(
-                    "unknown option {option:?} (expected replay=...)"
-                )))
+            Some(("http", value)) if http.is_none() => {
+                http = Some(check_http_url(value).map_err(bad)?);
             }
+            _ => return Err(bad(format!(
+                "unknown or repeated option {option:?} (expected replay=tcp://... or http://...)"
+            ))),
         }
     }
-    Ok(WorkerEndpoint {
-        worker_id,
-        dp_rank,
-        endpoint,
-        replay,
+    Ok(WorkerSpec {
+        events: WorkerEndpoint {
+            worker_id,
+            dp_rank,
+            endpoint,
+            replay,
+        },
+        http,
     })
 }
 
 /// The `--workers` list; an id and rank may appear once.
-pub fn parse_workers(spec: &str) -> Result<Vec<WorkerEndpoint>, ConfigError> {
-    let mut out: Vec<WorkerEndpoint> = Vec::new();
+pub fn parse_workers(spec: &str) -> Result<Vec<WorkerSpec>, ConfigError> {
+    let mut out: Vec<WorkerSpec> = Vec::new();
     for entry in spec.split(';').filter(|e| !e.trim().is_empty()) {
         let w = parse_worker(entry)?;
-        if out
-            .iter()
-            .any(|o| (o.worker_id, o.dp_rank) == (w.worker_id, w.dp_rank))
-        {
+        if out.iter().any(|o| o.key() == w.key()) {
+            let (id, rank) = w.key();
             return Err(ConfigError::Worker {
                 entry: entry.trim().to_owned(),
-                why: format!("worker {}:{} is listed twice", w.worker_id, w.dp_rank),
+                why: format!("worker {id}:{rank} is listed twice"),
             });
         }
         out.push(w);
@@ -410,7 +577,7 @@ mod tests {
             parse_workers("1=tcp://127.0.0.1:5557; 2:3=tcp://h:1,replay=tcp://h:2;").unwrap();
         assert_eq!(workers.len(), 2);
         assert_eq!(
-            workers[1],
+            workers[1].events,
             WorkerEndpoint {
                 worker_id: 2,
                 dp_rank: 3,
@@ -418,7 +585,11 @@ mod tests {
                 replay: Some("tcp://h:2".into()),
             }
         );
-        assert_eq!(workers[0].dp_rank, 0);
+        assert_eq!(workers[1].http, None);
+        assert_eq!(workers[0].events.dp_rank, 0);
+        let w = parse_worker("4=tcp://h:1,http=http://10.0.0.4:8000/,replay=tcp://h:2").unwrap();
+        assert_eq!(w.http.as_deref(), Some("http://10.0.0.4:8000"));
+        assert_eq!(w.events.replay.as_deref(), Some("tcp://h:2"));
         assert!(parse_workers("").unwrap().is_empty());
         for bad in [
             "x=tcp://h:1",
@@ -428,6 +599,10 @@ mod tests {
             "1=tcp://h:1,other=tcp://h:2",
             "tcp://h:1",
             "1=tcp://h:1;1=tcp://h:2",
+            "1=tcp://h:1,http=https://h:2",
+            "1=tcp://h:1,http=http://",
+            "1=tcp://h:1,http=http://h:1?x=1",
+            "1=tcp://h:1,http=http://h:1,http=http://h:2",
         ] {
             let e = parse_workers(bad).unwrap_err().to_string();
             assert!(e.contains("--workers entry"), "{bad}: {e}");

@@ -13,17 +13,15 @@ use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvbm_events::router::WorkerKey;
-use kvbm_events::WorkerEndpoint;
-
-use crate::config::{parse_worker, ConfigError};
+use crate::config::{parse_worker, ConfigError, WorkerSpec};
 use crate::state::Router;
+use kvbm_events::router::WorkerKey;
 
 /// Largest workers file read, in bytes.
 pub const WORKERS_FILE_BYTES_MAX: u64 = 1 << 20;
 
 /// Parses a workers file's text.
-pub fn parse_workers_file(text: &str) -> Result<BTreeMap<WorkerKey, WorkerEndpoint>, ConfigError> {
+pub fn parse_workers_file(text: &str) -> Result<BTreeMap<WorkerKey, WorkerSpec>, ConfigError> {
     let mut out = BTreeMap::new();
     for line in text.lines() {
         let line = line.split('#').next().unwrap_or("").trim();
@@ -31,10 +29,11 @@ pub fn parse_workers_file(text: &str) -> Result<BTreeMap<WorkerKey, WorkerEndpoi
             continue;
         }
         let w = parse_worker(line)?;
-        if out.insert((w.worker_id, w.dp_rank), w.clone()).is_some() {
+        if out.insert(w.key(), w.clone()).is_some() {
+            let (id, rank) = w.key();
             return Err(ConfigError::Worker {
                 entry: line.to_owned(),
-                why: format!("worker {}:{} is listed twice", w.worker_id, w.dp_rank),
+                why: format!("worker {id}:{rank} is listed twice"),
             });
         }
     }
@@ -79,9 +78,9 @@ pub fn watch(
 fn sync(
     router: &Router,
     path: &Path,
-    known: &BTreeMap<WorkerKey, WorkerEndpoint>,
+    known: &BTreeMap<WorkerKey, WorkerSpec>,
     last_text: Option<&str>,
-) -> (BTreeMap<WorkerKey, WorkerEndpoint>, Option<String>) {
+) -> (BTreeMap<WorkerKey, WorkerSpec>, Option<String>) {
     let text = match read(path) {
         Ok(t) => t,
         Err(err) => {
@@ -137,7 +136,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(w.len(), 2);
-        assert_eq!(w[&(2, 1)].replay.as_deref(), Some("tcp://h:2"));
+        assert_eq!(w[&(2, 1)].events.replay.as_deref(), Some("tcp://h:2"));
         assert!(parse_workers_file("1=tcp://h:1\nnope\n").is_err());
         assert!(parse_workers_file("1=tcp://h:1\n1=tcp://h:2\n").is_err());
         assert!(parse_workers_file("").unwrap().is_empty());

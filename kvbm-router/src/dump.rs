@@ -6,7 +6,7 @@
 //!
 //! Lines, in order (every number is exact: JSON integers up to u64):
 //! `{"kind":"header","format":"kvbm-router-dump","version":1,"block_size":N}`, then per worker
-//! `{"kind":"worker","worker_id","dp_rank","endpoint","replay_endpoint","last_seq"}` followed by
+//! `{"kind":"worker","worker_id","dp_rank","endpoint","replay_endpoint","last_seq","http_url"}` followed by
 //! its engine hashes `{"kind":"name","engine","ours","namespace","refs"}` and holdings
 //! `{"kind":"hold","tier":"GPU"|"CPU_PINNED"|"DISK","hash","count"}`, and a final
 //! `{"kind":"end","workers":N}`. A dump without its end line is incomplete and refused.
@@ -59,6 +59,9 @@ pub struct DumpWorker {
     pub replay_endpoint: Option<String>,
     /// The last sequence number applied, if any.
     pub last_seq: Option<u64>,
+    /// Its OpenAI-compatible HTTP server (absent from dumps of older routers).
+    #[serde(default)]
+    pub http_url: Option<String>,
 }
 
 /// A whole dump.
@@ -498,6 +501,7 @@ mod tests {
                     endpoint: "tcp://127.0.0.1:5557".into(),
                     replay_endpoint: Some("tcp://127.0.0.1:5558".into()),
                     last_seq: Some(u64::MAX - 1),
+                    http_url: Some("http://127.0.0.1:8001".into()),
                 },
                 WorkerSnapshot {
                     worker: (7, 1),

@@ -6,13 +6,15 @@
 //! | `POST /route` | the same, plus `"request_id"?` | the chosen worker, its overlap and cost, the runner-ups' costs; the request counts toward that worker's load |
 //! | `POST /first_token` | `{"request_id"}` | the request's load moves from prefill to decode |
 //! | `POST /finished` | `{"request_id"}` | the request no longer counts |
-//! | `POST /register` | `{"worker_id", "dp_rank"?, "endpoint", "replay_endpoint"?}` | follows the worker |
+//! | `POST /register` | `{"worker_id", "dp_rank"?, "endpoint", "replay_endpoint"?, "http_url"?}` | follows the worker (and sends it OpenAI requests if `http_url` is given) |
 //! | `POST /unregister` | `{"worker_id", "dp_rank"?}` | forgets it |
 //! | `GET /workers` | | registered workers: endpoints, blocks per tier, load, stream health |
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /healthz` | | `{"status": "ok", "workers": N}` |
 //!
 //! Every error is a 4xx or 5xx with `{"error": "..."}`; bodies over `--max-body-bytes` get 413.
+//! The OpenAI front end's routes (`/v1/...`, `/tokenize`) are [`crate::frontend`]'s, with
+//! OpenAI-shaped errors.
 
 use std::sync::Arc;
 
@@ -23,11 +25,10 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvbm_events::WorkerEndpoint;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use crate::config::parse_worker;
+use crate::config::{parse_worker, WorkerSpec};
 use crate::state::{RegisterError, RequestTokens, RouteError, Router};
 
 /// An error answer.
@@ -116,6 +117,9 @@ pub struct RegisterBody {
     /// Its replay endpoint.
     #[serde(default)]
     pub replay_endpoint: Option<String>,
+    /// Its OpenAI-compatible HTTP server (`http://HOST:PORT`).
+    #[serde(default)]
+    pub http_url: Option<String>,
 }
 
 /// The body of `/unregister`.
@@ -207,10 +211,12 @@ async fn route(
     let Json(body) = body?;
     match router.route(&body.tokens(), body.request_id.clone()) {
         Ok(answer) => Ok(Json(answer)),
-        Err(e @ (RouteError::NoWorkers | RouteError::NoneReachable)) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            e.to_string(),
-        )),
+        Err(e @ (RouteError::NoWorkers | RouteError::NoneReachable | RouteError::NoneEligible)) => {
+            Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                e.to_string(),
+            ))
+        }
         Err(e @ RouteError::RequestIdTooLong { .. }) => {
             Err(ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))
         }
@@ -255,7 +261,11 @@ async fn register(
         spec.push_str(",replay=");
         spec.push_str(replay);
     }
-    let worker: WorkerEndpoint =
+    if let Some(url) = &body.http_url {
+        spec.push_str(",http=");
+        spec.push_str(url);
+    }
+    let worker: WorkerSpec =
         parse_worker(&spec).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.to_string()))?;
     // Connecting and reading the replay buffer block: off the async workers.
     let r = router.clone();
@@ -433,8 +443,20 @@ async fn method_not_allowed() -> ApiError {
 /// Counts every answer in `kv_router_requests_total{endpoint, code}`.
 async fn count(State(router): State<Shared>, request: Request, next: Next) -> Response {
     let endpoint = match request.uri().path() {
-        p @ ("/query" | "/route" | "/first_token" | "/finished" | "/register" | "/unregister"
-        | "/workers" | "/metrics" | "/healthz" | "/dump") => p.trim_start_matches('/').to_owned(),
+        p @ ("/query"
+        | "/route"
+        | "/first_token"
+        | "/finished"
+        | "/register"
+        | "/unregister"
+        | "/workers"
+        | "/metrics"
+        | "/healthz"
+        | "/dump"
+        | "/tokenize"
+        | "/v1/models"
+        | "/v1/completions"
+        | "/v1/chat/completions") => p.trim_start_matches('/').to_owned(),
         _ => "other".to_owned(),
     };
     let response = next.run(request).await;
@@ -446,10 +468,10 @@ async fn count(State(router): State<Shared>, request: Request, next: Next) -> Re
     response
 }
 
-/// The API over `router`.
-pub fn app(router: Arc<Router>) -> axum::Router {
+/// The API over `router`, with the OpenAI front end's routes.
+pub fn app(router: Arc<Router>, frontend: Option<Arc<crate::frontend::Frontend>>) -> axum::Router {
     let limit = router.config().max_body_bytes;
-    axum::Router::new()
+    let api = axum::Router::new()
         .route("/query", post(query))
         .route("/route", post(route))
         .route("/first_token", post(first_token))
@@ -460,9 +482,10 @@ pub fn app(router: Arc<Router>) -> axum::Router {
         .route("/dump", get(dump))
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
+        .with_state(router.clone());
+    api.merge(crate::frontend::routes(frontend))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
-        .layer(middleware::from_fn_with_state(router.clone(), count))
-        .with_state(router)
+        .layer(middleware::from_fn_with_state(router, count))
 }

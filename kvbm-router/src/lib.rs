@@ -3,6 +3,10 @@
 //! of `kvbm-events`, and answers over HTTP which worker should serve a request: the one holding
 //! most of its prefix, weighed against how busy each worker is (Dynamo's default cost).
 //!
+//! With `--model-path`, it is also an OpenAI-compatible front end ([`frontend`]): it tokenizes each
+//! request as the worker will ([`tokenize`]), routes it, and forwards it to the chosen worker's
+//! own HTTP server.
+//!
 //! Modules: [`config`] (command line, `--workers`), [`discovery`] (`--workers-file`), [`dump`] (`GET /dump`,
 //! `--bootstrap-from`), [`state`] (the router: index, load, workers,
 //! the event pump), [`http`] (the JSON API), [`listener`] (connection limits), [`metrics`]
@@ -11,6 +15,7 @@
 pub mod config;
 pub mod discovery;
 pub mod dump;
+pub mod frontend;
 pub mod http;
 pub mod listener;
 pub mod metrics;
@@ -23,10 +28,12 @@ use std::sync::Arc;
 pub use config::{parse_worker, parse_workers, Args, ConfigError, RouterConfig};
 pub use state::{QueryAnswer, RouteAnswer, Router};
 
-/// Serves the API of `router` on `listener` until `shutdown` completes, with the connection
-/// limits of its configuration (`--max-connections`, `--http-idle-timeout-secs`).
+/// Serves the API of `router` (and the OpenAI front end, if on) on `listener` until `shutdown`
+/// completes, with the connection limits of its configuration (`--max-connections`,
+/// `--http-idle-timeout-secs`).
 pub async fn serve(
     router: Arc<Router>,
+    frontend: Option<Arc<frontend::Frontend>>,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
@@ -37,9 +44,12 @@ pub async fn serve(
         config.http_idle_timeout,
         router.metrics().clone(),
     );
-    axum::serve(limited, http::app(router))
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        limited,
+        http::app(router, frontend).into_make_service_with_connect_info::<listener::ConnBusy>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
 
 /// Binds the API's listener.

@@ -1,12 +1,14 @@
 //! The HTTP listener's limits: at most `--max-connections` connections open (one more is closed
 //! at once, counted), and a connection without traffic for `--http-idle-timeout-secs` is closed
 //! (counted), so that idle or slow clients cannot exhaust file descriptors and keep `/healthz`
-//! from answering.
+//! from answering. A connection whose request is still being served (an OpenAI request waiting
+//! for its worker, a long generation) is not idle: handlers mark it busy through [`ConnBusy`].
 
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -54,6 +56,7 @@ impl axum::serve::Listener for LimitedListener {
                                 stream,
                                 idle: self.idle,
                                 deadline: Box::pin(tokio::time::sleep(self.idle)),
+                                busy: ConnBusy::default(),
                                 _permit: permit,
                                 metrics: self.metrics.clone(),
                             },
@@ -88,6 +91,42 @@ pub struct IdleIo {
     deadline: Pin<Box<Sleep>>,
     _permit: OwnedSemaphorePermit,
     metrics: RouterMetrics,
+    busy: ConnBusy,
+}
+
+/// Whether a connection has a request in service: while one [`BusyGuard`] lives, the connection
+/// is not closed for idleness. Handlers get it through `ConnectInfo<ConnBusy>`.
+#[derive(Debug, Clone, Default)]
+pub struct ConnBusy(Arc<AtomicUsize>);
+
+impl ConnBusy {
+    /// Marks the connection busy until the guard is dropped.
+    pub fn hold(&self) -> BusyGuard {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        BusyGuard(self.0.clone())
+    }
+
+    fn is_busy(&self) -> bool {
+        self.0.load(Ordering::Relaxed) > 0
+    }
+}
+
+/// Keeps a connection from being closed as idle (see [`ConnBusy`]).
+#[derive(Debug)]
+pub struct BusyGuard(Arc<AtomicUsize>);
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, LimitedListener>>
+    for ConnBusy
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, LimitedListener>) -> Self {
+        stream.io().busy.clone()
+    }
 }
 
 impl IdleIo {
@@ -97,6 +136,10 @@ impl IdleIo {
 
     /// `Pending` from the stream: an error if the deadline passed, else still pending.
     fn check_idle<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        if self.busy.is_busy() {
+            // A request is in service: wait another period, then look again.
+            self.progress();
+        }
         match self.deadline.as_mut().poll(cx) {
             Poll::Ready(()) => {
                 self.metrics.connections_timed_out.inc();

@@ -50,6 +50,10 @@ fn main() -> anyhow::Result<()> {
         })
         .await??;
         let router = Arc::new(router);
+        let frontend = kvbm_router::frontend::Frontend::load(&router)?;
+        if let Some(fe) = &frontend {
+            tracing::info!(model = ?fe, "OpenAI front end on");
+        }
         let _watcher = match &args.workers_file {
             Some(path) => Some(
                 kvbm_router::discovery::watch(
@@ -64,7 +68,7 @@ fn main() -> anyhow::Result<()> {
         // The line tests and scripts wait for.
         println!("kvbm-router listening on http://{bound}");
         tracing::info!(%bound, "serving");
-        kvbm_router::serve(router, listener, shutdown_signal())
+        kvbm_router::serve(router, frontend, listener, shutdown_signal())
             .await
             .context("serving HTTP")
     })

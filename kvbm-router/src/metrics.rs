@@ -23,10 +23,18 @@
 //!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
 //!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
 //!   water mark, and the gap is replayed; every wait is counted here).
+//! - OpenAI front end ([`FrontendMetrics`]): Dynamo's `dynamo_frontend_requests_total{model,
+//!   endpoint, request_type, status}`, `dynamo_frontend_inflight_requests`,
+//!   `dynamo_frontend_time_to_first_token_seconds`, `dynamo_frontend_request_duration_seconds`,
+//!   `dynamo_frontend_input_sequence_tokens`; kvbm's `kv_router_frontend_outcomes_total{outcome}`,
+//!   `kv_router_frontend_retries_total`, `kv_router_frontend_overlap_blocks{tier}`,
+//!   `kv_router_frontend_tokenize_seconds{kind}`, `kv_router_frontend_tokenize_fallbacks_total`,
+//!   `kv_router_frontend_routing_seconds`, and
+//!   `kv_router_worker_failures_total`.
 
 use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric the router exports.
@@ -75,6 +83,42 @@ pub struct RouterMetrics {
     pub active_requests: IntGauge,
     /// Distinct blocks indexed.
     pub distinct_blocks: IntGauge,
+    /// Workers left out of routing after a failed request.
+    pub worker_failures: IntCounter,
+    /// The OpenAI front end's metrics.
+    pub frontend: FrontendMetrics,
+}
+
+/// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
+/// dashboards already graph) for requests, in-flight, durations and time to first token, and
+/// kvbm's own (`kv_router_frontend_*`) for what Dynamo does not export.
+#[derive(Debug, Clone)]
+pub struct FrontendMetrics {
+    /// `dynamo_frontend_requests_total{model, endpoint, request_type, status}`.
+    pub requests: IntCounterVec,
+    /// `dynamo_frontend_inflight_requests{model}`.
+    pub inflight: IntGaugeVec,
+    /// `dynamo_frontend_time_to_first_token_seconds{model}`.
+    pub ttft: HistogramVec,
+    /// `dynamo_frontend_request_duration_seconds{model}`.
+    pub duration: HistogramVec,
+    /// `dynamo_frontend_input_sequence_tokens{model}`.
+    pub input_tokens: HistogramVec,
+    /// `kv_router_frontend_outcomes_total{outcome}`: success, cancelled, worker_error, no_worker,
+    /// bad_request, model_not_found, tokenize_error, worker_status.
+    pub outcomes: IntCounterVec,
+    /// `kv_router_frontend_retries_total`: requests sent again to another worker before their
+    /// first byte.
+    pub retries: IntCounter,
+    /// `kv_router_frontend_overlap_blocks{tier}`: the overlap each routed request got.
+    pub overlap_blocks: HistogramVec,
+    /// `kv_router_frontend_tokenize_seconds{kind}`: prompt or chat.
+    pub tokenize: HistogramVec,
+    /// `kv_router_frontend_routing_seconds`: hashing, scoring and choosing (tokenizing excluded).
+    pub routing: Histogram,
+    /// `kv_router_frontend_tokenize_fallbacks_total`: requests the router could not tokenize as
+    /// the worker will (a multimodal part, a per-request template), routed by load alone.
+    pub tokenize_fallbacks: IntCounter,
 }
 
 impl Default for RouterMetrics {
@@ -214,8 +258,19 @@ impl RouterMetrics {
                 "Routed requests still counted toward a worker's load",
             ),
             distinct_blocks: gauge("kv_router_distinct_blocks", "Distinct blocks indexed"),
+            worker_failures: counter(
+                "kv_router_worker_failures_total",
+                "Requests a worker failed (refused, died, timed out), each leaving it out of \
+                 routing for --worker-failure-cooldown-secs",
+            ),
+            frontend: FrontendMetrics::new(&registry),
             registry,
         }
+    }
+
+    /// The registry (for tests and embedding).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Counts `n` events of `event_type` with `status`.
@@ -240,5 +295,116 @@ impl RouterMetrics {
         TextEncoder::new()
             .encode_to_string(&self.registry.gather())
             .unwrap_or_else(|e| format!("# encoding failed: {e}\n"))
+    }
+}
+
+impl FrontendMetrics {
+    fn new(registry: &Registry) -> Self {
+        let histogram_vec = |name: &str, help: &str, labels: &[&str], buckets: Vec<f64>| {
+            register(
+                registry,
+                HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels)
+                    .expect("valid metric"),
+            )
+        };
+        let latency = || exponential_buckets(1e-3, 2.0, 18).expect("valid buckets");
+        let small = || exponential_buckets(1e-6, 2.0, 20).expect("valid buckets");
+        Self {
+            requests: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "dynamo_frontend_requests_total",
+                        "OpenAI requests, by model, endpoint, request type (stream or unary) and \
+                         status (success or error)",
+                    ),
+                    &["model", "endpoint", "request_type", "status"],
+                )
+                .expect("valid metric"),
+            ),
+            inflight: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "dynamo_frontend_inflight_requests",
+                        "OpenAI requests being served",
+                    ),
+                    &["model"],
+                )
+                .expect("valid metric"),
+            ),
+            ttft: histogram_vec(
+                "dynamo_frontend_time_to_first_token_seconds",
+                "Time from a request's arrival to the first byte of its worker's answer",
+                &["model"],
+                latency(),
+            ),
+            duration: histogram_vec(
+                "dynamo_frontend_request_duration_seconds",
+                "Time from a request's arrival to the end of its answer",
+                &["model"],
+                latency(),
+            ),
+            input_tokens: histogram_vec(
+                "dynamo_frontend_input_sequence_tokens",
+                "Prompt tokens per request",
+                &["model"],
+                exponential_buckets(16.0, 2.0, 14).expect("valid buckets"),
+            ),
+            outcomes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kv_router_frontend_outcomes_total",
+                        "OpenAI requests by outcome: success, cancelled (client went away), \
+                         worker_error (failed after its first byte), no_worker, bad_request, \
+                         model_not_found, tokenize_error, worker_status (the worker answered an \
+                         error status, passed on)",
+                    ),
+                    &["outcome"],
+                )
+                .expect("valid metric"),
+            ),
+            retries: register(
+                registry,
+                IntCounter::new(
+                    "kv_router_frontend_retries_total",
+                    "Requests sent again to another worker because theirs failed before answering",
+                )
+                .expect("valid metric"),
+            ),
+            overlap_blocks: histogram_vec(
+                "kv_router_frontend_overlap_blocks",
+                "Blocks of a routed request's prefix its worker held, by tier",
+                &["tier"],
+                exponential_buckets(1.0, 2.0, 14).expect("valid buckets"),
+            ),
+            tokenize: histogram_vec(
+                "kv_router_frontend_tokenize_seconds",
+                "Time to tokenize a request (prompt, or chat template and prompt)",
+                &["kind"],
+                small(),
+            ),
+            tokenize_fallbacks: register(
+                registry,
+                IntCounter::new(
+                    "kv_router_frontend_tokenize_fallbacks_total",
+                    "Requests the router could not tokenize as their worker will (routed by load \
+                     alone; the worker judges them)",
+                )
+                .expect("valid metric"),
+            ),
+            routing: register(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kv_router_frontend_routing_seconds",
+                        "Time to hash, score and choose a worker for a request (tokenizing excluded)",
+                    )
+                    .buckets(small()),
+                )
+                .expect("valid metric"),
+            ),
+        }
     }
 }

@@ -39,7 +39,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::config::RouterConfig;
+use crate::config::{RouterConfig, WorkerSpec};
 use crate::dump::{Dump, DumpWorker};
 use crate::metrics::RouterMetrics;
 
@@ -57,6 +57,10 @@ pub struct WorkerInfo {
     pub endpoint: String,
     /// Its replay endpoint.
     pub replay_endpoint: Option<String>,
+    /// Its OpenAI-compatible HTTP server, if requests are forwarded to it.
+    pub http_url: Option<String>,
+    /// Seconds it is still left out of routing after a failed request (0 when it is not).
+    pub cooldown_secs: f64,
     /// The last sequence number applied.
     pub last_seq: Option<u64>,
     /// Batches applied.
@@ -169,6 +173,10 @@ pub enum RouteError {
     /// Every registered worker's endpoint is down.
     #[error("no registered worker is reachable")]
     NoneReachable,
+    /// No registered worker passes the caller's filter (none serves HTTP, all failed or cooling
+    /// down).
+    #[error("no worker can take the request (none has an HTTP server, or all failed recently)")]
+    NoneEligible,
     /// The caller's request id is longer than `--max-request-id-bytes`.
     #[error("request_id of {len} bytes; at most {max} are accepted")]
     RequestIdTooLong {
@@ -201,6 +209,8 @@ struct Shared {
     predictions: Mutex<Predictions>,
     load: Mutex<LoadTrack>,
     workers: Mutex<BTreeMap<WorkerKey, WorkerInfo>>,
+    /// Workers left out of routing until the instant, after a failed request.
+    cooldown: Mutex<BTreeMap<WorkerKey, Instant>>,
     metrics: RouterMetrics,
     rng: Mutex<StdRng>,
 }
@@ -253,10 +263,7 @@ const EXPIRY_INTERVAL: Duration = Duration::from_secs(1);
 
 impl Router {
     /// Starts following `workers` (more can be registered later).
-    pub fn start(
-        config: RouterConfig,
-        workers: Vec<WorkerEndpoint>,
-    ) -> Result<Self, TransportError> {
+    pub fn start(config: RouterConfig, workers: Vec<WorkerSpec>) -> Result<Self, TransportError> {
         Self::start_from(config, workers, None)
     }
 
@@ -265,24 +272,27 @@ impl Router {
     /// keep its state, with their endpoints from `workers`.
     pub fn start_from(
         config: RouterConfig,
-        workers: Vec<WorkerEndpoint>,
+        workers: Vec<WorkerSpec>,
         dump: Option<Dump>,
     ) -> Result<Self, TransportError> {
         let mut index = KvIndex::new(config.max_blocks_per_worker, config.block_size as u32)
             .with_capacity(config.index_capacity_blocks);
-        let mut resumed: Vec<(WorkerEndpoint, Option<u64>)> = Vec::new();
+        let mut resumed: Vec<(WorkerSpec, Option<u64>)> = Vec::new();
         for (w, snapshot) in dump.map(|d| d.workers).unwrap_or_default() {
             index.restore(&snapshot);
             let key = (w.worker_id, w.dp_rank);
             let endpoint = workers
                 .iter()
-                .find(|e| (e.worker_id, e.dp_rank) == key)
+                .find(|e| e.key() == key)
                 .cloned()
-                .unwrap_or(WorkerEndpoint {
-                    worker_id: w.worker_id,
-                    dp_rank: w.dp_rank,
-                    endpoint: w.endpoint,
-                    replay: w.replay_endpoint,
+                .unwrap_or(WorkerSpec {
+                    events: WorkerEndpoint {
+                        worker_id: w.worker_id,
+                        dp_rank: w.dp_rank,
+                        endpoint: w.endpoint,
+                        replay: w.replay_endpoint,
+                    },
+                    http: w.http_url,
                 });
             resumed.push((endpoint, w.last_seq));
         }
@@ -298,6 +308,7 @@ impl Router {
                 last_expiry: Instant::now(),
             }),
             workers: Mutex::new(BTreeMap::new()),
+            cooldown: Mutex::new(BTreeMap::new()),
             metrics: RouterMetrics::new(),
             rng: Mutex::new(StdRng::from_entropy()),
             config,
@@ -334,8 +345,8 @@ impl Router {
             router.follow(w.clone(), *last_seq).map_err(transport)?;
         }
         for w in workers {
-            let key = (w.worker_id, w.dp_rank);
-            if !resumed.iter().any(|(r, _)| (r.worker_id, r.dp_rank) == key) {
+            let key = w.key();
+            if !resumed.iter().any(|(r, _)| r.key() == key) {
                 router.register(w).map_err(transport)?;
             }
         }
@@ -359,8 +370,8 @@ impl Router {
     /// Follows a worker (replacing an earlier registration of the same id and rank, whose state
     /// is dropped). Returns once its events are being received and its replay buffer, if any,
     /// was read.
-    pub fn register(&self, worker: WorkerEndpoint) -> Result<(), RegisterError> {
-        let key = (worker.worker_id, worker.dp_rank);
+    pub fn register(&self, worker: WorkerSpec) -> Result<(), RegisterError> {
+        let key = worker.key();
         self.check_room(key)?;
         self.unregister(key);
         self.subscribe(worker, None)?;
@@ -370,8 +381,8 @@ impl Router {
 
     /// Follows a worker restored from a dump: keeps its index state and subscribes from the
     /// sequence number after `last_seq` (from the start when none was applied).
-    fn follow(&self, worker: WorkerEndpoint, last_seq: Option<u64>) -> Result<(), RegisterError> {
-        let key = (worker.worker_id, worker.dp_rank);
+    fn follow(&self, worker: WorkerSpec, last_seq: Option<u64>) -> Result<(), RegisterError> {
+        let key = worker.key();
         self.check_room(key)?;
         self.subscribe(worker, last_seq)?;
         tracing::info!(worker = ?key, ?last_seq, "worker restored from a dump");
@@ -391,12 +402,12 @@ impl Router {
 
     /// Records the worker and subscribes to it, from the sequence number after `last_seq`
     /// (from the start when None); forgets it again if that fails.
-    fn subscribe(
-        &self,
-        worker: WorkerEndpoint,
-        last_seq: Option<u64>,
-    ) -> Result<(), RegisterError> {
-        let key = (worker.worker_id, worker.dp_rank);
+    fn subscribe(&self, worker: WorkerSpec, last_seq: Option<u64>) -> Result<(), RegisterError> {
+        let key = worker.key();
+        let WorkerSpec {
+            events: worker,
+            http,
+        } = worker;
         let count = |workers: &BTreeMap<WorkerKey, WorkerInfo>| {
             self.shared.metrics.workers.set(workers.len() as i64);
         };
@@ -409,6 +420,8 @@ impl Router {
                     dp_rank: worker.dp_rank,
                     endpoint: worker.endpoint.clone(),
                     replay_endpoint: worker.replay.clone(),
+                    http_url: http,
+                    cooldown_secs: 0.0,
                     last_seq,
                     batches: 0,
                     events: 0,
@@ -469,6 +482,7 @@ impl Router {
                         endpoint: info.endpoint.clone(),
                         replay_endpoint: info.replay_endpoint.clone(),
                         last_seq: info.last_seq,
+                        http_url: info.http_url.clone(),
                     },
                     snapshot,
                 )
@@ -491,6 +505,7 @@ impl Router {
         }
         self.shared.load.lock().tracker.drop_worker(key);
         self.shared.predictions.lock().forget(key);
+        self.shared.cooldown.lock().remove(&key);
         self.shared
             .metrics
             .workers
@@ -503,7 +518,16 @@ impl Router {
 
     /// The registered workers: what is known of each, its blocks per tier, its load, its link.
     pub fn workers(&self) -> Vec<(WorkerInfo, [usize; 3], WorkerLoad, Option<LinkStatus>)> {
-        let infos: Vec<WorkerInfo> = self.shared.workers.lock().values().cloned().collect();
+        let mut infos: Vec<WorkerInfo> = self.shared.workers.lock().values().cloned().collect();
+        {
+            let now = Instant::now();
+            let cooldown = self.shared.cooldown.lock();
+            for info in &mut infos {
+                if let Some(until) = cooldown.get(&(info.worker_id, info.dp_rank)) {
+                    info.cooldown_secs = until.saturating_duration_since(now).as_secs_f64();
+                }
+            }
+        }
         let links = self.subscriber().links();
         let index = self.shared.index.read();
         let load = self.shared.load.lock();
@@ -609,6 +633,51 @@ impl Router {
         request: &RequestTokens<'_>,
         request_id: Option<String>,
     ) -> Result<RouteAnswer, RouteError> {
+        self.route_among(request, request_id, |_| true)
+    }
+
+    /// The HTTP server of a registered worker, if it named one.
+    pub fn http_url(&self, key: WorkerKey) -> Option<String> {
+        self.shared.workers.lock().get(&key)?.http_url.clone()
+    }
+
+    /// The registered workers that named an HTTP server, with it.
+    pub fn http_urls(&self) -> BTreeMap<WorkerKey, String> {
+        self.shared
+            .workers
+            .lock()
+            .iter()
+            .filter_map(|(k, w)| Some((*k, w.http_url.clone()?)))
+            .collect()
+    }
+
+    /// Leaves a worker out of routing for `for_how_long` (a request to it failed).
+    pub fn cool_down(&self, key: WorkerKey, for_how_long: Duration) {
+        if self.shared.workers.lock().contains_key(&key) {
+            self.shared
+                .cooldown
+                .lock()
+                .insert(key, Instant::now() + for_how_long);
+            self.shared.metrics.worker_failures.inc();
+            tracing::warn!(worker = ?key, secs = for_how_long.as_secs_f64(), "worker failed a request; left out of routing for a while");
+        }
+    }
+
+    /// Workers cooling down after a failure.
+    fn cooling(&self, now: Instant) -> Vec<WorkerKey> {
+        let mut cooldown = self.shared.cooldown.lock();
+        cooldown.retain(|_, until| *until > now);
+        cooldown.keys().copied().collect()
+    }
+
+    /// As [`Self::route`], among the workers `eligible` accepts that are not cooling down after a
+    /// failure.
+    pub fn route_among(
+        &self,
+        request: &RequestTokens<'_>,
+        request_id: Option<String>,
+        eligible: impl Fn(WorkerKey) -> bool,
+    ) -> Result<RouteAnswer, RouteError> {
         if let Some(id) = &request_id {
             let max = self.shared.config.max_request_id_bytes;
             if id.len() > max {
@@ -624,6 +693,11 @@ impl Router {
         overlaps.retain(|(k, _)| !down.contains(k));
         if overlaps.is_empty() {
             return Err(RouteError::NoneReachable);
+        }
+        let cooling = self.cooling(Instant::now());
+        overlaps.retain(|(k, _)| eligible(*k) && !cooling.contains(k));
+        if overlaps.is_empty() {
+            return Err(RouteError::NoneEligible);
         }
         let config = &self.shared.config;
         let input_tokens = request.token_ids.len();

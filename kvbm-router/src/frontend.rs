@@ -1,0 +1,887 @@
+//! The OpenAI-compatible front end: what a user puts in front of `vllm serve` workers.
+//!
+//! | method and path | what it does |
+//! | --- | --- |
+//! | `GET /v1/models` | the served model (`--model-name`), in vLLM's `ModelList` shape |
+//! | `POST /v1/completions` | tokenized, routed by KV overlap and load, forwarded to the chosen worker |
+//! | `POST /v1/chat/completions` | the same, tokenized through the model's chat template |
+//! | `POST /tokenize` | vLLM's `/tokenize`: `{"prompt"}` or `{"messages"}` in, `{"count", "max_model_len", "tokens"}` out |
+//!
+//! A request's body goes to its worker unchanged (with its `Authorization`); the answer comes back
+//! unchanged, chunk by chunk as the worker sends it (SSE for `"stream": true`), with an
+//! `x-kvbm-worker: ID:RANK` header naming the worker. The router tokenizes the prompt as the worker
+//! will ([`crate::tokenize`]), so its block hashes are the ones the worker's KV events announce.
+//!
+//! Load: a forwarded request counts as prefill on its worker until the first chunk of the answer,
+//! as decode until the last, and not at all once the answer ends or the client goes away. A client
+//! that goes away drops the connection to the worker, which is how vLLM learns to abort it.
+//!
+//! Failures: a worker that refuses the connection, resets it, times out or answers 502, 503 or
+//! 504 before its first byte is left out of routing for `--worker-failure-cooldown-secs` and the
+//! request goes to the next best worker, up to `--max-retries` times. After the first byte, a
+//! streamed answer ends with an SSE error event (`data: {"error": ...}` then `data: [DONE]`); a
+//! whole answer is cut short. Errors the router answers itself have vLLM's shape,
+//! `{"error": {"message", "type", "param", "code"}}`: 404 for a `model` it does not serve, 400 for
+//! a body that is not a JSON object, 413 above `--max-body-bytes`, 503 when no worker can take the
+//! request. A request whose prompt the router cannot tokenize exactly (a multimodal part, a
+//! per-request chat template) is still served: it is routed by load alone, and counted.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::connect_info::ConnectInfo;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use futures_util::{Stream, StreamExt};
+use serde_json::{json, Value};
+
+use crate::config::FrontendConfig;
+use crate::listener::{BusyGuard, ConnBusy};
+use crate::state::{RequestTokens, RouteAnswer, RouteError, Router};
+use crate::tokenize::{ChatRequest, ModelTokenizer, TokenizeError};
+
+type WorkerKey = (u64, u32);
+
+/// The response header naming the worker that served a request.
+pub const WORKER_HEADER: &str = "x-kvbm-worker";
+
+/// Request headers passed on to the worker (besides the JSON content type).
+const FORWARDED_REQUEST_HEADERS: [HeaderName; 3] = [
+    header::AUTHORIZATION,
+    header::ACCEPT,
+    HeaderName::from_static("x-request-id"),
+];
+
+/// Response headers passed back to the client.
+const FORWARDED_RESPONSE_HEADERS: [HeaderName; 3] = [
+    header::CONTENT_TYPE,
+    header::CACHE_CONTROL,
+    HeaderName::from_static("x-request-id"),
+];
+
+/// An error answered by the front end itself, in vLLM's shape.
+#[derive(Debug)]
+pub struct OpenAiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl OpenAiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+        }
+    }
+
+    fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// vLLM's error type names (`create_error_response`).
+    fn kind(status: StatusCode) -> &'static str {
+        match status {
+            StatusCode::BAD_REQUEST => "BadRequestError",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::PAYLOAD_TOO_LARGE => "PayloadTooLargeError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => "BadGatewayError",
+            _ => "InternalServerError",
+        }
+    }
+
+    fn body(status: StatusCode, message: &str) -> Value {
+        json!({ "error": {
+            "message": message,
+            "type": Self::kind(status),
+            "param": null,
+            "code": status.as_u16(),
+        }})
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(Self::body(self.status, &self.message))).into_response()
+    }
+}
+
+impl From<TokenizeError> for OpenAiError {
+    fn from(e: TokenizeError) -> Self {
+        match e {
+            TokenizeError::Encode(_) | TokenizeError::Load(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+            }
+            _ => Self::bad_request(e.to_string()),
+        }
+    }
+}
+
+/// Which OpenAI endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl Endpoint {
+    fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::ChatCompletions => "/v1/chat/completions",
+        }
+    }
+
+    /// The `endpoint` label of Dynamo's frontend metrics.
+    fn label(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "completions",
+            Endpoint::ChatCompletions => "chat_completions",
+        }
+    }
+
+    fn kind(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "prompt",
+            Endpoint::ChatCompletions => "chat",
+        }
+    }
+}
+
+/// The front end: the model's tokenizer, the router, and a client to the workers.
+pub struct Frontend {
+    router: Arc<Router>,
+    tokenizer: Arc<ModelTokenizer>,
+    model: String,
+    created: u64,
+    client: reqwest::Client,
+    config: FrontendConfig,
+}
+
+impl std::fmt::Debug for Frontend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Frontend")
+            .field("model", &self.model)
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Frontend {
+    /// The front end of `router` as its configuration asks (`--model-path`): None when it is off.
+    pub fn load(router: &Arc<Router>) -> anyhow::Result<Option<Arc<Self>>> {
+        let config = router.config().frontend.clone();
+        let Some(path) = &config.model_path else {
+            return Ok(None);
+        };
+        let tokenizer = ModelTokenizer::from_dir(path)
+            .map_err(|e| anyhow::anyhow!("--model-path {}: {e}", path.display()))?;
+        Ok(Some(Arc::new(Self::new(
+            router.clone(),
+            Arc::new(tokenizer),
+            config,
+        )?)))
+    }
+
+    /// A front end over `router` serving `tokenizer`'s model.
+    pub fn new(
+        router: Arc<Router>,
+        tokenizer: Arc<ModelTokenizer>,
+        config: FrontendConfig,
+    ) -> anyhow::Result<Self> {
+        let model = config
+            .model_name
+            .clone()
+            .or_else(|| {
+                config
+                    .model_path
+                    .as_ref()
+                    .map(|p| p.to_string_lossy().into_owned())
+            })
+            .unwrap_or_else(|| "model".to_owned());
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .tcp_nodelay(true)
+            // Workers are addressed directly: no proxy from the environment, no redirects.
+            .no_proxy()
+            .redirect(reqwest::redirect::Policy::none())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build()
+            .map_err(|e| anyhow::anyhow!("building the HTTP client to the workers: {e}"))?;
+        Ok(Self {
+            router,
+            tokenizer,
+            model,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            client,
+            config,
+        })
+    }
+
+    /// Checks the request's `model` (absent or null means the served one, as in vLLM).
+    fn check_model(&self, body: &serde_json::Map<String, Value>) -> Result<(), OpenAiError> {
+        match body.get("model") {
+            None | Some(Value::Null) => Ok(()),
+            Some(Value::String(m)) if *m == self.model => Ok(()),
+            Some(Value::String(m)) => Err(OpenAiError::new(
+                StatusCode::NOT_FOUND,
+                format!("The model `{m}` does not exist."),
+            )),
+            Some(_) => Err(OpenAiError::bad_request("'model' must be a string")),
+        }
+    }
+}
+
+/// The routes of the front end; when it is off, `/v1/...` and `/tokenize` say how to turn it on.
+pub fn routes(frontend: Option<Arc<Frontend>>) -> axum::Router {
+    match frontend {
+        Some(fe) => axum::Router::new()
+            .route("/v1/models", get(models))
+            .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/tokenize", post(tokenize))
+            .with_state(fe),
+        None => {
+            let off = || async {
+                OpenAiError::new(
+                    StatusCode::NOT_FOUND,
+                    "the OpenAI front end is off: start kvbm-router with --model-path DIR (the \
+                     model's tokenizer files)",
+                )
+            };
+            axum::Router::new()
+                .route("/v1/{*rest}", axum::routing::any(off))
+                .route("/tokenize", axum::routing::any(off))
+        }
+    }
+}
+
+type Fe = Arc<Frontend>;
+
+async fn models(State(fe): State<Fe>) -> Json<Value> {
+    let root = fe
+        .config
+        .model_path
+        .as_ref()
+        .map(|p| p.to_string_lossy().into_owned());
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": fe.model,
+            "object": "model",
+            "created": fe.created,
+            "owned_by": "kvbm",
+            "root": root,
+            "parent": null,
+            "max_model_len": null,
+            "permission": [],
+        }],
+    }))
+}
+
+/// Reads a request's body as a JSON object, within the body limit.
+async fn json_body(
+    fe: &Frontend,
+    request: Request,
+) -> Result<
+    (
+        HeaderMap,
+        Option<ConnBusy>,
+        Bytes,
+        serde_json::Map<String, Value>,
+    ),
+    OpenAiError,
+> {
+    let (parts, body) = request.into_parts();
+    let busy = parts
+        .extensions
+        .get::<ConnectInfo<ConnBusy>>()
+        .map(|c| c.0.clone());
+    let limit = fe.router.config().max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        OpenAiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is larger than {limit} bytes (--max-body-bytes)"),
+        )
+    })?;
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| OpenAiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(map) = value else {
+        return Err(OpenAiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    };
+    Ok((parts.headers, busy, bytes, map))
+}
+
+async fn tokenize(State(fe): State<Fe>, request: Request) -> Result<Json<Value>, OpenAiError> {
+    let (_, _, _, body) = json_body(&fe, request).await?;
+    fe.check_model(&body)?;
+    let tokenizer = fe.tokenizer.clone();
+    let body = Value::Object(body);
+    let tokens = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, TokenizeError> {
+        if body.get("messages").is_some() {
+            tokenizer.encode_chat(&ChatRequest::from_body(&body)?)
+        } else {
+            let Some(Value::String(prompt)) = body.get("prompt") else {
+                return Err(TokenizeError::BadRequest(
+                    "/tokenize takes 'prompt' (a string) or 'messages'".to_owned(),
+                ));
+            };
+            let add = match body.get("add_special_tokens") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(TokenizeError::BadRequest(
+                        "'add_special_tokens' must be a boolean".to_owned(),
+                    ))
+                }
+            };
+            tokenizer.encode_prompt(prompt, add)
+        }
+    })
+    .await
+    .map_err(|e| OpenAiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    // max_model_len is the worker's setting, which the router does not know: 0.
+    Ok(Json(
+        json!({ "count": tokens.len(), "max_model_len": 0, "tokens": tokens }),
+    ))
+}
+
+async fn completions(State(fe): State<Fe>, request: Request) -> Response {
+    serve_openai(fe, Endpoint::Completions, request).await
+}
+
+async fn chat_completions(State(fe): State<Fe>, request: Request) -> Response {
+    serve_openai(fe, Endpoint::ChatCompletions, request).await
+}
+
+/// The prompt of a completions request as the worker will see it: a string to encode, or ids.
+enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+fn ids(values: &[Value]) -> Option<Vec<u32>> {
+    values
+        .iter()
+        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+/// `prompt` as vLLM reads it: a string, a list of ids, or a batch of either (routed by its first
+/// prompt, which the worker runs first).
+fn completion_prompt(body: &serde_json::Map<String, Value>) -> Result<Prompt, TokenizeError> {
+    let bad = |why: &str| TokenizeError::BadRequest(why.to_owned());
+    match body.get("prompt") {
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::Array(items)) => match items.first() {
+            None => Err(bad("'prompt' is an empty list")),
+            Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+            Some(Value::Array(first)) => ids(first)
+                .map(Prompt::Ids)
+                .ok_or_else(|| bad("'prompt' token ids must be integers below 2^32")),
+            Some(_) => ids(items)
+                .map(Prompt::Ids)
+                .ok_or_else(|| bad("'prompt' token ids must be integers below 2^32")),
+        },
+        _ => Err(bad(
+            "'prompt' must be a string, a list of token ids, or a list of either",
+        )),
+    }
+}
+
+/// The token ids the worker will compute for `body`.
+fn request_tokens(
+    tokenizer: &ModelTokenizer,
+    endpoint: Endpoint,
+    body: &Value,
+) -> Result<Vec<u32>, TokenizeError> {
+    match endpoint {
+        Endpoint::Completions => {
+            let obj = body.as_object().expect("checked: an object");
+            match completion_prompt(obj)? {
+                Prompt::Ids(ids) => Ok(ids),
+                Prompt::Text(text) => {
+                    let add = obj
+                        .get("add_special_tokens")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(true);
+                    tokenizer.encode_prompt(&text, add)
+                }
+            }
+        }
+        Endpoint::ChatCompletions => tokenizer.encode_chat(&ChatRequest::from_body(body)?),
+    }
+}
+
+/// Why a forwarding attempt failed before the answer's first byte (then the next worker is tried).
+fn attempt_error(e: &reqwest::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// Counts an in-flight request in `dynamo_frontend_inflight_requests` while it lives.
+struct Inflight(prometheus::IntGauge);
+
+impl Inflight {
+    fn new(gauge: prometheus::IntGauge) -> Self {
+        gauge.inc();
+        Self(gauge)
+    }
+}
+
+impl Drop for Inflight {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// What is known of a request from its arrival: ends it in the metrics exactly once.
+struct Ledger {
+    fe: Fe,
+    endpoint: Endpoint,
+    stream: bool,
+    arrived: Instant,
+    _inflight: Inflight,
+    _busy: Option<BusyGuard>,
+}
+
+impl Ledger {
+    fn end(&self, outcome: &'static str) {
+        let m = &self.fe.router.metrics().frontend;
+        let status = if outcome == "success" {
+            "success"
+        } else {
+            "error"
+        };
+        let request_type = if self.stream { "stream" } else { "unary" };
+        m.requests
+            .with_label_values(&[
+                self.fe.model.as_str(),
+                self.endpoint.label(),
+                request_type,
+                status,
+            ])
+            .inc();
+        m.outcomes.with_label_values(&[outcome]).inc();
+        m.duration
+            .with_label_values(&[self.fe.model.as_str()])
+            .observe(self.arrived.elapsed().as_secs_f64());
+    }
+
+    fn fail(self, outcome: &'static str, error: OpenAiError) -> Response {
+        self.end(outcome);
+        error.into_response()
+    }
+}
+
+async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response {
+    let arrived = Instant::now();
+    let inflight = Inflight::new(
+        fe.router
+            .metrics()
+            .frontend
+            .inflight
+            .with_label_values(&[fe.model.as_str()]),
+    );
+    let read = json_body(&fe, request).await;
+    let stream_flag = |b: &serde_json::Map<String, Value>| {
+        b.get("stream").and_then(Value::as_bool).unwrap_or(false)
+    };
+    let (headers, busy, raw, body) = match read {
+        Ok(r) => r,
+        Err(e) => {
+            let ledger = Ledger {
+                fe: fe.clone(),
+                endpoint,
+                stream: false,
+                arrived,
+                _inflight: inflight,
+                _busy: None,
+            };
+            return ledger.fail("bad_request", e);
+        }
+    };
+    let ledger = Ledger {
+        fe: fe.clone(),
+        endpoint,
+        stream: stream_flag(&body),
+        arrived,
+        _inflight: inflight,
+        _busy: busy.as_ref().map(ConnBusy::hold),
+    };
+    if let Err(e) = fe.check_model(&body) {
+        let outcome = if e.status == StatusCode::NOT_FOUND {
+            "model_not_found"
+        } else {
+            "bad_request"
+        };
+        return ledger.fail(outcome, e);
+    }
+    let cache_salt = body
+        .get("cache_salt")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
+
+    // Tokenize as the worker will, off the async workers (an 8K-token prompt takes milliseconds).
+    let tokenizer = fe.tokenizer.clone();
+    let body_value = Value::Object(body);
+    let started = Instant::now();
+    let tokens =
+        tokio::task::spawn_blocking(move || request_tokens(&tokenizer, endpoint, &body_value))
+            .await;
+    let m = &fe.router.metrics().frontend;
+    m.tokenize
+        .with_label_values(&[endpoint.kind()])
+        .observe(started.elapsed().as_secs_f64());
+    let token_ids = match tokens {
+        Ok(Ok(ids)) => ids,
+        Ok(Err(e)) => {
+            // The worker is the judge of its own input: route by load alone and let it answer.
+            m.tokenize_fallbacks.inc();
+            tracing::debug!(error = %e, "prompt not tokenized; routing by load alone");
+            Vec::new()
+        }
+        Err(e) => {
+            return ledger.fail(
+                "tokenize_error",
+                OpenAiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+            )
+        }
+    };
+    m.input_tokens
+        .with_label_values(&[fe.model.as_str()])
+        .observe(token_ids.len() as f64);
+    let tokens = RequestTokens {
+        token_ids: &token_ids,
+        lora_name: None,
+        cache_salt: cache_salt.as_deref(),
+    };
+    forward(fe.clone(), ledger, endpoint, &headers, raw, &tokens).await
+}
+
+/// Routes the request and sends it to the chosen worker, trying the next best on failure.
+async fn forward(
+    fe: Fe,
+    ledger: Ledger,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    raw: Bytes,
+    tokens: &RequestTokens<'_>,
+) -> Response {
+    let m = &fe.router.metrics().frontend;
+    let mut tried: Vec<WorkerKey> = Vec::new();
+    let mut last_failure: Option<String> = None;
+    for attempt in 0..=fe.config.max_retries {
+        let urls: BTreeMap<WorkerKey, String> = fe.router.http_urls();
+        let started = Instant::now();
+        let routed = fe.router.route_among(tokens, None, |k| {
+            urls.contains_key(&k) && !tried.contains(&k)
+        });
+        m.routing.observe(started.elapsed().as_secs_f64());
+        let answer = match routed {
+            Ok(a) => a,
+            Err(e) => {
+                let why = match (&last_failure, e) {
+                    (Some(f), _) => format!("no worker could take the request (last failure: {f})"),
+                    (None, e @ (RouteError::NoWorkers | RouteError::NoneReachable)) => {
+                        e.to_string()
+                    }
+                    (None, e) => e.to_string(),
+                };
+                return ledger.fail(
+                    "no_worker",
+                    OpenAiError::new(StatusCode::SERVICE_UNAVAILABLE, why),
+                );
+            }
+        };
+        let key = (answer.worker_id, answer.dp_rank);
+        log_decision(&answer, attempt);
+        let url = format!("{}{}", urls[&key], endpoint.path());
+        let mut request = fe
+            .client
+            .post(&url)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(raw.clone());
+        for name in &FORWARDED_REQUEST_HEADERS {
+            for value in headers.get_all(name) {
+                request = request.header(name, value);
+            }
+        }
+        let sent = tokio::time::timeout(fe.config.response_timeout, request.send()).await;
+        let failure = match sent {
+            Ok(Ok(response)) => {
+                let status = response.status();
+                if matches!(status.as_u16(), 502..=504) {
+                    format!("{url} answered {status}")
+                } else {
+                    observe_overlap(&fe, &answer);
+                    return relay(fe.clone(), ledger, answer, response);
+                }
+            }
+            Ok(Err(e)) => format!("{url}: {}", attempt_error(&e)),
+            Err(_) => format!(
+                "{url} sent no answer within {:?} (--worker-response-timeout-secs)",
+                fe.config.response_timeout
+            ),
+        };
+        tracing::warn!(worker = ?key, attempt, failure = %failure, "worker failed a request before answering; trying the next best");
+        fe.router.finished(&answer.request_id);
+        fe.router.cool_down(key, fe.config.failure_cooldown);
+        tried.push(key);
+        last_failure = Some(failure);
+        if attempt < fe.config.max_retries {
+            m.retries.inc();
+        }
+    }
+    let why = last_failure.unwrap_or_default();
+    ledger.fail(
+        "no_worker",
+        OpenAiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "no worker could take the request after {} attempts (last failure: {why})",
+                fe.config.max_retries + 1
+            ),
+        ),
+    )
+}
+
+/// The `DYN_LOG=debug` line of a routing decision.
+fn log_decision(answer: &RouteAnswer, attempt: usize) {
+    let best_other = answer
+        .runner_ups
+        .first()
+        .map(|c| format!("{}:{} at {:.3}", c.worker_id, c.dp_rank, c.cost));
+    tracing::debug!(
+        request_id = %answer.request_id,
+        worker = %format_args!("{}:{}", answer.worker_id, answer.dp_rank),
+        overlap_gpu_blocks = answer.overlap.gpu_blocks,
+        overlap_host_blocks = answer.overlap.host_blocks,
+        overlap_disk_blocks = answer.overlap.disk_blocks,
+        request_blocks = answer.request_blocks,
+        cost = answer.cost,
+        runner_up = best_other.as_deref().unwrap_or("none"),
+        attempt,
+        "routing decision"
+    );
+}
+
+fn observe_overlap(fe: &Frontend, answer: &RouteAnswer) {
+    let h = &fe.router.metrics().frontend.overlap_blocks;
+    for (tier, n) in [
+        ("gpu", answer.overlap.gpu_blocks),
+        ("host", answer.overlap.host_blocks),
+        ("disk", answer.overlap.disk_blocks),
+    ] {
+        h.with_label_values(&[tier]).observe(n as f64);
+    }
+}
+
+/// A request being answered: releases its load and ends it in the metrics exactly once, when the
+/// answer ends, fails, or is dropped because the client went away.
+struct Answering {
+    ledger: Ledger,
+    request_id: String,
+    worker: WorkerKey,
+    first_seen: bool,
+    outcome: Option<&'static str>,
+}
+
+impl Answering {
+    fn first_chunk(&mut self) {
+        if !self.first_seen {
+            self.first_seen = true;
+            let fe = &self.ledger.fe;
+            fe.router.first_token(&self.request_id);
+            fe.router
+                .metrics()
+                .frontend
+                .ttft
+                .with_label_values(&[fe.model.as_str()])
+                .observe(self.ledger.arrived.elapsed().as_secs_f64());
+        }
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        let fe = &self.ledger.fe;
+        fe.router.finished(&self.request_id);
+        let outcome = self.outcome.unwrap_or("cancelled");
+        if outcome == "cancelled" {
+            tracing::debug!(request_id = %self.request_id, worker = ?self.worker, "client went away; the worker's request is dropped");
+        }
+        self.ledger.end(outcome);
+    }
+}
+
+struct RelayState {
+    upstream: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    answering: Answering,
+    idle: Duration,
+    sse: bool,
+    /// Whether the bytes so far end between two SSE events.
+    at_event_boundary: bool,
+    done: bool,
+}
+
+/// The client's response: the worker's status and body, passed on chunk by chunk.
+fn relay(fe: Fe, ledger: Ledger, answer: RouteAnswer, response: reqwest::Response) -> Response {
+    let status = response.status();
+    let worker = (answer.worker_id, answer.dp_rank);
+    let mut out = Response::builder().status(status.as_u16());
+    for name in &FORWARDED_RESPONSE_HEADERS {
+        for value in response.headers().get_all(name) {
+            out = out.header(name, value);
+        }
+    }
+    let sse = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    if let Ok(v) = HeaderValue::from_str(&format!("{}:{}", worker.0, worker.1)) {
+        out = out.header(WORKER_HEADER, v);
+    }
+    let state = RelayState {
+        upstream: Box::pin(response.bytes_stream()),
+        answering: Answering {
+            ledger,
+            request_id: answer.request_id,
+            worker,
+            first_seen: false,
+            // A worker's own error answer is passed on, not retried.
+            outcome: None,
+        },
+        idle: fe.config.idle_timeout,
+        sse,
+        at_event_boundary: true,
+        done: false,
+    };
+    let worker_status_ok = status.is_success();
+    let stream = futures_util::stream::unfold(state, move |mut st| async move {
+        if st.done {
+            return None;
+        }
+        match tokio::time::timeout(st.idle, st.upstream.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                st.answering.first_chunk();
+                if !chunk.is_empty() {
+                    st.at_event_boundary = chunk.ends_with(b"\n\n");
+                }
+                Some((Ok::<Bytes, io::Error>(chunk), st))
+            }
+            Ok(None) => {
+                st.answering.outcome = Some(if worker_status_ok {
+                    "success"
+                } else {
+                    "worker_status"
+                });
+                // Ends the request (load, metrics) now, not when hyper drops the stream.
+                drop(st);
+                None
+            }
+            Ok(Some(Err(e))) => Some(mid_answer_failure(st, attempt_error(&e))),
+            Err(_) => {
+                let why = format!(
+                    "the worker sent nothing for {:?} (--worker-idle-timeout-secs)",
+                    st.idle
+                );
+                Some(mid_answer_failure(st, why))
+            }
+        }
+    });
+    out.body(Body::from_stream(stream)).unwrap_or_else(|e| {
+        OpenAiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
+    })
+}
+
+/// The worker failed after the answer's first byte: the worker is marked, and a streamed answer
+/// ends with an SSE error event (a whole answer is cut short: its JSON cannot be mended).
+fn mid_answer_failure(mut st: RelayState, why: String) -> (Result<Bytes, io::Error>, RelayState) {
+    let fe = st.answering.ledger.fe.clone();
+    let worker = st.answering.worker;
+    tracing::warn!(worker = ?worker, error = %why, "worker failed in the middle of an answer");
+    fe.router.cool_down(worker, fe.config.failure_cooldown);
+    st.answering.outcome = Some("worker_error");
+    st.done = true;
+    if st.sse {
+        let message = format!("the worker failed in the middle of the answer: {why}");
+        let event = OpenAiError::body(StatusCode::BAD_GATEWAY, &message);
+        let mut text = String::new();
+        if !st.at_event_boundary {
+            text.push_str("\n\n");
+        }
+        text.push_str(&format!("data: {event}\n\ndata: [DONE]\n\n"));
+        (Ok(Bytes::from(text)), st)
+    } else {
+        (Err(io::Error::other(why)), st)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj(v: Value) -> serde_json::Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    #[test]
+    fn completion_prompts_are_read_as_vllm_reads_them() {
+        let text = |v: Value| match completion_prompt(&obj(v)).unwrap() {
+            Prompt::Text(t) => t,
+            Prompt::Ids(i) => panic!("ids {i:?}"),
+        };
+        let idsof = |v: Value| match completion_prompt(&obj(v)).unwrap() {
+            Prompt::Ids(i) => i,
+            Prompt::Text(t) => panic!("text {t:?}"),
+        };
+        assert_eq!(text(json!({"prompt": "hello"})), "hello");
+        assert_eq!(text(json!({"prompt": ["first", "second"]})), "first");
+        assert_eq!(idsof(json!({"prompt": [1, 2, 3]})), vec![1, 2, 3]);
+        assert_eq!(idsof(json!({"prompt": [[4, 5], [6]]})), vec![4, 5]);
+        for bad in [
+            json!({}),
+            json!({"prompt": []}),
+            json!({"prompt": 3}),
+            json!({"prompt": [1, -2]}),
+            json!({"prompt": [1, 4294967296u64]}),
+            json!({"prompt": [[1, "x"]]}),
+            json!({"prompt": [null]}),
+        ] {
+            assert!(completion_prompt(&obj(bad.clone())).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn errors_have_vllms_shape() {
+        let body = OpenAiError::body(StatusCode::NOT_FOUND, "The model `x` does not exist.");
+        assert_eq!(
+            body,
+            json!({"error": {"message": "The model `x` does not exist.", "type": "NotFoundError",
+                             "param": null, "code": 404}})
+        );
+        assert_eq!(
+            OpenAiError::body(StatusCode::SERVICE_UNAVAILABLE, "m")["error"]["type"],
+            "ServiceUnavailableError"
+        );
+    }
+}
