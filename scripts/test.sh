@@ -24,6 +24,12 @@ fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check ./kvbm-py
 (cd kvbm-py && ../.venv/bin/python -m pytest -q tests)
 
+echo "== Router front end: kvbm-router in front of scripted vLLM 0.33 workers, through the openai client; its tokenizer against transformers"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check \
+  "tokenizers>=0.22" "transformers>=5,<6" "jinja2>=3.1" "openai>=1.40" "msgspec>=0.18" "pyzmq>=25"
+cargo build --quiet -p kvbm-router
+KVBM_ROUTER_BIN="$PWD/target/debug/kvbm-router" .venv/bin/python -m pytest -q kvbm-router/tests/python
+
 echo "== scripts/gpu-check.sh without a GPU says so and exits 0"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   ./scripts/gpu-check.sh | grep -q "no NVIDIA GPU"

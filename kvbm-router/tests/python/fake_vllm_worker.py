@@ -16,8 +16,9 @@ A client that goes away (EOF on the socket, or a failed write) aborts the reques
 `with_cancellation` / StreamingResponse disconnect handling does.
 
 Test controls (not vLLM's): GET /stats; POST /evict_gpu (offload to the CPU tier, then drop from
-the GPU, as vLLM's offloading connector and block pool report it); POST /fail {"mode": "close"}
-(drop each generate request's connection unanswered, as a worker dying before its first byte),
+the GPU, as vLLM's offloading connector and block pool report it); POST /fail {"mode": M} with M
+"close" (drop each generate request's connection unanswered, as a worker dying before its first
+byte), "unavailable" (answer 503) or "midstream" (drop a streamed answer after two steps), and
 {"mode": null} to serve again. POST /reset_prefix_cache is vLLM's own (AllBlocksCleared).
 
 Run: `python fake_vllm_worker.py --worker-id 1 --http-port 0 --zmq-port 0 --model-path DIR`;
@@ -385,6 +386,9 @@ class Aborted(Exception):
     """The client went away."""
 
 
+FAIL_MODES = (None, "close", "unavailable", "midstream")
+
+
 class Worker:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -409,8 +413,11 @@ class Worker:
         self.running = 0
         self.last_prompt_token_ids: list[int] = []
         self.last_request_path = ""
-        # Test control: "close" drops each generate request's connection without a byte of
-        # answer (a worker that dies before its first byte); None serves normally.
+        # Test control (FAIL_MODES): "close" drops each generate request's connection without a
+        # byte of answer (a worker that dies before its first byte); "unavailable" answers 503
+        # as vLLM does when its engine cannot take requests; "midstream" sends the headers and
+        # the first two steps of a streamed answer, then drops the connection (a worker that
+        # dies while decoding); None serves normally.
         self.fail_mode: str | None = None
         self.refused = 0
 
@@ -668,8 +675,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200, w.evict_gpu(None if hashes is None else [int(h) for h in hashes]))
             elif self.path == "/fail":
                 mode = body.get("mode")
-                if mode not in (None, "close"):
-                    raise bad_request("mode is null or \"close\"", "mode")
+                if mode not in FAIL_MODES:
+                    raise bad_request(f"mode is one of {FAIL_MODES}", "mode")
                 with w.lock:
                     w.fail_mode = mode
                 self._send_json(200, {"mode": mode})
@@ -721,6 +728,15 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
+        with w.lock:
+            unavailable = w.fail_mode == "unavailable"
+            midstream = w.fail_mode == "midstream"
+            w.refused += unavailable
+        if unavailable:
+            # vllm/entrypoints/serve/exception_handling/error_response.py: a retryable
+            # GenerationError is a ServiceUnavailableError with status 503.
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the engine is not taking requests",
+                               "ServiceUnavailableError")
         w.check_model(body)
         for unsupported in ("n", "best_of"):
             if body.get(unsupported) not in (None, 1):
@@ -760,6 +776,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.end_headers()
                 self.wfile.flush()
             pieces = self._run_engine(prompt_ids, out_ids)
+            if midstream and stream:
+                pieces = self._die_after(pieces, 2)
             if stream:
                 emit = self._stream_chat if chat else self._stream_completion
                 emit(pieces, request_id, created, finish_reason, len(prompt_ids),
@@ -784,6 +802,15 @@ class Handler(BaseHTTPRequestHandler):
                     w.completed += 1
                 else:
                     w.aborted += 1
+
+    def _die_after(self, pieces, n: int):
+        """The first `n` steps, then the connection drops as if the process died."""
+        for k, piece in enumerate(pieces):
+            if k == n:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                raise Aborted()
+            yield piece
 
     def _run_engine(self, prompt_ids: list[int], out_ids: list[int]):
         """Yields (text delta, is last) per engine step, checking for a departed client

@@ -370,3 +370,163 @@ def test_no_live_worker_is_503(cluster):
         router.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=2)
     assert err.value.status_code == 503
     assert isinstance(err.value.body, dict) and err.value.body.get("message")
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_worker_dying_mid_stream_gives_the_client_an_error_event(cluster, reference, api):
+    """After the first byte nothing can be retried: the client gets what the worker sent, then an
+    SSE error event (the openai client raises it), and the worker is left out of routing."""
+    router, workers = cluster(2, output_tokens=40)
+    for w in workers:
+        w.fail_requests("midstream")
+    client = router.client()
+    if api == "completions":
+        raw = client.completions.with_raw_response.create(
+            model=MODEL_NAME, prompt=prose(80, 50), max_tokens=30, stream=True)
+    else:
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": prose(81, 50)}], stream=True)
+    wid = served_by(raw)
+    received = []
+    with pytest.raises(openai.APIError) as err:
+        for chunk in raw.parse():
+            received.append(chunk)
+    assert len(received) >= 1, "the chunks the worker sent before dying did not reach the client"
+    assert "failed in the middle of the answer" in str(err.value.body or err.value.message)
+    view = router.workers()[wid]
+    assert view["cooldown_secs"] > 0, "the worker that died mid-answer was not marked"
+    wait_idle(router)
+    m = metrics(router)
+    assert m[("kv_router_frontend_outcomes_total", (("outcome", "worker_error"),))] == 1
+    assert m[("kv_router_worker_failures_total", ())] == 1
+
+
+def test_worker_answering_503_is_retried_on_the_next_best(cluster, reference, fake_tokenizer):
+    router, workers = cluster(2)
+    first, second = sharing_prompts(reference, seed=90, count=2)
+    holder, other = workers
+    holder.complete(first)
+    wait_indexed(router, holder)
+    holder.fail_requests("unavailable")
+
+    wid, answer = complete(router, second, max_tokens=3)
+    assert wid == other.worker_id
+    assert answer.choices[0].text == expected_text(fake_tokenizer, wid, 3)
+    assert holder.stats()["refused"] == 1, "the router never tried the worker holding the prefix"
+    m = metrics(router)
+    assert m[("kv_router_frontend_retries_total", ())] == 1
+    assert router.workers()[holder.worker_id]["cooldown_secs"] > 0
+
+
+def test_worker_client_error_is_passed_on_not_retried(cluster):
+    """A 400 from the worker is the client's problem: passed on as the worker wrote it."""
+    router, workers = cluster(2)
+    with pytest.raises(openai.BadRequestError) as err:
+        router.client().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=2, n=2)
+    assert err.value.status_code == 400
+    assert "n=1" in err.value.body["message"]
+    m = metrics(router)
+    assert m.get(("kv_router_frontend_retries_total", ()), 0) == 0
+    assert m[("kv_router_frontend_outcomes_total", (("outcome", "worker_status"),))] == 1
+    assert all(v["cooldown_secs"] == 0 for v in router.workers().values())
+
+
+# ---------------------------------------------------------------------------------------------
+# g. Bounds, metrics, logs, registration.
+# ---------------------------------------------------------------------------------------------
+
+
+def metrics(router: Router) -> dict:
+    """The router's /metrics samples, by (name, sorted labels)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{router.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_and_decision_log(cluster, reference):
+    router, workers = cluster(2)
+    first, second = sharing_prompts(reference, seed=100, count=2)
+    wid, _ = complete(router, first)
+    wait_indexed(router, by_id(workers)[wid])
+    wait_idle(router)
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=second, max_tokens=3, stream=True)
+    list(raw.parse())
+    wait_idle(router)
+
+    m = metrics(router)
+    labels = lambda rtype: (("endpoint", "completions"), ("model", MODEL_NAME),  # noqa: E731
+                            ("request_type", rtype), ("status", "success"))
+    assert m[("dynamo_frontend_requests_total", labels("unary"))] == 1
+    assert m[("dynamo_frontend_requests_total", labels("stream"))] == 1
+    model = (("model", MODEL_NAME),)
+    assert m[("dynamo_frontend_time_to_first_token_seconds_count", model)] == 2
+    assert m[("dynamo_frontend_request_duration_seconds_count", model)] == 2
+    assert m[("dynamo_frontend_inflight_requests", model)] == 0
+    assert m[("kv_router_frontend_tokenize_seconds_count", (("kind", "prompt"),))] == 2
+    assert m[("kv_router_frontend_routing_seconds_count", ())] == 2
+    # The second request's overlap: at least the shared prefix on the GPU tier.
+    assert m[("kv_router_frontend_overlap_blocks_count", (("tier", "gpu"),))] == 2
+    assert m[("kv_router_frontend_overlap_blocks_sum", (("tier", "gpu"),))] >= SHARED_BLOCKS_MIN
+    assert m[("kv_router_frontend_outcomes_total", (("outcome", "success"),))] == 2
+
+    log = router.process.log_path.read_text()
+    decisions = [line for line in log.splitlines() if "routing decision" in line]
+    assert len(decisions) == 2, decisions
+    assert f"worker={wid}:0" in decisions[1] and "overlap_gpu_blocks=" in decisions[1]
+    gpu = int(decisions[1].split("overlap_gpu_blocks=")[1].split()[0])
+    assert gpu >= SHARED_BLOCKS_MIN
+
+
+def test_bodies_are_bounded_and_checked(cluster):
+    import json as _json
+    import urllib.error
+    import urllib.request
+
+    router, workers = cluster(2, router_flags=("--max-body-bytes", "4096"))
+    with pytest.raises(openai.APIStatusError) as err:
+        router.client().completions.create(model=MODEL_NAME, prompt="x " * 5000, max_tokens=2)
+    assert err.value.status_code == 413
+    assert err.value.body["type"] == "PayloadTooLargeError"
+    for body in (b"{not json", b"[1, 2]"):
+        req = urllib.request.Request(f"{router.url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as http_err:
+            urllib.request.urlopen(req, timeout=10)
+        assert http_err.value.code == 400
+        answer = _json.loads(http_err.value.read())
+        assert answer["error"]["code"] == 400 and answer["error"]["message"]
+    assert sum(w.stats()["requests"] for w in workers) == 0
+
+
+def test_long_request_outlives_the_idle_connection_timeout(cluster, fake_tokenizer):
+    """A request that waits on its worker longer than --http-idle-timeout-secs is not an idle
+    connection: it is answered."""
+    router, workers = cluster(2, router_flags=("--http-idle-timeout-secs", "1"),
+                              prefill_delay_s=2.5)
+    wid, answer = complete(router, "a slow prompt " + prose(110, 20), max_tokens=2)
+    assert answer.choices[0].text == expected_text(fake_tokenizer, wid, 2)
+
+
+def test_registered_worker_with_http_url_is_served(start_workers, start_router):
+    import conftest
+
+    first, second = start_workers([1, 2])
+    router = start_router([first])
+    assert router.workers()[1]["http_url"] == first.url
+    body = {"worker_id": 2, "endpoint": f"tcp://127.0.0.1:{second.zmq_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{second.replay_port}", "http_url": second.url}
+    conftest.http_json("POST", f"{router.url}/register", body)
+    conftest.sync_events(router, [second])
+    assert router.workers()[2]["http_url"] == second.url
+    first.fail_requests("close")
+    wid, _ = complete(router, "hello there " + prose(120, 10), max_tokens=2)
+    assert wid == 2
