@@ -106,6 +106,13 @@ fn sync(
             now.insert(*key, w.clone());
             continue;
         }
+        // Only its HTTP server moved: keep following its events and its index state.
+        if known.get(key).is_some_and(|k| k.events == w.events)
+            && router.set_http_url(*key, w.http.clone())
+        {
+            now.insert(*key, w.clone());
+            continue;
+        }
         match router.register(w.clone()) {
             Ok(()) => {
                 now.insert(*key, w.clone());
@@ -132,11 +139,13 @@ mod tests {
     #[test]
     fn workers_files_parse_with_comments_and_refuse_bad_lines() {
         let w = parse_workers_file(
-            "# fleet\n1=tcp://127.0.0.1:5557\n\n2:1=tcp://h:1,replay=tcp://h:2  # second\n",
+            "# fleet\n1=tcp://127.0.0.1:5557\n\n2:1=tcp://h:1,replay=tcp://h:2,http=http://h:8000  # second\n",
         )
         .unwrap();
         assert_eq!(w.len(), 2);
         assert_eq!(w[&(2, 1)].events.replay.as_deref(), Some("tcp://h:2"));
+        assert_eq!(w[&(2, 1)].http.as_deref(), Some("http://h:8000"));
+        assert_eq!(w[&(1, 0)].http, None);
         assert!(parse_workers_file("1=tcp://h:1\nnope\n").is_err());
         assert!(parse_workers_file("1=tcp://h:1\n1=tcp://h:2\n").is_err());
         assert!(parse_workers_file("").unwrap().is_empty());

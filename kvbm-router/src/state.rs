@@ -651,6 +651,18 @@ impl Router {
             .collect()
     }
 
+    /// Changes where a registered worker's HTTP server answers, keeping its index state. False
+    /// when it is not registered.
+    pub fn set_http_url(&self, key: WorkerKey, http_url: Option<String>) -> bool {
+        match self.shared.workers.lock().get_mut(&key) {
+            Some(w) => {
+                w.http_url = http_url;
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Leaves a worker out of routing for `for_how_long` (a request to it failed).
     pub fn cool_down(&self, key: WorkerKey, for_how_long: Duration) {
         if self.shared.workers.lock().contains_key(&key) {

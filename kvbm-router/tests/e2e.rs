@@ -740,6 +740,18 @@ fn workers_come_and_go_with_the_workers_file() {
     // Edited: worker 2 in, worker 1 out.
     std::fs::write(&file, format!("{}\n", w2.spec().replace(';', "\n"))).unwrap();
     wait_until("worker 2 instead of 1", || ids(&router) == vec![2]);
+    // Its HTTP server named: the same registration, now with a URL for the OpenAI front end.
+    std::fs::write(
+        &file,
+        format!(
+            "{},http=http://127.0.0.1:9/\n",
+            w2.spec().replace(';', "\n")
+        ),
+    )
+    .unwrap();
+    wait_until("worker 2's HTTP server", || {
+        router.ok("GET", "/workers", None)["workers"][0]["http_url"] == "http://127.0.0.1:9"
+    });
     // A half-edited file changes nothing and is counted.
     std::fs::write(&file, "2=tcp://127.0.0.1:1\nnot a worker\n").unwrap();
     wait_until("the bad file counted", || {
