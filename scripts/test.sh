@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every check the project has: formatting, lints (warnings are errors), the Python package's
-# tests, and all Rust tests. Needs the Rust toolchain (cargo, rustfmt, clippy) and Python 3.9+
+# tests, and all Rust tests. Needs the Rust toolchain (cargo, rustfmt, clippy) and Python 3.10+
 # with venv and pip (network access for pip's first run); uses cargo-nextest when installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
