@@ -49,3 +49,7 @@ for engine in manager split; do
       --blocks 32 --layers 4 --iterations 1 --host-gb 0.1 --disk-gb "$disk_gb" >/dev/null
   done
 done
+
+echo "== router front-end cost (kvbm-router example frontend_cost), a small run: index fed over ZMQ, tokenize and route"
+cargo run --quiet -p kvbm-router --example frontend_cost -- --workers 8 --blocks-per-worker 256 \
+  --tokens 64,512 --iterations 50 --tokenize-iterations 5 >/dev/null
