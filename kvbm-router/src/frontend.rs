@@ -452,14 +452,23 @@ impl Drop for Inflight {
     }
 }
 
-/// What is known of a request from its arrival: ends it in the metrics exactly once.
+/// What is known of a request from its arrival: ends it in the metrics exactly once, when it is
+/// dropped (with `outcome`, or as cancelled if none was set: the client went away, and hyper
+/// dropped the handler or the answer's stream).
 struct Ledger {
     fe: Fe,
     endpoint: Endpoint,
     stream: bool,
     arrived: Instant,
+    outcome: Option<&'static str>,
     _inflight: Inflight,
     _busy: Option<BusyGuard>,
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        self.end(self.outcome.unwrap_or("cancelled"));
+    }
 }
 
 impl Ledger {
@@ -485,9 +494,22 @@ impl Ledger {
             .observe(self.arrived.elapsed().as_secs_f64());
     }
 
-    fn fail(self, outcome: &'static str, error: OpenAiError) -> Response {
-        self.end(outcome);
+    fn fail(mut self, outcome: &'static str, error: OpenAiError) -> Response {
+        self.outcome = Some(outcome);
         error.into_response()
+    }
+}
+
+/// A routed request's load on its worker: released when dropped, whatever path the request takes
+/// (failed attempt, answer ended, client gone while the worker had not answered yet).
+struct Routed {
+    fe: Fe,
+    request_id: String,
+}
+
+impl Drop for Routed {
+    fn drop(&mut self) {
+        self.fe.router.finished(&self.request_id);
     }
 }
 
@@ -512,6 +534,7 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
                 endpoint,
                 stream: false,
                 arrived,
+                outcome: None,
                 _inflight: inflight,
                 _busy: None,
             };
@@ -523,6 +546,7 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         endpoint,
         stream: stream_flag(&body),
         arrived,
+        outcome: None,
         _inflight: inflight,
         _busy: busy.as_ref().map(ConnBusy::hold),
     };
@@ -612,6 +636,10 @@ async fn forward(
             }
         };
         let key = (answer.worker_id, answer.dp_rank);
+        let routed = Routed {
+            fe: fe.clone(),
+            request_id: answer.request_id.clone(),
+        };
         log_decision(&answer, attempt);
         let url = format!("{}{}", urls[&key], endpoint.path());
         let mut request = fe
@@ -632,7 +660,7 @@ async fn forward(
                     format!("{url} answered {status}")
                 } else {
                     observe_overlap(&fe, &answer);
-                    return relay(fe.clone(), ledger, answer, response);
+                    return relay(fe.clone(), ledger, routed, key, response);
                 }
             }
             Ok(Err(e)) => format!("{url}: {}", attempt_error(&e)),
@@ -642,7 +670,7 @@ async fn forward(
             ),
         };
         tracing::warn!(worker = ?key, attempt, failure = %failure, "worker failed a request before answering; trying the next best");
-        fe.router.finished(&answer.request_id);
+        drop(routed);
         fe.router.cool_down(key, fe.config.failure_cooldown);
         tried.push(key);
         last_failure = Some(failure);
@@ -698,7 +726,7 @@ fn observe_overlap(fe: &Frontend, answer: &RouteAnswer) {
 /// answer ends, fails, or is dropped because the client went away.
 struct Answering {
     ledger: Ledger,
-    request_id: String,
+    routed: Routed,
     worker: WorkerKey,
     first_seen: bool,
     outcome: Option<&'static str>,
@@ -709,7 +737,7 @@ impl Answering {
         if !self.first_seen {
             self.first_seen = true;
             let fe = &self.ledger.fe;
-            fe.router.first_token(&self.request_id);
+            fe.router.first_token(&self.routed.request_id);
             fe.router
                 .metrics()
                 .frontend
@@ -722,13 +750,11 @@ impl Answering {
 
 impl Drop for Answering {
     fn drop(&mut self) {
-        let fe = &self.ledger.fe;
-        fe.router.finished(&self.request_id);
-        let outcome = self.outcome.unwrap_or("cancelled");
-        if outcome == "cancelled" {
-            tracing::debug!(request_id = %self.request_id, worker = ?self.worker, "client went away; the worker's request is dropped");
+        // The load is released by `routed`, the metrics ended by `ledger`, both dropped next.
+        if self.outcome.is_none() {
+            tracing::debug!(request_id = %self.routed.request_id, worker = ?self.worker, "client went away; the worker's request is dropped");
         }
-        self.ledger.end(outcome);
+        self.ledger.outcome = Some(self.outcome.unwrap_or("cancelled"));
     }
 }
 
@@ -743,9 +769,14 @@ struct RelayState {
 }
 
 /// The client's response: the worker's status and body, passed on chunk by chunk.
-fn relay(fe: Fe, ledger: Ledger, answer: RouteAnswer, response: reqwest::Response) -> Response {
+fn relay(
+    fe: Fe,
+    ledger: Ledger,
+    routed: Routed,
+    worker: WorkerKey,
+    response: reqwest::Response,
+) -> Response {
     let status = response.status();
-    let worker = (answer.worker_id, answer.dp_rank);
     let mut out = Response::builder().status(status.as_u16());
     for name in &FORWARDED_RESPONSE_HEADERS {
         for value in response.headers().get_all(name) {
@@ -764,7 +795,7 @@ fn relay(fe: Fe, ledger: Ledger, answer: RouteAnswer, response: reqwest::Respons
         upstream: Box::pin(response.bytes_stream()),
         answering: Answering {
             ledger,
-            request_id: answer.request_id,
+            routed,
             worker,
             first_seen: false,
             // A worker's own error answer is passed on, not retried.

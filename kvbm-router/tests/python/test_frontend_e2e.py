@@ -294,6 +294,24 @@ def test_cancelled_stream_releases_load_and_aborts_on_the_worker(cluster, api):
     assert stats["completed"] == 0
 
 
+def test_client_gone_before_the_worker_answers_releases_load_and_aborts(cluster):
+    """A whole (not streamed) answer: the client gives up while the worker is still computing the
+    prompt. The router drops the worker's connection and the request's load at once."""
+    router, workers = cluster(2, prefill_delay_s=3.0)
+    client = router.client(timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model=MODEL_NAME, prompt=prose(52, 40), max_tokens=2)
+    # Well before the worker would have answered (3 s): nothing counts toward any worker.
+    wait_until(lambda: all(v["load"]["requests"] == 0 for v in router.workers().values()),
+               "the request's load to be released", deadline_s=1.5)
+    stats = wait_until(lambda: (s := [w.stats() for w in workers]) and
+                       sum(x["aborted"] for x in s) == 1 and s,
+                       "the worker to count the request aborted")
+    assert sum(x["completed"] for x in stats) == 0
+    m = metrics(router)
+    assert m[("kv_router_frontend_outcomes_total", (("outcome", "cancelled"),))] == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # e. Workers that fail.
 # ---------------------------------------------------------------------------------------------
