@@ -571,20 +571,21 @@ impl Router {
     /// Every registered worker's overlap with `hashes` (with its predicted blocks, if any).
     fn overlaps(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let start = Instant::now();
-        let found = self.shared.index.read().find_matches(hashes);
+        let mut found = self.shared.index.read().find_matches(hashes);
         self.shared
             .metrics
             .find_matches
             .observe(start.elapsed().as_secs_f64());
+        // By worker, for a binary search per registered worker (not a scan: 256 workers).
+        found.sort_unstable_by_key(|(w, _)| *w);
         let keys: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
         let now = Instant::now();
         let predictions = self.shared.predictions.lock();
         keys.into_iter()
             .map(|k| {
                 let o = found
-                    .iter()
-                    .find(|(w, _)| *w == k)
-                    .map_or(Overlap::default(), |(_, o)| *o);
+                    .binary_search_by_key(&k, |(w, _)| *w)
+                    .map_or(Overlap::default(), |i| found[i].1);
                 let predicted = if predictions.is_empty() {
                     0
                 } else {
