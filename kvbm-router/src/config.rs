@@ -488,7 +488,11 @@ pub fn check_http_url(url: &str) -> Result<String, String> {
         .strip_prefix("http://")
         .ok_or_else(|| format!("{url:?} is not an http:// URL (https is not supported)"))?;
     let host = rest.split('/').next().unwrap_or("");
-    if host.is_empty() || rest.contains(['?', '#', ' ']) {
+    // No query, fragment or user info, and nothing that would end a --workers option (',', ';').
+    if host.is_empty()
+        || rest.contains(['?', '#', '@', ',', ';'])
+        || rest.contains(char::is_whitespace)
+    {
         return Err(format!("{url:?} is not an http://HOST:PORT URL"));
     }
     Ok(url.trim_end_matches('/').to_owned())
@@ -534,9 +538,11 @@ pub fn parse_worker(entry: &str) -> Result<WorkerSpec, ConfigError> {
             Some(("http", value)) if http.is_none() => {
                 http = Some(check_http_url(value).map_err(bad)?);
             }
-            _ => return Err(bad(format!(
+            _ => {
+                return Err(bad(format!(
                 "unknown or repeated option {option:?} (expected replay=tcp://... or http://...)"
-            ))),
+            )))
+            }
         }
     }
     Ok(WorkerSpec {
@@ -602,6 +608,7 @@ mod tests {
             "1=tcp://h:1,http=https://h:2",
             "1=tcp://h:1,http=http://",
             "1=tcp://h:1,http=http://h:1?x=1",
+            "1=tcp://h:1,http=http://user@h:1",
             "1=tcp://h:1,http=http://h:1,http=http://h:2",
         ] {
             let e = parse_workers(bad).unwrap_err().to_string();

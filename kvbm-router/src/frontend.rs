@@ -44,7 +44,7 @@ use serde_json::{json, Value};
 
 use crate::config::FrontendConfig;
 use crate::listener::{BusyGuard, ConnBusy};
-use crate::state::{RequestTokens, RouteAnswer, RouteError, Router};
+use crate::state::{RequestTokens, RouteAnswer, Router};
 use crate::tokenize::{ChatRequest, ModelTokenizer, TokenizeError};
 
 type WorkerKey = (u64, u32);
@@ -212,7 +212,9 @@ impl Frontend {
             // Workers are addressed directly: no proxy from the environment, no redirects.
             .no_proxy()
             .redirect(reqwest::redirect::Policy::none())
-            .pool_idle_timeout(Duration::from_secs(60))
+            // Below uvicorn's keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), so that a
+            // request is never written onto a connection the worker is closing.
+            .pool_idle_timeout(Duration::from_secs(4))
             .build()
             .map_err(|e| anyhow::anyhow!("building the HTTP client to the workers: {e}"))?;
         Ok(Self {
@@ -231,10 +233,13 @@ impl Frontend {
     fn check_model(&self, body: &serde_json::Map<String, Value>) -> Result<(), OpenAiError> {
         match body.get("model") {
             None | Some(Value::Null) => Ok(()),
-            Some(Value::String(m)) if *m == self.model => Ok(()),
+            Some(Value::String(m)) if m.is_empty() || *m == self.model => Ok(()),
             Some(Value::String(m)) => Err(OpenAiError::new(
                 StatusCode::NOT_FOUND,
-                format!("The model `{m}` does not exist."),
+                format!(
+                    "The model `{m}` does not exist. Valid model names: {:?}",
+                    self.model
+                ),
             )),
             Some(_) => Err(OpenAiError::bad_request("'model' must be a string")),
         }
@@ -249,6 +254,7 @@ pub fn routes(frontend: Option<Arc<Frontend>>) -> axum::Router {
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/tokenize", post(tokenize))
+            .route("/health", get(health))
             .with_state(fe),
         None => {
             let off = || async {
@@ -266,6 +272,20 @@ pub fn routes(frontend: Option<Arc<Frontend>>) -> axum::Router {
 }
 
 type Fe = Arc<Frontend>;
+
+/// vLLM's `GET /health`: 200 while the router can route (some worker is followed), else 503, so
+/// that probes written for `vllm serve` work unchanged.
+async fn health(State(fe): State<Fe>) -> Response {
+    if fe.router.http_urls().is_empty() {
+        OpenAiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no worker with an HTTP server is registered",
+        )
+        .into_response()
+    } else {
+        StatusCode::OK.into_response()
+    }
+}
 
 async fn models(State(fe): State<Fe>) -> Json<Value> {
     let root = fe
@@ -307,11 +327,20 @@ async fn json_body(
         .get::<ConnectInfo<ConnBusy>>()
         .map(|c| c.0.clone());
     let limit = fe.router.config().max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        OpenAiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            format!("the request body is larger than {limit} bytes (--max-body-bytes)"),
-        )
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        let too_large =
+            std::iter::successors(Some(&e as &(dyn std::error::Error + 'static)), |e| {
+                e.source()
+            })
+            .any(|e| e.is::<http_body_util::LengthLimitError>());
+        if too_large {
+            OpenAiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the request body is larger than {limit} bytes (--max-body-bytes)"),
+            )
+        } else {
+            OpenAiError::bad_request(format!("reading the request body: {e}"))
+        }
     })?;
     let value: Value = serde_json::from_slice(&bytes)
         .map_err(|e| OpenAiError::bad_request(format!("the body is not valid JSON: {e}")))?;
@@ -575,7 +604,12 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         .with_label_values(&[endpoint.kind()])
         .observe(started.elapsed().as_secs_f64());
     let token_ids = match tokens {
-        Ok(Ok(ids)) => ids,
+        Ok(Ok(ids)) => {
+            m.input_tokens
+                .with_label_values(&[fe.model.as_str()])
+                .observe(ids.len() as f64);
+            ids
+        }
         Ok(Err(e)) => {
             // The worker is the judge of its own input: route by load alone and let it answer.
             m.tokenize_fallbacks.inc();
@@ -589,15 +623,92 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
             )
         }
     };
-    m.input_tokens
-        .with_label_values(&[fe.model.as_str()])
-        .observe(token_ids.len() as f64);
     let tokens = RequestTokens {
         token_ids: &token_ids,
         lora_name: None,
         cache_salt: cache_salt.as_deref(),
     };
     forward(fe.clone(), ledger, endpoint, &headers, raw, &tokens).await
+}
+
+/// What became of one attempt to hand a request to a worker.
+enum Attempt {
+    /// The worker answered (its first SSE event, or its whole status and headers otherwise).
+    Answered(Box<Upstream>),
+    /// It refused, dropped the connection, or said it cannot take requests (502/503/504), before
+    /// anything reached the client: the next best worker is tried.
+    Failed(String),
+    /// It took the request but sent nothing within `--worker-response-timeout-secs`: not retried
+    /// (a slow worker would be given the same work again), answered 504.
+    TimedOut(String),
+}
+
+/// A worker's answer as far as it was read before committing to it.
+struct Upstream {
+    status: reqwest::StatusCode,
+    headers: reqwest::header::HeaderMap,
+    body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
+    /// The first chunk of a streamed answer, read before committing (see [`send_to`]).
+    first: Option<Bytes>,
+    sse: bool,
+}
+
+/// Sends the request to `url` and waits for its answer's headers and, for a streamed answer, its
+/// first chunk: vLLM sends a stream's 200 headers before it queues and computes the prompt, so a
+/// worker that dies during prefill fails here, where the next worker can still be tried.
+async fn send_to(fe: &Frontend, request: reqwest::RequestBuilder, url: &str) -> Attempt {
+    let timeout = fe.config.response_timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let timed_out = || {
+        Attempt::TimedOut(format!(
+            "{url} sent no answer within {timeout:?} (--worker-response-timeout-secs)"
+        ))
+    };
+    let response = match tokio::time::timeout_at(deadline, request.send()).await {
+        Err(_) => return timed_out(),
+        Ok(Err(e)) => return Attempt::Failed(format!("{url}: {}", attempt_error(&e))),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status();
+    if matches!(status.as_u16(), 502..=504) {
+        return Attempt::Failed(format!("{url} answered {status}"));
+    }
+    let headers = response.headers().clone();
+    let sse = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let mut body: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>> =
+        Box::pin(response.bytes_stream());
+    let mut first = None;
+    if sse && status.is_success() {
+        loop {
+            match tokio::time::timeout_at(deadline, body.next()).await {
+                Err(_) => return timed_out(),
+                Ok(Some(Ok(chunk))) if chunk.is_empty() => continue,
+                Ok(Some(Ok(chunk))) => {
+                    first = Some(chunk);
+                    break;
+                }
+                Ok(Some(Err(e))) => {
+                    return Attempt::Failed(format!(
+                        "{url} dropped the stream before its first event: {}",
+                        attempt_error(&e)
+                    ))
+                }
+                Ok(None) => {
+                    return Attempt::Failed(format!("{url} ended the stream without an event"))
+                }
+            }
+        }
+    }
+    Attempt::Answered(Box::new(Upstream {
+        status,
+        headers,
+        body,
+        first,
+        sse,
+    }))
 }
 
 /// Routes the request and sends it to the chosen worker, trying the next best on failure.
@@ -622,12 +733,9 @@ async fn forward(
         let answer = match routed {
             Ok(a) => a,
             Err(e) => {
-                let why = match (&last_failure, e) {
-                    (Some(f), _) => format!("no worker could take the request (last failure: {f})"),
-                    (None, e @ (RouteError::NoWorkers | RouteError::NoneReachable)) => {
-                        e.to_string()
-                    }
-                    (None, e) => e.to_string(),
+                let why = match &last_failure {
+                    Some(f) => format!("no worker could take the request (last failure: {f})"),
+                    None => e.to_string(),
                 };
                 return ledger.fail(
                     "no_worker",
@@ -635,13 +743,17 @@ async fn forward(
                 );
             }
         };
+        if attempt > 0 {
+            m.retries.inc();
+        }
         let key = (answer.worker_id, answer.dp_rank);
         let routed = Routed {
             fe: fe.clone(),
             request_id: answer.request_id.clone(),
         };
         log_decision(&answer, attempt);
-        let url = format!("{}{}", urls[&key], endpoint.path());
+        let base = &urls[&key];
+        let url = format!("{base}{}", endpoint.path());
         let mut request = fe
             .client
             .post(&url)
@@ -652,31 +764,36 @@ async fn forward(
                 request = request.header(name, value);
             }
         }
-        let sent = tokio::time::timeout(fe.config.response_timeout, request.send()).await;
-        let failure = match sent {
-            Ok(Ok(response)) => {
-                let status = response.status();
-                if matches!(status.as_u16(), 502..=504) {
-                    format!("{url} answered {status}")
-                } else {
-                    observe_overlap(&fe, &answer);
-                    return relay(fe.clone(), ledger, routed, key, response);
-                }
+        if !headers.contains_key("x-request-id") {
+            // vLLM takes it as its request id with --enable-request-id-headers: the router's
+            // decision line and the worker's log then name the same request.
+            request = request.header("x-request-id", answer.request_id.as_str());
+        }
+        if urls.values().filter(|u| *u == base).count() > 1 {
+            // Several ranks behind one server (vLLM's internal data-parallel balancer): name the
+            // rank chosen (vLLM reads it in `_get_data_parallel_rank`).
+            request = request.header("x-data-parallel-rank", answer.dp_rank.to_string());
+        }
+        let failure = match send_to(&fe, request, &url).await {
+            Attempt::Answered(upstream) => {
+                observe_overlap(&fe, &answer);
+                return relay(fe.clone(), ledger, routed, key, *upstream);
             }
-            Ok(Err(e)) => format!("{url}: {}", attempt_error(&e)),
-            Err(_) => format!(
-                "{url} sent no answer within {:?} (--worker-response-timeout-secs)",
-                fe.config.response_timeout
-            ),
+            Attempt::TimedOut(why) => {
+                tracing::warn!(worker = ?key, failure = %why, "worker took the request but did not answer");
+                fe.router.cool_down(key, fe.config.failure_cooldown);
+                return ledger.fail(
+                    "worker_timeout",
+                    OpenAiError::new(StatusCode::GATEWAY_TIMEOUT, why),
+                );
+            }
+            Attempt::Failed(why) => why,
         };
         tracing::warn!(worker = ?key, attempt, failure = %failure, "worker failed a request before answering; trying the next best");
         drop(routed);
         fe.router.cool_down(key, fe.config.failure_cooldown);
         tried.push(key);
         last_failure = Some(failure);
-        if attempt < fe.config.max_retries {
-            m.retries.inc();
-        }
     }
     let why = last_failure.unwrap_or_default();
     ledger.fail(
@@ -738,12 +855,15 @@ impl Answering {
             self.first_seen = true;
             let fe = &self.ledger.fe;
             fe.router.first_token(&self.routed.request_id);
-            fe.router
-                .metrics()
-                .frontend
-                .ttft
-                .with_label_values(&[fe.model.as_str()])
-                .observe(self.ledger.arrived.elapsed().as_secs_f64());
+            // A whole answer's first chunk is all of it: no time to first token to report.
+            if self.ledger.stream {
+                fe.router
+                    .metrics()
+                    .frontend
+                    .ttft
+                    .with_label_values(&[fe.model.as_str()])
+                    .observe(self.ledger.arrived.elapsed().as_secs_f64());
+            }
         }
     }
 }
@@ -762,90 +882,150 @@ struct RelayState {
     upstream: Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>,
     answering: Answering,
     idle: Duration,
-    sse: bool,
-    /// Whether the bytes so far end between two SSE events.
-    at_event_boundary: bool,
+    framer: Framer,
     done: bool,
 }
 
-/// The client's response: the worker's status and body, passed on chunk by chunk.
+/// Passes a worker's answer on: a stream in whole SSE events only, so that an error event the
+/// router adds after them always parses.
+#[derive(Debug, Default)]
+struct Framer {
+    sse: bool,
+    /// A stream's bytes after its last complete event (`\n\n`), held back.
+    partial: Vec<u8>,
+}
+
+/// Where the last complete SSE event of `bytes` ends (after its blank line), if any.
+fn last_event_end(bytes: &[u8]) -> Option<usize> {
+    let lf = bytes.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = bytes
+        .windows(4)
+        .rposition(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    lf.max(crlf)
+}
+
+impl Framer {
+    /// What of `chunk` can go to the client now: all of it for a whole answer; up to the last
+    /// complete event for a stream.
+    fn pass(&mut self, chunk: Bytes) -> Bytes {
+        if !self.sse {
+            return chunk;
+        }
+        if self.partial.is_empty() {
+            match last_event_end(&chunk) {
+                Some(end) if end == chunk.len() => return chunk,
+                Some(end) => {
+                    self.partial.extend_from_slice(&chunk[end..]);
+                    return chunk.slice(..end);
+                }
+                None => {
+                    self.partial.extend_from_slice(&chunk);
+                    return Bytes::new();
+                }
+            }
+        }
+        self.partial.extend_from_slice(&chunk);
+        match last_event_end(&self.partial) {
+            Some(end) => {
+                let rest = self.partial.split_off(end);
+                Bytes::from(std::mem::replace(&mut self.partial, rest))
+            }
+            None => Bytes::new(),
+        }
+    }
+}
+
+/// The client's response: the worker's status and body, passed on as the worker sends it.
 fn relay(
     fe: Fe,
     ledger: Ledger,
     routed: Routed,
     worker: WorkerKey,
-    response: reqwest::Response,
+    upstream: Upstream,
 ) -> Response {
-    let status = response.status();
+    let status = upstream.status;
     let mut out = Response::builder().status(status.as_u16());
     for name in &FORWARDED_RESPONSE_HEADERS {
-        for value in response.headers().get_all(name) {
+        for value in upstream.headers.get_all(name) {
             out = out.header(name, value);
         }
     }
-    let sse = response
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"));
     if let Ok(v) = HeaderValue::from_str(&format!("{}:{}", worker.0, worker.1)) {
         out = out.header(WORKER_HEADER, v);
     }
-    let state = RelayState {
-        upstream: Box::pin(response.bytes_stream()),
+    let first = upstream.first;
+    let mut state = RelayState {
+        upstream: upstream.body,
         answering: Answering {
             ledger,
             routed,
             worker,
             first_seen: false,
-            // A worker's own error answer is passed on, not retried.
             outcome: None,
         },
         idle: fe.config.idle_timeout,
-        sse,
-        at_event_boundary: true,
+        framer: Framer {
+            sse: upstream.sse,
+            partial: Vec::new(),
+        },
         done: false,
     };
+    let first = first.map(|chunk| {
+        state.answering.first_chunk();
+        state.framer.pass(chunk)
+    });
+    // A worker's own error answer (4xx, 500) is passed on as it wrote it, not retried.
     let worker_status_ok = status.is_success();
-    let stream = futures_util::stream::unfold(state, move |mut st| async move {
-        if st.done {
-            return None;
-        }
-        match tokio::time::timeout(st.idle, st.upstream.next()).await {
-            Ok(Some(Ok(chunk))) => {
-                st.answering.first_chunk();
-                if !chunk.is_empty() {
-                    st.at_event_boundary = chunk.ends_with(b"\n\n");
+    let rest = futures_util::stream::unfold(state, move |mut st| async move {
+        loop {
+            if st.done {
+                return None;
+            }
+            match tokio::time::timeout(st.idle, st.upstream.next()).await {
+                Ok(Some(Ok(chunk))) => {
+                    st.answering.first_chunk();
+                    let out = st.framer.pass(chunk);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Some((Ok::<Bytes, io::Error>(out), st));
                 }
-                Some((Ok::<Bytes, io::Error>(chunk), st))
-            }
-            Ok(None) => {
-                st.answering.outcome = Some(if worker_status_ok {
-                    "success"
-                } else {
-                    "worker_status"
-                });
-                // Ends the request (load, metrics) now, not when hyper drops the stream.
-                drop(st);
-                None
-            }
-            Ok(Some(Err(e))) => Some(mid_answer_failure(st, attempt_error(&e))),
-            Err(_) => {
-                let why = format!(
-                    "the worker sent nothing for {:?} (--worker-idle-timeout-secs)",
-                    st.idle
-                );
-                Some(mid_answer_failure(st, why))
+                Ok(None) => {
+                    st.answering.outcome = Some(if worker_status_ok {
+                        "success"
+                    } else {
+                        "worker_status"
+                    });
+                    st.done = true;
+                    let tail = std::mem::take(&mut st.framer.partial);
+                    if tail.is_empty() {
+                        // Ends the request (load, metrics) now, not when hyper drops the stream.
+                        drop(st);
+                        return None;
+                    }
+                    return Some((Ok(Bytes::from(tail)), st));
+                }
+                Ok(Some(Err(e))) => return Some(mid_answer_failure(st, attempt_error(&e))),
+                Err(_) => {
+                    let why = format!(
+                        "the worker sent nothing for {:?} (--worker-idle-timeout-secs)",
+                        st.idle
+                    );
+                    return Some(mid_answer_failure(st, why));
+                }
             }
         }
     });
-    out.body(Body::from_stream(stream)).unwrap_or_else(|e| {
+    let body = futures_util::stream::iter(first.filter(|b| !b.is_empty()).map(Ok)).chain(rest);
+    out.body(Body::from_stream(body)).unwrap_or_else(|e| {
         OpenAiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response()
     })
 }
 
 /// The worker failed after the answer's first byte: the worker is marked, and a streamed answer
-/// ends with an SSE error event (a whole answer is cut short: its JSON cannot be mended).
+/// ends with an SSE error event after its last whole event (a whole answer is cut short: its
+/// JSON cannot be mended).
 fn mid_answer_failure(mut st: RelayState, why: String) -> (Result<Bytes, io::Error>, RelayState) {
     let fe = st.answering.ledger.fe.clone();
     let worker = st.answering.worker;
@@ -853,14 +1033,11 @@ fn mid_answer_failure(mut st: RelayState, why: String) -> (Result<Bytes, io::Err
     fe.router.cool_down(worker, fe.config.failure_cooldown);
     st.answering.outcome = Some("worker_error");
     st.done = true;
-    if st.sse {
+    st.framer.partial.clear();
+    if st.framer.sse {
         let message = format!("the worker failed in the middle of the answer: {why}");
         let event = OpenAiError::body(StatusCode::BAD_GATEWAY, &message);
-        let mut text = String::new();
-        if !st.at_event_boundary {
-            text.push_str("\n\n");
-        }
-        text.push_str(&format!("data: {event}\n\ndata: [DONE]\n\n"));
+        let text = format!("data: {event}\n\ndata: [DONE]\n\n");
         (Ok(Bytes::from(text)), st)
     } else {
         (Err(io::Error::other(why)), st)
@@ -900,6 +1077,38 @@ mod tests {
         ] {
             assert!(completion_prompt(&obj(bad.clone())).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_stream_reaches_the_client_in_whole_events() {
+        assert_eq!(last_event_end(b"data: a\n\ndata: b"), Some(9));
+        assert_eq!(last_event_end(b"data: a\r\n\r\n"), Some(11));
+        assert_eq!(last_event_end(b"data: a\n"), None);
+        let mut st = Framer {
+            sse: true,
+            partial: Vec::new(),
+        };
+        let mut out = Vec::new();
+        // Events cut anywhere by the network come out whole, in order, nothing lost or doubled.
+        for piece in [
+            &b"data: {\"a\": 1}\n\nda"[..],
+            b"ta: {\"b\"",
+            b": 2}\n",
+            b"\n",
+            b"data: [DONE]\n\n",
+        ] {
+            let passed = st.pass(Bytes::copy_from_slice(piece));
+            assert!(passed.is_empty() || passed.ends_with(b"\n\n"), "{passed:?}");
+            out.extend_from_slice(&passed);
+        }
+        assert_eq!(
+            out,
+            b"data: {\"a\": 1}\n\ndata: {\"b\": 2}\n\ndata: [DONE]\n\n"
+        );
+        assert!(st.partial.is_empty());
+        // A whole answer passes untouched.
+        st.sse = false;
+        assert_eq!(&st.pass(Bytes::from_static(b"{\"x\"")), &b"{\"x\""[..]);
     }
 
     #[test]

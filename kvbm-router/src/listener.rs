@@ -57,6 +57,8 @@ impl axum::serve::Listener for LimitedListener {
                                 idle: self.idle,
                                 deadline: Box::pin(tokio::time::sleep(self.idle)),
                                 busy: ConnBusy::default(),
+                                write_deadline: Box::pin(tokio::time::sleep(self.idle)),
+                                write_stalled: false,
                                 _permit: permit,
                                 metrics: self.metrics.clone(),
                             },
@@ -92,6 +94,11 @@ pub struct IdleIo {
     _permit: OwnedSemaphorePermit,
     metrics: RouterMetrics,
     busy: ConnBusy,
+    /// When a write that cannot proceed (the client reads nothing) fails the connection: busy or
+    /// not, a client that stops reading does not hold its slot, its worker and its load forever.
+    write_deadline: Pin<Box<Sleep>>,
+    /// Whether the last write was refused for want of room (the deadline above is running).
+    write_stalled: bool,
 }
 
 /// Whether a connection has a request in service: while one [`BusyGuard`] lives, the connection
@@ -136,7 +143,7 @@ impl IdleIo {
 
     /// `Pending` from the stream: an error if the deadline passed, else still pending.
     fn check_idle<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
-        if self.busy.is_busy() {
+        if self.busy.is_busy() && !self.write_stalled {
             // A request is in service: wait another period, then look again.
             self.progress();
         }
@@ -183,10 +190,27 @@ impl AsyncWrite for IdleIo {
     ) -> Poll<io::Result<usize>> {
         match Pin::new(&mut self.stream).poll_write(cx, buf) {
             Poll::Ready(r) => {
+                self.write_stalled = false;
                 self.progress();
                 Poll::Ready(r)
             }
-            Poll::Pending => self.check_idle(cx),
+            Poll::Pending => {
+                if !self.write_stalled {
+                    self.write_stalled = true;
+                    let at = Instant::now() + self.idle;
+                    self.write_deadline.as_mut().reset(at);
+                }
+                match self.write_deadline.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        self.metrics.connections_timed_out.inc();
+                        Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            "HTTP client read nothing for too long",
+                        )))
+                    }
+                    Poll::Pending => self.check_idle(cx),
+                }
+            }
         }
     }
 
@@ -196,5 +220,69 @@ impl AsyncWrite for IdleIo {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::serve::Listener;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    const IDLE: Duration = Duration::from_millis(200);
+
+    async fn pair() -> (IdleIo, TcpStream) {
+        let inner = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = inner.local_addr().unwrap();
+        let mut listener = LimitedListener::new(inner, 4, IDLE, RouterMetrics::new());
+        let client = TcpStream::connect(addr).await.unwrap();
+        let (io, _) = listener.accept().await;
+        (io, client)
+    }
+
+    #[tokio::test]
+    async fn an_idle_connection_is_closed_unless_a_request_is_in_service() {
+        let (mut idle, _client) = pair().await;
+        let mut buf = [0u8; 16];
+        let err = tokio::time::timeout(Duration::from_secs(5), idle.read(&mut buf))
+            .await
+            .expect("the idle timeout fired")
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+
+        let (mut busy, mut client) = pair().await;
+        let guard = busy.busy.hold();
+        // Five idle periods without traffic: still open while busy.
+        let read = tokio::time::timeout(IDLE * 5, busy.read(&mut buf)).await;
+        assert!(
+            read.is_err(),
+            "a busy connection was closed as idle: {read:?}"
+        );
+        client.write_all(b"ping").await.unwrap();
+        assert_eq!(busy.read(&mut buf).await.unwrap(), 4);
+        drop(guard);
+        let err = tokio::time::timeout(Duration::from_secs(5), busy.read(&mut buf))
+            .await
+            .expect("the idle timeout fired once the request was done")
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    #[tokio::test]
+    async fn a_client_that_reads_nothing_is_dropped_even_while_busy() {
+        let (mut io, _client) = pair().await;
+        let _guard = io.busy.hold();
+        let chunk = vec![0u8; 64 << 10];
+        // The client never reads: the socket buffers fill, then writes stall and must fail.
+        let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                if let Err(e) = io.write_all(&chunk).await {
+                    return e;
+                }
+            }
+        })
+        .await
+        .expect("a stalled write was not failed");
+        assert_eq!(outcome.kind(), io::ErrorKind::TimedOut);
     }
 }

@@ -307,7 +307,8 @@ impl FrontendMetrics {
                     .expect("valid metric"),
             )
         };
-        let latency = || exponential_buckets(1e-3, 2.0, 18).expect("valid buckets");
+        // 1 ms to about 17 minutes (the longest generations --worker-response-timeout-secs allows).
+        let latency = || exponential_buckets(1e-3, 2.0, 21).expect("valid buckets");
         let small = || exponential_buckets(1e-6, 2.0, 20).expect("valid buckets");
         Self {
             requests: register(

@@ -173,9 +173,8 @@ pub enum RouteError {
     /// Every registered worker's endpoint is down.
     #[error("no registered worker is reachable")]
     NoneReachable,
-    /// No registered worker passes the caller's filter (none serves HTTP, all failed or cooling
-    /// down).
-    #[error("no worker can take the request (none has an HTTP server, or all failed recently)")]
+    /// No registered worker passes the caller's filter (none serves HTTP, or all were tried).
+    #[error("no worker can take the request (none has an HTTP server, or all were tried)")]
     NoneEligible,
     /// The caller's request id is longer than `--max-request-id-bytes`.
     #[error("request_id of {len} bytes; at most {max} are accepted")]
@@ -683,8 +682,8 @@ impl Router {
         cooldown.keys().copied().collect()
     }
 
-    /// As [`Self::route`], among the workers `eligible` accepts that are not cooling down after a
-    /// failure.
+    /// As [`Self::route`], among the workers `eligible` accepts, passing over those cooling down
+    /// after a failure unless no other is left.
     pub fn route_among(
         &self,
         request: &RequestTokens<'_>,
@@ -707,10 +706,15 @@ impl Router {
         if overlaps.is_empty() {
             return Err(RouteError::NoneReachable);
         }
-        let cooling = self.cooling(Instant::now());
-        overlaps.retain(|(k, _)| eligible(*k) && !cooling.contains(k));
+        overlaps.retain(|(k, _)| eligible(*k));
         if overlaps.is_empty() {
             return Err(RouteError::NoneEligible);
+        }
+        // Workers cooling down after a failure are passed over while any other can take the
+        // request; when none can, they are tried rather than nothing.
+        let cooling = self.cooling(Instant::now());
+        if overlaps.iter().any(|(k, _)| !cooling.contains(k)) {
+            overlaps.retain(|(k, _)| !cooling.contains(k));
         }
         let config = &self.shared.config;
         let input_tokens = request.token_ids.len();

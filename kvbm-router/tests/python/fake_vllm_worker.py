@@ -18,7 +18,8 @@ A client that goes away (EOF on the socket, or a failed write) aborts the reques
 Test controls (not vLLM's): GET /stats; POST /evict_gpu (offload to the CPU tier, then drop from
 the GPU, as vLLM's offloading connector and block pool report it); POST /fail {"mode": M} with M
 "close" (drop each generate request's connection unanswered, as a worker dying before its first
-byte), "unavailable" (answer 503) or "midstream" (drop a streamed answer after two steps), and
+byte), "unavailable" (answer 503), "prefill" (send a stream's headers, then drop it before its first
+event) or "midstream" (drop a streamed answer after two steps), and
 {"mode": null} to serve again. POST /reset_prefix_cache is vLLM's own (AllBlocksCleared).
 
 Run: `python fake_vllm_worker.py --worker-id 1 --http-port 0 --zmq-port 0 --model-path DIR`;
@@ -386,7 +387,7 @@ class Aborted(Exception):
     """The client went away."""
 
 
-FAIL_MODES = (None, "close", "unavailable", "midstream")
+FAIL_MODES = (None, "close", "unavailable", "prefill", "midstream")
 
 
 class Worker:
@@ -417,7 +418,9 @@ class Worker:
         # byte of answer (a worker that dies before its first byte); "unavailable" answers 503
         # as vLLM does when its engine cannot take requests; "midstream" sends the headers and
         # the first two steps of a streamed answer, then drops the connection (a worker that
-        # dies while decoding); None serves normally.
+        # dies while decoding); "prefill" sends a stream's headers (vLLM's StreamingResponse does so
+        # before it queues the request) and drops the connection before the first event (a
+        # worker dying during prefill); None serves normally.
         self.fail_mode: str | None = None
         self.refused = 0
 
@@ -731,7 +734,8 @@ class Handler(BaseHTTPRequestHandler):
         with w.lock:
             unavailable = w.fail_mode == "unavailable"
             midstream = w.fail_mode == "midstream"
-            w.refused += unavailable
+            prefill_death = w.fail_mode == "prefill" and bool(body.get("stream"))
+            w.refused += unavailable or prefill_death
         if unavailable:
             # vllm/entrypoints/serve/exception_handling/error_response.py: a retryable
             # GenerationError is a ServiceUnavailableError with status 503.
@@ -775,6 +779,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("Transfer-Encoding", "chunked")
                 self.end_headers()
                 self.wfile.flush()
+                if prefill_death:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    raise Aborted()
             pieces = self._run_engine(prompt_ids, out_ids)
             if midstream and stream:
                 pieces = self._die_after(pieces, 2)

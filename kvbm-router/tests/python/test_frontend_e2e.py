@@ -436,6 +436,41 @@ def test_worker_answering_503_is_retried_on_the_next_best(cluster, reference, fa
     assert router.workers()[holder.worker_id]["cooldown_secs"] > 0
 
 
+def test_stream_whose_worker_dies_during_prefill_is_retried(cluster, reference, fake_tokenizer):
+    """vLLM sends a stream's 200 headers before it computes the prompt; a worker dying then has
+    sent the client nothing yet, so the router still retries on the next best."""
+    router, workers = cluster(2)
+    first, second = sharing_prompts(reference, seed=95, count=2)
+    holder, other = workers
+    holder.complete(first)
+    wait_indexed(router, holder)
+    holder.fail_requests("prefill")
+
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=second, max_tokens=3, stream=True)
+    assert served_by(raw) == other.worker_id
+    text = "".join(c.choices[0].text for c in raw.parse() if c.choices)
+    assert text == expected_text(fake_tokenizer, other.worker_id, 3)
+    assert holder.stats()["refused"] == 1, "the router never tried the worker holding the prefix"
+
+
+def test_cooling_worker_still_serves_when_no_other_can(cluster, fake_tokenizer):
+    """A worker that failed is passed over for a while, but not when every other fails too."""
+    router, workers = cluster(2)
+    a, b = workers
+    a.fail_requests("unavailable")
+    b.fail_requests("unavailable")
+    with pytest.raises(openai.APIStatusError) as err:
+        complete(router, "first " + prose(96, 10), max_tokens=2)
+    assert err.value.status_code == 503
+    assert all(v["cooldown_secs"] > 0 for v in router.workers().values())
+    # Both cooling; one recovers: requests are served by it rather than refused.
+    a.fail_requests(None)
+    wid, answer = complete(router, "second " + prose(97, 10), max_tokens=2)
+    assert wid == a.worker_id
+    assert answer.choices[0].text == expected_text(fake_tokenizer, wid, 2)
+
+
 def test_worker_client_error_is_passed_on_not_retried(cluster):
     """A 400 from the worker is the client's problem: passed on as the worker wrote it."""
     router, workers = cluster(2)
@@ -486,7 +521,8 @@ def test_metrics_and_decision_log(cluster, reference):
     assert m[("dynamo_frontend_requests_total", labels("unary"))] == 1
     assert m[("dynamo_frontend_requests_total", labels("stream"))] == 1
     model = (("model", MODEL_NAME),)
-    assert m[("dynamo_frontend_time_to_first_token_seconds_count", model)] == 2
+    # Time to first token is a stream's (a whole answer's first chunk is all of it).
+    assert m[("dynamo_frontend_time_to_first_token_seconds_count", model)] == 1
     assert m[("dynamo_frontend_request_duration_seconds_count", model)] == 2
     assert m[("dynamo_frontend_inflight_requests", model)] == 0
     assert m[("kv_router_frontend_tokenize_seconds_count", (("kind", "prompt"),))] == 2
