@@ -163,6 +163,9 @@ pub struct Frontend {
     created: u64,
     client: reqwest::Client,
     config: FrontendConfig,
+    /// Tokenizations running at once: twice the cores, so that a burst of long prompts queues
+    /// here instead of filling the blocking pool (its threads, their memory).
+    tokenizing: Arc<tokio::sync::Semaphore>,
 }
 
 impl std::fmt::Debug for Frontend {
@@ -226,6 +229,9 @@ impl Frontend {
                 .map_or(0, |d| d.as_secs()),
             client,
             config,
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(
+                2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
+            )),
         })
     }
 
@@ -357,6 +363,7 @@ async fn tokenize(State(fe): State<Fe>, request: Request) -> Result<Json<Value>,
     fe.check_model(&body)?;
     let tokenizer = fe.tokenizer.clone();
     let body = Value::Object(body);
+    let _permit = fe.tokenizing.acquire().await;
     let tokens = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, TokenizeError> {
         if body.get("messages").is_some() {
             tokenizer.encode_chat(&ChatRequest::from_body(&body)?)
@@ -596,9 +603,11 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     let tokenizer = fe.tokenizer.clone();
     let body_value = Value::Object(body);
     let started = Instant::now();
+    let permit = fe.tokenizing.acquire().await;
     let tokens =
         tokio::task::spawn_blocking(move || request_tokens(&tokenizer, endpoint, &body_value))
             .await;
+    drop(permit);
     let m = &fe.router.metrics().frontend;
     m.tokenize
         .with_label_values(&[endpoint.kind()])
