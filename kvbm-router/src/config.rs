@@ -140,6 +140,12 @@ pub struct Args {
     #[arg(long)]
     pub model_name: Option<String>,
 
+    /// LoRA adapters the workers serve (vLLM's `--lora-modules NAME=PATH` names), comma
+    /// separated: a request whose `model` is one of them is accepted, listed in /v1/models, and
+    /// its blocks are matched under that adapter (vLLM hashes them with it).
+    #[arg(long, value_delimiter = ',')]
+    pub lora_names: Vec<String>,
+
     /// Seconds to wait for a TCP connection to a worker's HTTP server.
     #[arg(long, default_value_t = 5.0)]
     pub worker_connect_timeout_secs: f64,
@@ -224,6 +230,8 @@ pub struct FrontendConfig {
     pub model_path: Option<std::path::PathBuf>,
     /// The served model's name.
     pub model_name: Option<String>,
+    /// LoRA adapters served under their own model names.
+    pub lora_names: Vec<String>,
     /// Connecting to a worker.
     pub connect_timeout: Duration,
     /// Waiting for a worker's response headers.
@@ -241,6 +249,7 @@ impl Default for FrontendConfig {
         Self {
             model_path: None,
             model_name: None,
+            lora_names: Vec::new(),
             connect_timeout: Duration::from_secs(5),
             response_timeout: Duration::from_secs(600),
             idle_timeout: Duration::from_secs(300),
@@ -411,6 +420,16 @@ impl Args {
                 });
             }
         }
+        for name in &self.lora_names {
+            if name.trim().is_empty() || name.len() > 1024 || Some(name) == self.model_name.as_ref()
+            {
+                return Err(ConfigError::Flag {
+                    flag: "lora-names",
+                    value: name.clone(),
+                    why: "must be non-empty names of at most 1024 bytes, other than --model-name",
+                });
+            }
+        }
         if self.max_retries > 16 {
             return Err(ConfigError::Flag {
                 flag: "max-retries",
@@ -425,6 +444,7 @@ impl Args {
                     .as_ref()
                     .map(|p| p.to_string_lossy().into_owned())
             }),
+            lora_names: self.lora_names.clone(),
             connect_timeout: seconds(
                 "worker-connect-timeout-secs",
                 self.worker_connect_timeout_secs,

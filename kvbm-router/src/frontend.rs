@@ -235,16 +235,23 @@ impl Frontend {
         })
     }
 
-    /// Checks the request's `model` (absent or null means the served one, as in vLLM).
-    fn check_model(&self, body: &serde_json::Map<String, Value>) -> Result<(), OpenAiError> {
+    /// Checks the request's `model` (absent, null or empty means the served one, as in vLLM);
+    /// answers the LoRA adapter it names, if it names one (`--lora-names`).
+    fn check_model(
+        &self,
+        body: &serde_json::Map<String, Value>,
+    ) -> Result<Option<String>, OpenAiError> {
         match body.get("model") {
-            None | Some(Value::Null) => Ok(()),
-            Some(Value::String(m)) if m.is_empty() || *m == self.model => Ok(()),
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(m)) if m.is_empty() || *m == self.model => Ok(None),
+            Some(Value::String(m)) if self.config.lora_names.contains(m) => Ok(Some(m.clone())),
             Some(Value::String(m)) => Err(OpenAiError::new(
                 StatusCode::NOT_FOUND,
                 format!(
                     "The model `{m}` does not exist. Valid model names: {:?}",
-                    self.model
+                    std::iter::once(&self.model)
+                        .chain(&self.config.lora_names)
+                        .collect::<Vec<_>>()
                 ),
             )),
             Some(_) => Err(OpenAiError::bad_request("'model' must be a string")),
@@ -293,25 +300,30 @@ async fn health(State(fe): State<Fe>) -> Response {
     }
 }
 
+/// vLLM's `ModelList`: the model, then each LoRA adapter with the model as its parent.
 async fn models(State(fe): State<Fe>) -> Json<Value> {
     let root = fe
         .config
         .model_path
         .as_ref()
         .map(|p| p.to_string_lossy().into_owned());
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": fe.model,
+    let card = |id: &str, root: Option<&str>, parent: Option<&str>| {
+        json!({
+            "id": id,
             "object": "model",
             "created": fe.created,
             "owned_by": "kvbm",
             "root": root,
-            "parent": null,
+            "parent": parent,
             "max_model_len": null,
             "permission": [],
-        }],
-    }))
+        })
+    };
+    let mut data = vec![card(&fe.model, root.as_deref(), None)];
+    for lora in &fe.config.lora_names {
+        data.push(card(lora, None, Some(&fe.model)));
+    }
+    Json(json!({ "object": "list", "data": data }))
 }
 
 /// Reads a request's body as a JSON object, within the body limit.
@@ -586,14 +598,17 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         _inflight: inflight,
         _busy: busy.as_ref().map(ConnBusy::hold),
     };
-    if let Err(e) = fe.check_model(&body) {
-        let outcome = if e.status == StatusCode::NOT_FOUND {
-            "model_not_found"
-        } else {
-            "bad_request"
-        };
-        return ledger.fail(outcome, e);
-    }
+    let lora_name = match fe.check_model(&body) {
+        Ok(lora) => lora,
+        Err(e) => {
+            let outcome = if e.status == StatusCode::NOT_FOUND {
+                "model_not_found"
+            } else {
+                "bad_request"
+            };
+            return ledger.fail(outcome, e);
+        }
+    };
     let cache_salt = body
         .get("cache_salt")
         .and_then(Value::as_str)
@@ -634,7 +649,7 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     };
     let tokens = RequestTokens {
         token_ids: &token_ids,
-        lora_name: None,
+        lora_name: lora_name.as_deref(),
         cache_salt: cache_salt.as_deref(),
     };
     forward(fe.clone(), ledger, endpoint, &headers, raw, &tokens).await

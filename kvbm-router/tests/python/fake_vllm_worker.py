@@ -152,15 +152,37 @@ def external_hash(block_hash: bytes) -> int:
     return int.from_bytes(block_hash, byteorder="big") & ((1 << 64) - 1)
 
 
-def request_block_hashes(token_ids: list[int], block_size: int) -> list[bytes]:
-    """vllm/v1/core/kv_cache_utils.py get_request_block_hasher: one chained hash per full block.
-    A plain text request (no LoRA, multimodal input, cache salt or prompt embeddings) has no extra
-    keys: generate_block_hash_extra_keys returns None."""
-    hashes: list[bytes] = []
+def block_extra_keys(block_index: int, lora: tuple[str, str] | None,
+                     cache_salt: str | None) -> tuple | None:
+    """vllm/v1/core/kv_cache_utils.py generate_block_hash_extra_keys for a text request: the
+    LoRA key ("lora", name, path) on every block, then ("cache_salt", salt) on the first block
+    only; None when there are none."""
+    keys: list[tuple] = []
+    if lora is not None:
+        keys.append(("lora", lora[0], lora[1]))
+    if block_index == 0 and cache_salt:
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def event_extra_keys(keys: tuple | None) -> list | None:
+    """vllm/v1/core/kv_cache_utils.py to_event_extra_keys for one block: untagged, the LoRA name
+    and the cache salt bare (key[1])."""
+    return None if keys is None else [key[1] for key in keys]
+
+
+def request_block_hashes(token_ids: list[int], block_size: int,
+                         lora: tuple[str, str] | None = None,
+                         cache_salt: str | None = None) -> list[tuple[bytes, tuple | None]]:
+    """vllm/v1/core/kv_cache_utils.py get_request_block_hasher: one chained hash per full block,
+    with its extra keys. A plain text request (no LoRA, multimodal input, cache salt or prompt
+    embeddings) has none: generate_block_hash_extra_keys returns None."""
+    hashes: list[tuple[bytes, tuple | None]] = []
     parent: bytes | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], None)
-        hashes.append(parent)
+    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        extra = block_extra_keys(i, lora, cache_salt)
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
+        hashes.append((parent, extra))
     return hashes
 
 
@@ -265,6 +287,8 @@ def _bound_port(sock: zmq.Socket) -> int:
 class HeldBlock(msgspec.Struct):
     parent: bytes | None
     token_ids: list[int]
+    lora_name: str | None = None
+    extra_keys: tuple | None = None
 
 
 class BlockHoldings:
@@ -426,7 +450,8 @@ class Worker:
 
     # -- engine side ------------------------------------------------------------------------
 
-    def cache_blocks(self, token_ids: list[int], num_tokens: int, done: set[bytes]) -> None:
+    def cache_blocks(self, token_ids: list[int], num_tokens: int, done: set[bytes],
+                     lora: tuple[str, str] | None = None, cache_salt: str | None = None) -> None:
         """Publishes BlockStored (medium GPU) for the full blocks of `token_ids[:num_tokens]` this
         worker does not hold yet, as vllm/v1/core/block_pool.py cache_full_blocks does when a step
         completes blocks: one event for the run of new blocks, parent = the hash of the block
@@ -434,7 +459,10 @@ class Worker:
         extra_keys one None per block (to_event_extra_keys of plain blocks), group_idx 0
         (_build_block_stored_event). `done` are the blocks this request has already accounted for.
         """
-        hashes = request_block_hashes(token_ids[:num_tokens], self.block_size)
+        keyed = request_block_hashes(token_ids[:num_tokens], self.block_size, lora, cache_salt)
+        hashes = [h for h, _ in keyed]
+        extras = [e for _, e in keyed]
+        lora_name = lora[0] if lora else None
         events = []
         with self.lock:
             run: list[int] = []
@@ -444,18 +472,23 @@ class Worker:
                 done.add(h)
                 if h in self.held.gpu:  # a prefix-cache hit: vLLM publishes nothing for it
                     if run:
-                        events.append(self._stored(hashes, token_ids, run, MEDIUM_GPU))
+                        events.append(self._stored(hashes, extras, token_ids, run, lora_name))
                         run = []
                     continue
                 parent = hashes[i - 1] if i > 0 else None
-                self.held.gpu[h] = HeldBlock(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self.held.gpu[h] = HeldBlock(
+                    parent, token_ids[i * self.block_size : (i + 1) * self.block_size],
+                    lora_name, extras[i])
                 run.append(i)
             if run:
-                events.append(self._stored(hashes, token_ids, run, MEDIUM_GPU))
+                events.append(self._stored(hashes, extras, token_ids, run, lora_name))
         if events:
             self.publisher.publish(events)
 
-    def _stored(self, hashes: list[bytes], token_ids: list[int], run: list[int], medium: str) -> BlockStored:
+    def _stored(self, hashes: list[bytes], extras: list, token_ids: list[int], run: list[int],
+                lora_name: str | None) -> BlockStored:
+        """vllm/v1/core/block_pool.py _build_block_stored_event: lora_name from the request's
+        LoRA (lora_id is deprecated; 1 here when set), extra_keys one untagged entry per block."""
         first, last = run[0], run[-1]
         bs = self.block_size
         return BlockStored(
@@ -463,10 +496,10 @@ class Worker:
             parent_block_hash=external_hash(hashes[first - 1]) if first > 0 else None,
             token_ids=token_ids[first * bs : (last + 1) * bs],
             block_size=bs,
-            lora_id=None,
-            medium=medium,
-            lora_name=None,
-            extra_keys=[None] * len(run),
+            lora_id=1 if lora_name else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=[event_extra_keys(extras[i]) for i in run],
             group_idx=0,
         )
 
@@ -498,10 +531,11 @@ class Worker:
                         parent_block_hash=external_hash(block.parent) if block.parent else None,
                         token_ids=list(block.token_ids),
                         block_size=self.block_size,
-                        lora_id=None,
+                        lora_id=1 if block.lora_name else None,
                         medium=MEDIUM_CPU,
-                        lora_name=None,
-                        extra_keys=None,
+                        lora_name=block.lora_name,
+                        extra_keys=(None if block.extra_keys is None
+                                    else [event_extra_keys(block.extra_keys)]),
                         group_idx=0,
                         kv_cache_spec_kind="full_attention",
                     ))
@@ -543,7 +577,7 @@ class Worker:
         """vllm/entrypoints/serve/engine/serving.py _check_model: an absent or empty model is the
         base model; any other name than the served one is 404 NotFoundError."""
         model = body.get("model")
-        if model and model != self.model_name:
+        if model and model != self.model_name and model not in self.args.lora_name:
             raise RequestError(
                 HTTPStatus.NOT_FOUND,
                 f"The model `{model}` does not exist. Valid aliases: {self.model_name}.",
@@ -782,7 +816,11 @@ class Handler(BaseHTTPRequestHandler):
                 if prefill_death:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     raise Aborted()
-            pieces = self._run_engine(prompt_ids, out_ids)
+            model = body.get("model")
+            # vLLM's --lora-modules name=path: the adapter's path joins its hash key.
+            lora = (model, f"/adapters/{model}") if model in w.args.lora_name else None
+            salt = body.get("cache_salt")
+            pieces = self._run_engine(prompt_ids, out_ids, lora, salt if isinstance(salt, str) else None)
             if midstream and stream:
                 pieces = self._die_after(pieces, 2)
             if stream:
@@ -819,7 +857,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise Aborted()
             yield piece
 
-    def _run_engine(self, prompt_ids: list[int], out_ids: list[int]):
+    def _run_engine(self, prompt_ids: list[int], out_ids: list[int],
+                    lora: tuple[str, str] | None = None, cache_salt: str | None = None):
         """Yields (text delta, is last) per engine step, checking for a departed client
         between steps (vLLM aborts the request then: vllm/entrypoints/serve/utils/api_utils.py
         with_cancellation, and the StreamingResponse disconnect for streams)."""
@@ -831,7 +870,7 @@ class Handler(BaseHTTPRequestHandler):
         # The first step computes the prompt; its full blocks are cached and their events go out
         # at the end of the step (vllm/v1/core/sched/scheduler.py update_from_output), before the
         # step's output reaches the client.
-        w.cache_blocks(prompt_ids, len(prompt_ids), done)
+        w.cache_blocks(prompt_ids, len(prompt_ids), done, lora, cache_salt)
         all_ids = list(prompt_ids)
         text_so_far = ""
         for k, tok in enumerate(out_ids):
@@ -841,7 +880,7 @@ class Handler(BaseHTTPRequestHandler):
                     raise Aborted()
                 # Each decode step computes the previously sampled token; blocks it fills are
                 # cached like the prompt's (the last sampled token is never computed).
-                w.cache_blocks(all_ids, len(all_ids), done)
+                w.cache_blocks(all_ids, len(all_ids), done, lora, cache_salt)
             all_ids.append(tok)
             # Incremental detokenization: the new text of the output so far, withholding an
             # incomplete UTF-8 character (vllm/v1/engine/detokenizer.py does the same).
@@ -976,6 +1015,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--step-delay-s", type=float, default=0.05,
                    help="time between output tokens (chunks)")
     p.add_argument("--data-parallel-rank", type=int, default=0)
+    p.add_argument("--lora-name", action="append", default=[],
+                   help="a LoRA adapter served under this model name (vLLM's --lora-modules); "
+                        "its requests' blocks are hashed and published with it")
     p.add_argument("--topic", default="", help="KV events topic (vLLM's default: empty)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)

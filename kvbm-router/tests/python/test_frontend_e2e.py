@@ -262,6 +262,54 @@ def test_host_tier_holds_of_each_worker_attract_their_requests(cluster, referenc
         wait_idle(router)
 
 
+def test_lora_and_cache_salt_requests_match_only_their_own_blocks(cluster, reference):
+    """vLLM hashes a LoRA request's blocks with the adapter and a salted request's first block with
+    its salt, and says so in its events (lora_name, extra_keys): the router must match such a
+    request to those blocks, and never a plain request to them. Each routed request below has
+    its own blocks on one worker and the plain blocks of the same prompt on the other, so it
+    lands right only if the router hashed it with its adapter or salt."""
+    import conftest
+
+    router, workers = cluster(2, router_flags=("--lora-names", "adapter-a"), lora_name="adapter-a")
+    client = router.client()
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "adapter-a"]
+    first, second = sharing_prompts(reference, seed=130, count=2)
+    ids = prompt_ids(reference, first)
+    full = len(ids) // BLOCK_SIZE
+    a, b = workers
+
+    def gpu_overlap(**seeds) -> dict[int, int]:
+        answer = conftest.http_json("POST", f"{router.url}/query", {"token_ids": ids, **seeds})
+        return {w["worker_id"]: w["overlap"]["gpu_blocks"] for w in answer["workers"]}
+
+    def direct(worker: FakeWorker, **body) -> None:
+        conftest.http_json("POST", f"{worker.url}/v1/completions",
+                           {"prompt": first, "max_tokens": 2, **body})
+
+    # Worker a: the adapter's blocks of `first`; worker b: the plain ones.
+    direct(a, model="adapter-a")
+    direct(b, model=MODEL_NAME)
+    wait_indexed(router, a)
+    wait_indexed(router, b)
+    assert gpu_overlap(lora_name="adapter-a") == {a.worker_id: full, b.worker_id: 0}
+    assert gpu_overlap()[a.worker_id] == 0, "a plain request matched the adapter's blocks"
+    raw = client.completions.with_raw_response.create(model="adapter-a", prompt=second, max_tokens=2)
+    assert served_by(raw) == a.worker_id
+    raw = client.completions.with_raw_response.create(model=MODEL_NAME, prompt=second, max_tokens=2)
+    assert served_by(raw) == b.worker_id
+    wait_idle(router)
+
+    # Worker a also gets tenant-1's salted blocks of `first`.
+    direct(a, model=MODEL_NAME, cache_salt="tenant-1")
+    wait_indexed(router, a)
+    assert gpu_overlap(cache_salt="tenant-1") == {a.worker_id: full, b.worker_id: 0}
+    # Another tenant's salt changes the first block's hash, and so every block after it.
+    assert all(n == 0 for n in gpu_overlap(cache_salt="tenant-2").values())
+    raw = client.completions.with_raw_response.create(
+        model=MODEL_NAME, prompt=second, max_tokens=2, extra_body={"cache_salt": "tenant-1"})
+    assert served_by(raw) == a.worker_id
+
+
 # ---------------------------------------------------------------------------------------------
 # d. Cancellation.
 # ---------------------------------------------------------------------------------------------
