@@ -50,9 +50,15 @@ pub struct Args {
     pub workers_file: Option<std::path::PathBuf>,
 
     /// Address the HTTP API listens on. Anything other than loopback exposes the API to the
-    /// network; it has no authentication.
+    /// network: set an admin token then, or anyone who reaches it can register a "worker" and
+    /// receive users' requests.
     #[arg(long, default_value = "127.0.0.1")]
     pub http_host: IpAddr,
+
+    /// Token that POST /register and /unregister must present (`Authorization: Bearer TOKEN`).
+    /// Read from the environment so that it does not show in the process list.
+    #[arg(long, env = "KVBM_ROUTER_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
 
     /// Port of the HTTP API (0 picks a free one; the address is printed on start).
     #[arg(long, default_value_t = 8000)]
@@ -207,6 +213,8 @@ pub struct RouterConfig {
     pub index_capacity_blocks: usize,
     /// Largest request body.
     pub max_body_bytes: usize,
+    /// Token POST /register and /unregister require, if any.
+    pub admin_token: Option<String>,
     /// How long a routing decision predicts the request's blocks on its worker (zero: never).
     pub predicted_ttl: Duration,
     /// Longest request id.
@@ -268,6 +276,7 @@ impl Default for RouterConfig {
             max_blocks_per_worker: BLOCKS_PER_WORKER_MAX_DEFAULT,
             index_capacity_blocks: 0,
             max_body_bytes: MAX_BODY_BYTES_DEFAULT,
+            admin_token: None,
             predicted_ttl: Duration::ZERO,
             max_request_id_bytes: MAX_REQUEST_ID_BYTES_DEFAULT,
             max_tracked_requests: MAX_TRACKED_REQUESTS_DEFAULT,
@@ -400,6 +409,16 @@ impl Args {
             max_blocks_per_worker: self.max_blocks_per_worker,
             index_capacity_blocks: self.index_capacity_blocks,
             max_body_bytes: self.max_body_bytes,
+            admin_token: match &self.admin_token {
+                Some(t) if t.len() < 16 || t.contains(char::is_whitespace) => {
+                    return Err(ConfigError::Flag {
+                        flag: "admin-token",
+                        value: "(hidden)".to_owned(),
+                        why: "must be at least 16 characters without whitespace",
+                    })
+                }
+                t => t.clone(),
+            },
             predicted_ttl: Duration::from_secs_f64(predicted),
             max_request_id_bytes,
             max_tracked_requests,

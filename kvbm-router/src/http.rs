@@ -13,6 +13,8 @@
 //! | `GET /healthz` | | `{"status": "ok", "workers": N}` |
 //!
 //! Every error is a 4xx or 5xx with `{"error": "..."}`; bodies over `--max-body-bytes` get 413.
+//! With `--admin-token` (or `KVBM_ROUTER_ADMIN_TOKEN`), `/register` and `/unregister` answer 401
+//! without `Authorization: Bearer TOKEN`.
 //! The OpenAI front end's routes (`/v1/...`, `/tokenize`) are [`crate::frontend`]'s, with
 //! OpenAI-shaped errors.
 
@@ -250,10 +252,39 @@ async fn finished(
     known(router.finished(&body.request_id), &body.request_id)
 }
 
+/// With `--admin-token`, the registration endpoints need `Authorization: Bearer TOKEN`.
+fn check_admin(router: &Router, headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &router.config().admin_token else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Compared in time independent of where they differ.
+    let same = given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0;
+    if same {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "this endpoint needs the router's admin token (Authorization: Bearer ...)",
+        ))
+    }
+}
+
 async fn register(
     State(router): State<Shared>,
+    headers: axum::http::HeaderMap,
     body: Result<Json<RegisterBody>, JsonRejection>,
 ) -> ApiResult<serde_json::Value> {
+    check_admin(&router, &headers)?;
     let Json(body) = body?;
     // Validate through the same parser as --workers.
     let mut spec = format!("{}:{}={}", body.worker_id, body.dp_rank, body.endpoint);
@@ -285,8 +316,10 @@ async fn register(
 
 async fn unregister(
     State(router): State<Shared>,
+    headers: axum::http::HeaderMap,
     body: Result<Json<UnregisterBody>, JsonRejection>,
 ) -> ApiResult<serde_json::Value> {
+    check_admin(&router, &headers)?;
     let Json(body) = body?;
     if router.unregister((body.worker_id, body.dp_rank)) {
         Ok(Json(

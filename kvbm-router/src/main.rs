@@ -19,6 +19,9 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let config = args.router_config()?;
+    if !args.http_host.is_loopback() && config.admin_token.is_none() {
+        tracing::warn!(host = %args.http_host, "the API is reachable from the network without an admin token: anyone who reaches it can register a worker and receive requests (set KVBM_ROUTER_ADMIN_TOKEN)");
+    }
     let workers = parse_workers(&args.workers)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

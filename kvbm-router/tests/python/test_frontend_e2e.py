@@ -618,15 +618,39 @@ def test_long_request_outlives_the_idle_connection_timeout(cluster, fake_tokeniz
     assert answer.choices[0].text == expected_text(fake_tokenizer, wid, 2)
 
 
-def test_registered_worker_with_http_url_is_served(start_workers, start_router):
+def test_registered_worker_with_http_url_is_served(start_workers, start_router, monkeypatch):
+    """A worker added at run time by POST /register, which needs the admin token when one is set
+    (otherwise anyone reaching the router could register a "worker" and receive requests)."""
+    import json as _json
+    import urllib.error
+    import urllib.request
+
     import conftest
 
+    token = "a-token-of-some-length"
+    monkeypatch.setenv("KVBM_ROUTER_ADMIN_TOKEN", token)
     first, second = start_workers([1, 2])
     router = start_router([first])
     assert router.workers()[1]["http_url"] == first.url
     body = {"worker_id": 2, "endpoint": f"tcp://127.0.0.1:{second.zmq_port}",
             "replay_endpoint": f"tcp://127.0.0.1:{second.replay_port}", "http_url": second.url}
-    conftest.http_json("POST", f"{router.url}/register", body)
+
+    def register(auth: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if auth is not None:
+            headers["Authorization"] = auth
+        req = urllib.request.Request(f"{router.url}/register", data=_json.dumps(body).encode(),
+                                     method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert register(None) == 401
+    assert register("Bearer " + token[:-1] + "x") == 401
+    assert set(router.workers()) == {1}
+    assert register("Bearer " + token) == 200
     conftest.sync_events(router, [second])
     assert router.workers()[2]["http_url"] == second.url
     first.fail_requests("close")
