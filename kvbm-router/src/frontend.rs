@@ -268,6 +268,15 @@ pub fn routes(frontend: Option<Arc<Frontend>>) -> axum::Router {
             .route("/v1/chat/completions", post(chat_completions))
             .route("/tokenize", post(tokenize))
             .route("/health", get(health))
+            .route(
+                "/v1/{*rest}",
+                axum::routing::any(|| async {
+                    OpenAiError::new(
+                        StatusCode::NOT_FOUND,
+                        "the router serves /v1/models, /v1/completions and /v1/chat/completions",
+                    )
+                }),
+            )
             .with_state(fe),
         None => {
             let off = || async {
