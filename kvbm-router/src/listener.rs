@@ -141,6 +141,12 @@ impl IdleIo {
         self.deadline.as_mut().reset(Instant::now() + self.idle);
     }
 
+    /// Fails the connection (counted).
+    fn timed_out<T>(&self, why: &'static str) -> Poll<io::Result<T>> {
+        self.metrics.connections_timed_out.inc();
+        Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, why)))
+    }
+
     /// `Pending` from the stream: an error if the deadline passed, else still pending.
     fn check_idle<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
         if self.busy.is_busy() && !self.write_stalled {
@@ -148,13 +154,7 @@ impl IdleIo {
             self.progress();
         }
         match self.deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                self.metrics.connections_timed_out.inc();
-                Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "HTTP connection idle for too long",
-                )))
-            }
+            Poll::Ready(()) => self.timed_out("HTTP connection idle for too long"),
             Poll::Pending => Poll::Pending,
         }
     }
@@ -201,13 +201,7 @@ impl AsyncWrite for IdleIo {
                     self.write_deadline.as_mut().reset(at);
                 }
                 match self.write_deadline.as_mut().poll(cx) {
-                    Poll::Ready(()) => {
-                        self.metrics.connections_timed_out.inc();
-                        Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::TimedOut,
-                            "HTTP client read nothing for too long",
-                        )))
-                    }
+                    Poll::Ready(()) => self.timed_out("HTTP client read nothing for too long"),
                     Poll::Pending => self.check_idle(cx),
                 }
             }
