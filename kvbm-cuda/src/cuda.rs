@@ -6,6 +6,10 @@
 //!   CUDA function: cudarc panics instead of failing when the library is missing.
 //! - `cuMemcpyBatchAsync` is called only when the driver reports 12.8 or later and exports the
 //!   symbol (cudarc also panics on a missing symbol).
+//! - `open` checks that the driver exports every other entry point this back end calls
+//!   ([`REQUIRED_ENTRY_POINTS`]), directly or through cudarc, and refuses a driver that lacks one
+//!   with its name: cudarc would panic at the first call, possibly in a background thread (the
+//!   pinning thread calls `cuMemHostRegister_v2`).
 //! - A stream's in-flight table owns each transfer's regions until its event has completed.
 
 use std::collections::VecDeque;
@@ -20,6 +24,47 @@ use crate::DeviceError;
 
 /// First driver version (12.8, encoded as CUDA does) with `cuMemcpyBatchAsync`.
 pub(crate) const BATCH_COPY_MIN_DRIVER: i32 = 12080;
+
+/// The driver entry points the CUDA back end calls, directly or through cudarc's safe API
+/// (context, device queries, allocation, pinning, streams, events, copies, error strings).
+pub(crate) const REQUIRED_ENTRY_POINTS: &[&str] = &[
+    "cuInit",
+    "cuDriverGetVersion",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetName",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyAsync",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
+    "cuGetErrorName",
+    "cuGetErrorString",
+];
+
+/// The entry points of [`REQUIRED_ENTRY_POINTS`] that `exported` says are missing.
+pub(crate) fn missing_entry_points(exported: impl Fn(&str) -> bool) -> Vec<&'static str> {
+    REQUIRED_ENTRY_POINTS
+        .iter()
+        .copied()
+        .filter(|name| !exported(name))
+        .collect()
+}
 
 /// True when a CUDA driver library can be loaded. Never panics.
 pub(crate) fn driver_present() -> bool {
@@ -38,6 +83,16 @@ impl CudaBackend {
     pub(crate) fn open(ordinal: usize) -> Result<Self, DeviceError> {
         if !driver_present() {
             return Err(DeviceError::NoDriver);
+        }
+        let missing = missing_entry_points(has_symbol);
+        if !missing.is_empty() {
+            return Err(DeviceError::Driver {
+                call: "loading the driver",
+                code: format!(
+                    "the CUDA driver library lacks {} (too old, or not NVIDIA's)",
+                    missing.join(", ")
+                ),
+            });
         }
         // cudarc panics on a driver that lacks a symbol it needs; keep that out of our callers.
         let ctx = std::panic::catch_unwind(|| CudaContext::new(ordinal))
@@ -88,6 +143,50 @@ impl CudaBackend {
         let addr = unsafe { result::malloc_sync(len) }
             .map_err(|e| DeviceError::driver("cuMemAlloc", e))?;
         Ok(GpuRegion::cuda_owned(addr, len, self.ctx.clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_driver_lacking_an_entry_point_is_named_not_used() {
+        assert!(missing_entry_points(|_| true).is_empty());
+        let missing = missing_entry_points(|name| name != "cuMemHostRegister_v2");
+        assert_eq!(missing, vec!["cuMemHostRegister_v2"]);
+        // Every entry point this crate calls through cudarc's `sys` directly is checked (the
+        // batched copy is optional: the stream falls back to per-piece copies without it).
+        let sources = [
+            include_str!("cuda.rs"),
+            include_str!("host.rs"),
+            include_str!("region.rs"),
+            include_str!("stream.rs"),
+            include_str!("device.rs"),
+        ];
+        let mut direct = 0;
+        for source in sources {
+            for (at, _) in source.match_indices("sys::cu") {
+                let name: String = source[at + 5..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                // Driver functions are `cu` then a capital (not `culib`, `cudaError_enum`, ...).
+                let function = name.len() > 2 && name.as_bytes()[2].is_ascii_uppercase();
+                if !function || name == "cuMemcpyBatchAsync" {
+                    continue;
+                }
+                direct += 1;
+                assert!(
+                    REQUIRED_ENTRY_POINTS.contains(&name.as_str()),
+                    "{name} is called but not checked at open"
+                );
+            }
+        }
+        assert!(
+            direct >= 5,
+            "the source scan found only {direct} direct calls"
+        );
     }
 }
 
