@@ -729,7 +729,7 @@ fn measure(
     let mut finished_us = Vec::with_capacity(args.iterations);
     for i in 0..args.iterations + args.iterations.div_ceil(10) {
         let start = Instant::now();
-        let answer = router.route_among(&request, None, |_| true)?;
+        let answer = router.route_among(&request, None, |_| true, true)?;
         let routed = start.elapsed();
         let start = Instant::now();
         let known = router.finished(&answer.request_id);
@@ -752,7 +752,7 @@ fn measure(
                 lora_name: None,
                 cache_salt: None,
             };
-            let answer = router.route_among(&request, None, |_| true)?;
+            let answer = router.route_among(&request, None, |_| true, true)?;
             router.finished(&answer.request_id);
             Ok(())
         })?,
@@ -771,7 +771,7 @@ fn overlap_line(router: &Router, p: &Prompt) -> anyhow::Result<String> {
     let with = |f: fn(&kvbm_router::state::TierOverlap) -> usize| {
         q.workers.iter().filter(|w| f(&w.overlap) > 0).count()
     };
-    let answer = router.route_among(&request, None, |_| true)?;
+    let answer = router.route_among(&request, None, |_| true, true)?;
     router.finished(&answer.request_id);
     Ok(format!(
         "{}-token prompt ({} blocks): overlap on GPU at {} workers, host {}, disk {}; routed to worker {} ({} GPU + {} host + {} disk blocks, cost {:.1})",

@@ -759,9 +759,12 @@ async fn forward(
     for attempt in 0..=fe.config.max_retries {
         let urls: BTreeMap<WorkerKey, String> = fe.router.http_urls();
         let started = Instant::now();
-        let routed = fe.router.route_among(tokens, None, |k| {
-            urls.contains_key(&k) && !tried.contains(&k)
-        });
+        let routed = fe.router.route_among(
+            tokens,
+            None,
+            |k| urls.contains_key(&k) && !tried.contains(&k),
+            true,
+        );
         m.routing.observe(started.elapsed().as_secs_f64());
         let answer = match routed {
             Ok(a) => a,

@@ -633,7 +633,7 @@ impl Router {
         request: &RequestTokens<'_>,
         request_id: Option<String>,
     ) -> Result<RouteAnswer, RouteError> {
-        self.route_among(request, request_id, |_| true)
+        self.route_among(request, request_id, |_| true, false)
     }
 
     /// The HTTP server of a registered worker, if it named one.
@@ -683,12 +683,16 @@ impl Router {
     }
 
     /// As [`Self::route`], among the workers `eligible` accepts, passing over those cooling down
-    /// after a failure unless no other is left.
+    /// after a failure unless no other is left. With `unreachable_as_last_resort`, workers whose
+    /// event stream is down are passed over too, rather than excluded, when none is up (the
+    /// OpenAI front end: a worker whose events cannot be read may still answer requests; its
+    /// overlap is then unknown, and load decides).
     pub fn route_among(
         &self,
         request: &RequestTokens<'_>,
         request_id: Option<String>,
         eligible: impl Fn(WorkerKey) -> bool,
+        unreachable_as_last_resort: bool,
     ) -> Result<RouteAnswer, RouteError> {
         if let Some(id) = &request_id {
             let max = self.shared.config.max_request_id_bytes;
@@ -701,14 +705,16 @@ impl Router {
         if overlaps.is_empty() {
             return Err(RouteError::NoWorkers);
         }
-        let down = self.unreachable();
-        overlaps.retain(|(k, _)| !down.contains(k));
-        if overlaps.is_empty() {
-            return Err(RouteError::NoneReachable);
-        }
         overlaps.retain(|(k, _)| eligible(*k));
         if overlaps.is_empty() {
             return Err(RouteError::NoneEligible);
+        }
+        let down = self.unreachable();
+        if !(unreachable_as_last_resort && overlaps.iter().all(|(k, _)| down.contains(k))) {
+            overlaps.retain(|(k, _)| !down.contains(k));
+        }
+        if overlaps.is_empty() {
+            return Err(RouteError::NoneReachable);
         }
         // Workers cooling down after a failure are passed over while any other can take the
         // request; when none can, they are tried rather than nothing.

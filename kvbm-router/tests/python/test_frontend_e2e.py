@@ -413,6 +413,41 @@ def test_killed_worker_is_survived(cluster, reference, fake_tokenizer, stream):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_workers_whose_events_are_unreachable_are_still_served_by_load(
+        start_workers, processes, tmp_path, tokenizer_dir, fake_tokenizer):
+    """A worker whose KV event endpoint does not answer (events off, a firewall) is not routed to
+    while another's is up; when none is, the front end still serves requests, by load alone."""
+    import os
+    import socket
+
+    import conftest
+
+    workers = start_workers([1, 2])
+    dead = []
+    for _ in workers:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead.append(s.getsockname()[1])
+    spec = ";".join(f"{w.worker_id}=tcp://127.0.0.1:{port},http={w.url}"
+                    for w, port in zip(workers, dead))
+    argv = [conftest.router_bin(), "--http-port", "0", "--model-path", str(tokenizer_dir),
+            "--model-name", MODEL_NAME, "--block-size", str(BLOCK_SIZE), "--workers", spec]
+    p = conftest.Process("router", argv, tmp_path / "router.log", env=dict(os.environ))
+    processes.append(p)
+    prefix = "kvbm-router listening on "
+    url = p.first_line(lambda line: line[len(prefix):].strip() if line.startswith(prefix) else None)
+    router = Router(p, url.rstrip("/"), list(workers))
+    wait_until(lambda: all(v["link"]["state"] == "retrying" for v in router.workers().values())
+               and len(router.workers()) == 2, "both event links retrying")
+    served = set()
+    for i in range(6):
+        wid, answer = complete(router, f"request {i} " + prose(140 + i, 10), max_tokens=2)
+        assert answer.choices[0].text == expected_text(fake_tokenizer, wid, 2)
+        served.add(wid)
+        wait_idle(router)
+    assert served <= {1, 2} and served
+
+
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_unknown_model_is_not_found(cluster, api):
     router, workers = cluster(2)
