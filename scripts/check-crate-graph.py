@@ -2,6 +2,7 @@
 """The crate graph, checked: which kvbm crate may depend on which (ARCHITECTURE.md, "Crates").
 
 - the leaves (kvbm-events, kvbm-cuda, kvbm-disk) depend on no kvbm crate;
+- kvbm-cuda-sim (the simulated CUDA driver, a test tool) depends on no kvbm crate either;
 - kvbm-router depends on kvbm-events only;
 - kvbm-core depends on the leaves only;
 - kvbm-py (the Python bindings) depends on kvbm-core only;
@@ -18,6 +19,7 @@ import sys
 ALLOWED = {
     "kvbm-events": set(),
     "kvbm-cuda": set(),
+    "kvbm-cuda-sim": set(),
     "kvbm-disk": set(),
     "kvbm-router": {"kvbm-events"},
     "kvbm-core": {"kvbm-events", "kvbm-cuda", "kvbm-disk"},

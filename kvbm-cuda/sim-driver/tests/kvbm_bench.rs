@@ -1,0 +1,165 @@
+//! kvbm's own CUDA path on the simulated driver, in subprocesses: the library is installed as
+//! `libcuda.so` in a directory put on `LD_LIBRARY_PATH`, and `kvbm-bench` runs with
+//! `--device cuda`, under `KVBM_SIM_STRICT=1` (any violation aborts it) and a printed jitter seed.
+//! `kvbm-bench` verifies every byte it moved.
+//!
+//! The test builds what it runs (`cargo build -p kvbm-bench -p kvbm-cuda-sim`, and the probe
+//! example) into the target directory it was itself built in, so it needs nothing prepared.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The directory holding this test's binary's profile outputs (`target/debug`).
+fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    // target/<profile>/deps/<test binary>
+    exe.parent().and_then(Path::parent).unwrap().to_path_buf()
+}
+
+/// Builds kvbm-bench, the simulated driver and the probe once; installs the driver as
+/// `libcuda.so` in a directory of its own. Returns (kvbm-bench, probe, driver directory).
+fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
+    static BUILT: OnceLock<(PathBuf, PathBuf, PathBuf)> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let profile = profile_dir();
+        let target = profile.parent().unwrap();
+        let release = profile.file_name().is_some_and(|n| n == "release");
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        for args in [
+            &["build", "-p", "kvbm-bench", "-p", "kvbm-cuda-sim"][..],
+            &[
+                "build",
+                "-p",
+                "kvbm-cuda-sim",
+                "--example",
+                "pageable_probe",
+            ][..],
+        ] {
+            let mut cmd = Command::new(env!("CARGO"));
+            cmd.args(args).arg("--target-dir").arg(target);
+            if release {
+                cmd.arg("--release");
+            }
+            let status = cmd.current_dir(&workspace).status().unwrap();
+            assert!(status.success(), "cargo {args:?} failed");
+        }
+        let driver_dir = target.join(format!("kvbm-cuda-sim-{}", std::process::id()));
+        kvbm_cuda_sim::install(&profile.join("libkvbm_cuda_sim.so"), &driver_dir).unwrap();
+        (
+            profile.join("kvbm-bench"),
+            profile.join("examples/pageable_probe"),
+            driver_dir,
+        )
+    })
+}
+
+/// Runs `program args` with the simulated driver, strict, with jitter from a printed seed.
+fn run_on_sim(program: &Path, args: &[&str], strict: bool, report: Option<&Path>) -> Output {
+    let (_, _, driver_dir) = built();
+    let seed: u64 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos()
+        .into();
+    println!(
+        "{} {args:?}: KVBM_SIM_JITTER_SEED={seed}",
+        program.display()
+    );
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .env("LD_LIBRARY_PATH", driver_dir)
+        .env("KVBM_SIM_JITTER_SEED", seed.to_string())
+        .env("KVBM_SIM_JITTER_US", "20")
+        .env_remove("KVBM_SIM_REPORT")
+        .env_remove("KVBM_SIM_STRICT");
+    if strict {
+        cmd.env("KVBM_SIM_STRICT", "1");
+    }
+    if let Some(report) = report {
+        cmd.env("KVBM_SIM_REPORT", report);
+    }
+    let out = cmd.output().unwrap();
+    println!("stdout:\n{}", String::from_utf8_lossy(&out.stdout));
+    println!("stderr:\n{}", String::from_utf8_lossy(&out.stderr));
+    out
+}
+
+fn check_bench(args: &[&str], verified: &str) {
+    let (bench, _, _) = built();
+    let out = run_on_sim(bench, args, true, None);
+    assert!(
+        out.status.success(),
+        "kvbm-bench {args:?} failed: {:?}",
+        out.status
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("cuda"),
+        "kvbm-bench did not run on the CUDA back end"
+    );
+    assert!(stdout.contains(verified), "no `{verified}` in the output");
+}
+
+#[test]
+fn kvbm_bench_copy_runs_byte_exact_on_the_cuda_back_end() {
+    // Every layout shape: many pieces per block (lbnhc), one (blnhc), per-layer halves
+    // (outer-first); batched copies, then piece by piece.
+    for layout in ["lbnhc", "blnhc", "outer-first"] {
+        let args = [
+            "copy",
+            "--device",
+            "cuda",
+            "--gib",
+            "0.01",
+            "--iterations",
+            "1",
+            "--layers",
+            "4",
+            "--layout",
+            layout,
+        ];
+        check_bench(&args, "every byte verified");
+    }
+}
+
+#[test]
+fn kvbm_bench_offload_runs_byte_exact_on_both_engines() {
+    for engine in ["split", "manager"] {
+        let args = [
+            "offload",
+            "--device",
+            "cuda",
+            "--blocks",
+            "32",
+            "--layers",
+            "4",
+            "--host-gb",
+            "0.02",
+            "--iterations",
+            "1",
+            "--engine",
+            engine,
+        ];
+        check_bench(&args, "verified: every byte of every block");
+    }
+}
+
+#[test]
+fn a_violation_is_counted_reported_and_fatal_when_strict() {
+    let (_, probe, driver_dir) = built();
+    let report = driver_dir.join("report.txt");
+    let _ = std::fs::remove_file(&report);
+    let out = run_on_sim(probe, &[], false, Some(&report));
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("violations 1"));
+    let reported = std::fs::read_to_string(&report).unwrap();
+    assert!(reported.contains("pageable host memory"), "{reported}");
+
+    let out = run_on_sim(probe, &[], true, None);
+    assert!(
+        !out.status.success(),
+        "strict mode did not stop the process"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KVBM_SIM_STRICT=1, aborting"));
+}
