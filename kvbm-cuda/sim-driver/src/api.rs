@@ -18,6 +18,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::config::config;
+use crate::faults::{self, Kind};
 use crate::memory::{self, Place};
 use crate::result::*;
 use crate::stream::{self, Copy};
@@ -337,18 +338,41 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytes: usize) -> 
     if dptr.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    let r = with_context().and_then(|()| memory::alloc_device(bytes));
+    let r = with_context()
+        .and_then(|()| faults::check(Kind::Alloc))
+        .and_then(|()| memory::alloc_device(bytes));
     // SAFETY: forwarded caller contract.
     code(r.and_then(|addr| unsafe { put(dptr, addr) }))
 }
 
-/// `cuMemFree` (`_v2`). Freeing what is not the start of a live allocation is a violation.
+/// A violation when a queued, unfinished copy touches `[start, start + len)`, which `call` is
+/// about to release.
+fn released_while_queued(call: &str, what: &str, start: u64, len: usize) -> bool {
+    let Some(c) = stream::pending_touching(start, len) else {
+        return false;
+    };
+    violations::record(format!(
+        "{call}: {what} {start:#x}+{len} is released while a queued copy still touches it \
+         ({:#x} -> {:#x}, {} bytes); wait for the copy's event first",
+        c.src, c.dst, c.len
+    ));
+    true
+}
+
+/// `cuMemFree` (`_v2`). Freeing what is not the start of a live allocation is a violation; so is
+/// freeing an allocation a queued copy still touches (the memory is then kept, not reused).
 ///
 /// # Safety
-/// No queued copy may still touch the allocation (not yet checked here).
+/// `dptr` came from `cuMemAlloc`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     let r = with_context().and_then(|()| {
+        if let Some(len) = memory::device_len(dptr) {
+            if released_while_queued("cuMemFree", "device allocation", dptr, len) {
+                memory::quarantine_device(dptr);
+                return Ok(());
+            }
+        }
         memory::free_device(dptr).inspect_err(|_| {
             violations::record(format!(
                 "cuMemFree: {dptr:#x} is not the start of a live device allocation"
@@ -372,19 +396,23 @@ pub unsafe extern "C" fn cuMemHostRegister_v2(
         if flags & !HOST_REGISTER_FLAGS_ALL != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        faults::check(Kind::Register)?;
         memory::register_host(p as u64, bytes)
     });
     code(r)
 }
 
 /// `cuMemHostUnregister`. Unregistering what is not the start of a registered range is a
-/// violation.
+/// violation; so is unregistering a range a queued copy still touches.
 ///
 /// # Safety
-/// No queued copy may still touch the range (not yet checked here).
+/// None; the address is looked up, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
     let r = with_context().and_then(|()| {
+        if let Some(len) = memory::host_len(p as u64) {
+            released_while_queued("cuMemHostUnregister", "host range", p as u64, len);
+        }
         memory::unregister_host(p as u64).inspect_err(|_| {
             violations::record(format!(
                 "cuMemHostUnregister: {:#x} is not the start of a registered host range",
@@ -470,6 +498,7 @@ pub unsafe extern "C" fn cuMemcpyAsync(
 ) -> CUresult {
     let r = with_context().and_then(|()| {
         let s = stream::stream(h as usize)?;
+        faults::check(Kind::Memcpy)?;
         let c = Copy {
             dst,
             src,
@@ -522,6 +551,7 @@ pub unsafe extern "C" fn cuMemcpyBatchAsync(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let s = stream::stream(h as usize)?;
+        faults::check(Kind::Batch)?;
         let null = dsts.is_null() || srcs.is_null() || sizes.is_null();
         if count == 0
             || null

@@ -12,9 +12,11 @@
 //! reaches it; `cuStreamWaitEvent` holds a stream until another stream's event completes;
 //! `cuStreamSynchronize`, `cuEventSynchronize` and `cuCtxSynchronize` block until done.
 //! Stricter than a GPU: every asynchronous copy must lie inside a live device allocation or a
-//! registered host range (`KVBM_SIM_STRICT=1` aborts on the first violation, `KVBM_SIM_REPORT`
-//! names a file that lists them), and `KVBM_SIM_JITTER_SEED` delays each stream operation by a
-//! seeded random amount so that a missing wait shows up as wrong bytes.
+//! registered host range, and no memory a queued copy touches may be freed or unregistered.
+//! `KVBM_SIM_STRICT=1` aborts on the first violation and `KVBM_SIM_REPORT` names a file that
+//! lists them; `KVBM_SIM_JITTER_SEED` delays each stream operation by a seeded random amount so
+//! that a missing wait shows up as wrong bytes; `KVBM_SIM_FAIL` fails chosen calls with chosen
+//! results (see `faults`).
 //!
 //! Invariants:
 //! - The library has one device (ordinal 0) with one primary context.
@@ -22,6 +24,7 @@
 
 pub mod api;
 mod config;
+pub mod faults;
 pub mod memory;
 pub mod result;
 mod stream;

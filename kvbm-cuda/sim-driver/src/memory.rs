@@ -107,6 +107,25 @@ pub(crate) fn alloc_device(len: usize) -> Result<u64, CUresult> {
     Ok(ptr as u64)
 }
 
+/// Length of the device allocation that starts at `addr`, if one does.
+pub(crate) fn device_len(addr: u64) -> Option<usize> {
+    ranges().device.get(&addr).copied()
+}
+
+/// Length of the registered host range that starts at `addr`, if one does.
+pub(crate) fn host_len(addr: u64) -> Option<usize> {
+    ranges().host.get(&addr).copied()
+}
+
+/// Takes a device allocation out of the table without returning its memory: a queued copy
+/// still uses it, and freeing it would corrupt this process instead of reporting the misuse.
+pub(crate) fn quarantine_device(addr: u64) {
+    let mut ranges = ranges();
+    if let Some(len) = ranges.device.remove(&addr) {
+        ranges.device_bytes -= len as u64;
+    }
+}
+
 /// Frees a device allocation by its start address.
 pub(crate) fn free_device(addr: u64) -> Result<(), CUresult> {
     let mut ranges = ranges();

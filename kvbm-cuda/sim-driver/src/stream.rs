@@ -74,6 +74,8 @@ pub fn hold_stream(h: usize) -> Result<StreamHold, CUresult> {
 struct Progress {
     enqueued: u64,
     done: u64,
+    /// The copies of queued operations not yet finished, oldest first.
+    pending: std::collections::VecDeque<Vec<Copy>>,
 }
 
 pub(crate) struct Stream {
@@ -145,8 +147,12 @@ impl Stream {
                     if let Some(j) = &mut jitter {
                         j.pause();
                     }
+                    let copies = matches!(op, Op::Copies(_));
                     worker.run(op);
                     let mut progress = lock(&worker.progress);
+                    if copies {
+                        progress.pending.pop_front();
+                    }
                     progress.done += 1;
                     worker.progress_cv.notify_all();
                 }
@@ -181,7 +187,12 @@ impl Stream {
         let Some(tx) = tx.as_ref() else {
             return Err(CUDA_ERROR_INVALID_HANDLE);
         };
-        lock(&self.progress).enqueued += 1;
+        // Counted and sent under one lock, so `pending` is in the worker's order.
+        let mut progress = lock(&self.progress);
+        if let Op::Copies(copies) = &op {
+            progress.pending.push_back(copies.clone());
+        }
+        progress.enqueued += 1;
         tx.send(op).map_err(|_| CUDA_ERROR_INVALID_HANDLE)
     }
 
@@ -201,6 +212,18 @@ impl Stream {
     pub fn wait_event(&self, event: &Arc<Event>) -> Result<(), CUresult> {
         let generation = lock(&event.state).recorded;
         self.enqueue(Op::Wait(event.clone(), generation))
+    }
+
+    /// A queued, unfinished copy with a side overlapping `[start, start + len)`, if any.
+    fn pending_touching(&self, start: u64, len: usize) -> Option<Copy> {
+        let end = start + len as u64;
+        let overlaps = |addr: u64, n: usize| addr < end && start < addr + n as u64;
+        lock(&self.progress)
+            .pending
+            .iter()
+            .flatten()
+            .find(|c| overlaps(c.src, c.len) || overlaps(c.dst, c.len))
+            .copied()
     }
 
     /// True when every operation enqueued so far has run.
@@ -319,6 +342,14 @@ pub(crate) fn destroy_stream(h: usize) -> Result<(), CUresult> {
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     stream.close();
     Ok(())
+}
+
+/// A queued, unfinished copy on any live stream that touches `[start, start + len)`.
+pub(crate) fn pending_touching(start: u64, len: usize) -> Option<Copy> {
+    all_streams()
+        .ok()?
+        .iter()
+        .find_map(|s| s.pending_touching(start, len))
 }
 
 /// Every live stream, the default one included.

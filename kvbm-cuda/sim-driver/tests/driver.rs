@@ -463,3 +463,47 @@ fn batched_copies_are_checked_as_the_real_driver_checks_them() {
     }
     assert_eq!(host.0, original);
 }
+
+#[test]
+fn releasing_memory_a_queued_copy_still_touches_is_recorded_and_survived() {
+    ready();
+    let len = 4096;
+    let gpu = alloc(len);
+    let original = pattern(len, 5);
+    write_device(gpu, &original);
+    let mut host = vec![0u8; len];
+    let host_addr = host.as_mut_ptr() as u64;
+    // SAFETY: `host` stays allocated until the end of the test.
+    let rc = unsafe { cuMemHostRegister_v2(host.as_mut_ptr().cast(), len, 0) };
+    assert_eq!(rc, CUDA_SUCCESS);
+    let s = new_stream();
+    let hold = hold_stream(s as usize).unwrap();
+    // SAFETY: the copy is queued behind the hold; freeing the allocation under it is the misuse
+    // under test, which the driver survives by keeping the memory.
+    unsafe {
+        assert_eq!(cuMemcpyAsync(host_addr, gpu, len, s), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(gpu), CUDA_SUCCESS);
+        assert_eq!(cuMemHostUnregister(host.as_mut_ptr().cast()), CUDA_SUCCESS);
+    }
+    let released: Vec<String> = violations::messages()
+        .into_iter()
+        .filter(|m| m.contains("released while a queued copy"))
+        .collect();
+    for addr in [gpu, host_addr] {
+        let needle = format!("{addr:#x}+{len}");
+        assert!(
+            released.iter().any(|m| m.contains(&needle)),
+            "{needle}: {released:?}"
+        );
+    }
+    drop(hold);
+    // SAFETY: a live stream, destroyed once.
+    unsafe {
+        assert_eq!(cuStreamSynchronize(s), CUDA_SUCCESS);
+        assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+    }
+    assert_eq!(
+        host, original,
+        "the quarantined allocation still held its bytes"
+    );
+}

@@ -54,8 +54,15 @@ fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
     })
 }
 
-/// Runs `program args` with the simulated driver, strict, with jitter from a printed seed.
-fn run_on_sim(program: &Path, args: &[&str], strict: bool, report: Option<&Path>) -> Output {
+/// Runs `program args` with the simulated driver (strict or not, with `extra` variables), with
+/// jitter from a printed seed.
+fn run_on_sim(
+    program: &Path,
+    args: &[&str],
+    strict: bool,
+    report: Option<&Path>,
+    extra: &[(&str, &str)],
+) -> Output {
     let (_, _, driver_dir) = built();
     let seed: u64 = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -72,7 +79,9 @@ fn run_on_sim(program: &Path, args: &[&str], strict: bool, report: Option<&Path>
         .env("KVBM_SIM_JITTER_SEED", seed.to_string())
         .env("KVBM_SIM_JITTER_US", "20")
         .env_remove("KVBM_SIM_REPORT")
-        .env_remove("KVBM_SIM_STRICT");
+        .env_remove("KVBM_SIM_STRICT")
+        .env_remove("KVBM_SIM_FAIL")
+        .envs(extra.iter().copied());
     if strict {
         cmd.env("KVBM_SIM_STRICT", "1");
     }
@@ -87,7 +96,7 @@ fn run_on_sim(program: &Path, args: &[&str], strict: bool, report: Option<&Path>
 
 fn check_bench(args: &[&str], verified: &str) {
     let (bench, _, _) = built();
-    let out = run_on_sim(bench, args, true, None);
+    let out = run_on_sim(bench, args, true, None, &[]);
     assert!(
         out.status.success(),
         "kvbm-bench {args:?} failed: {:?}",
@@ -150,16 +159,56 @@ fn a_violation_is_counted_reported_and_fatal_when_strict() {
     let (_, probe, driver_dir) = built();
     let report = driver_dir.join("report.txt");
     let _ = std::fs::remove_file(&report);
-    let out = run_on_sim(probe, &[], false, Some(&report));
+    let out = run_on_sim(probe, &[], false, Some(&report), &[]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("violations 1"));
     let reported = std::fs::read_to_string(&report).unwrap();
     assert!(reported.contains("pageable host memory"), "{reported}");
 
-    let out = run_on_sim(probe, &[], true, None);
+    let out = run_on_sim(probe, &[], true, None, &[]);
     assert!(
         !out.status.success(),
         "strict mode did not stop the process"
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("KVBM_SIM_STRICT=1, aborting"));
+}
+
+const SMALL_COPY: &[&str] = &[
+    "copy",
+    "--device",
+    "cuda",
+    "--gib",
+    "0.01",
+    "--iterations",
+    "1",
+    "--layers",
+    "4",
+];
+
+#[test]
+fn injected_driver_failures_surface_as_errors_or_fallbacks_never_panics() {
+    let (bench, _, _) = built();
+    // A failed allocation: kvbm-bench stops with the driver's error named.
+    let out = run_on_sim(
+        bench,
+        SMALL_COPY,
+        true,
+        None,
+        &[("KVBM_SIM_FAIL", "alloc:1:2")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("cuMemAlloc") && stderr.contains("CUDA_ERROR_OUT_OF_MEMORY"));
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // A refused batched copy: kvbm-cuda copies piece by piece instead, every byte still right.
+    let out = run_on_sim(
+        bench,
+        SMALL_COPY,
+        true,
+        None,
+        &[("KVBM_SIM_FAIL", "batch:2:700")],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(stdout.contains("batch copy false") && stdout.contains("every byte verified"));
 }
