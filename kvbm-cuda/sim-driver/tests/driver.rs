@@ -507,3 +507,33 @@ fn releasing_memory_a_queued_copy_still_touches_is_recorded_and_survived() {
         "the quarantined allocation still held its bytes"
     );
 }
+
+#[test]
+fn without_a_wait_another_stream_does_not_see_the_copy() {
+    // The simulator must not serialise streams, or a missing cuStreamWaitEvent would go unseen.
+    ready();
+    let len = 4096;
+    let (a, b, c) = (alloc(len), alloc(len), alloc(len));
+    write_device(a, &pattern(len, 2));
+    let s1 = new_stream();
+    let s2 = new_stream();
+    let hold = hold_stream(s1 as usize).unwrap();
+    // SAFETY: the allocations are live until freed below, after both streams finished.
+    unsafe {
+        assert_eq!(cuMemcpyAsync(b, a, len, s1), CUDA_SUCCESS);
+        assert_eq!(cuMemcpyAsync(c, b, len, s2), CUDA_SUCCESS);
+        assert_eq!(cuStreamSynchronize(s2), CUDA_SUCCESS);
+        assert!(
+            read_device(c, len).iter().all(|&x| x == POISON),
+            "s2 waited for s1"
+        );
+        drop(hold);
+        for s in [s1, s2] {
+            assert_eq!(cuStreamSynchronize(s), CUDA_SUCCESS);
+            assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+        }
+        for p in [a, b, c] {
+            assert_eq!(cuMemFree_v2(p), CUDA_SUCCESS);
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Every driver function kvbm-cuda calls by name is one this driver exports: the `sys::cu*`
+//! calls and `has_symbol("...")` lookups in kvbm-cuda's source, checked against `src/api.rs`.
+//! (What cudarc's safe API calls underneath is exercised by `tests/kvbm_bench.rs`, where a
+//! missing symbol is a cudarc panic.)
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// Identifiers starting with `cu` + an uppercase letter that follow `prefix` in `text`.
+fn names_after(text: &str, prefix: &str) -> BTreeSet<String> {
+    text.match_indices(prefix)
+        .filter_map(|(at, _)| {
+            let rest = &text[at + prefix.len()..];
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect();
+            let mut chars = name.chars().skip(2);
+            (name.starts_with("cu") && chars.next().is_some_and(|c| c.is_ascii_uppercase()))
+                .then_some(name)
+        })
+        .collect()
+}
+
+#[test]
+fn every_entry_point_kvbm_cuda_names_is_exported() {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let api = std::fs::read_to_string(manifest.join("src/api.rs")).unwrap();
+    let exported = names_after(&api, "pub unsafe extern \"C\" fn ");
+    let mut called = BTreeSet::new();
+    for entry in std::fs::read_dir(manifest.join("../src")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            called.extend(names_after(&text, "sys::"));
+            called.extend(names_after(&text, "has_symbol(\""));
+        }
+    }
+    assert!(
+        called.contains("cuMemcpyAsync"),
+        "the scan found kvbm-cuda's calls: {called:?}"
+    );
+    let missing: Vec<&String> = called.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "kvbm-cuda calls {missing:?}, which the simulator lacks"
+    );
+}
