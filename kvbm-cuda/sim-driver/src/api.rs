@@ -5,7 +5,8 @@
 //! Invariants:
 //! - Nothing but `cuDriverGetVersion` and the error-name functions works before `cuInit(0)`.
 //! - Calls that need a context (allocation, registration, streams, events, copies) fail with
-//!   `CUDA_ERROR_INVALID_CONTEXT` on a thread without a current one, as on a real driver.
+//!   `CUDA_ERROR_INVALID_CONTEXT` on a thread without a current one, as on a real driver, and
+//!   with the sticky error once a copy failed on its stream (the context is lost).
 //! - Every asynchronous copy is checked before it is queued: each side inside one live device
 //!   allocation or one registered host range. A side that runs past the end of its allocation or
 //!   range is refused (`CUDA_ERROR_INVALID_VALUE`) and is a violation; a side in pageable host
@@ -87,7 +88,10 @@ fn with_context() -> Result<(), CUresult> {
     if CURRENT.with(|c| c.get()) == 0 {
         return Err(CUDA_ERROR_INVALID_CONTEXT);
     }
-    Ok(())
+    match stream::sticky_error() {
+        Some(code) => Err(code),
+        None => Ok(()),
+    }
 }
 
 fn device(ordinal: CUdevice) -> Result<(), CUresult> {

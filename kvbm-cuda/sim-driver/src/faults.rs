@@ -1,7 +1,9 @@
 //! Fault injection: `KVBM_SIM_FAIL=KIND:N:CODE[,KIND:N:CODE...]` fails the Nth call (from 1) of
 //! a kind of driver call with the given `CUresult`, before the call does anything. Kinds:
 //! `alloc` (`cuMemAlloc`), `register` (`cuMemHostRegister`), `memcpy` (`cuMemcpyAsync`),
-//! `batch` (`cuMemcpyBatchAsync`).
+//! `batch` (`cuMemcpyBatchAsync`), and `async`: the Nth copy operation a stream runs fails as a
+//! DMA fault does, after its call succeeded: nothing of it is copied, and the error is sticky,
+//! returned by every later call that needs the context (the context is lost, as on a GPU).
 //!
 //! Invariants:
 //! - Calls are counted per kind from library load, whether they fail or not; a fault fires once.
@@ -25,13 +27,16 @@ pub enum Kind {
     Memcpy,
     /// `cuMemcpyBatchAsync`.
     Batch,
+    /// A copy operation run by a stream (one `cuMemcpyAsync` or one whole batch).
+    Async,
 }
 
-const KINDS: [(Kind, &str); 4] = [
+const KINDS: [(Kind, &str); 5] = [
     (Kind::Alloc, "alloc"),
     (Kind::Register, "register"),
     (Kind::Memcpy, "memcpy"),
     (Kind::Batch, "batch"),
+    (Kind::Async, "async"),
 ];
 
 /// One fault: the `nth` call of `kind` fails with `code`.
@@ -59,7 +64,7 @@ pub fn parse(spec: &str) -> Result<Vec<Fault>, String> {
                 .find(|(_, name)| *name == kind)
                 .map(|&(k, _)| k)
                 .ok_or_else(|| {
-                    format!("{part:?}: kind is one of alloc, register, memcpy, batch")
+                    format!("{part:?}: kind is one of alloc, register, memcpy, batch, async")
                 })?;
             let nth = nth
                 .parse::<u64>()
@@ -87,7 +92,7 @@ fn faults() -> &'static [Fault] {
     })
 }
 
-static CALLS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+static CALLS: [AtomicU64; KINDS.len()] = [const { AtomicU64::new(0) }; KINDS.len()];
 
 /// Counts one call of `kind`; `Err(code)` when a fault is set for this call.
 pub(crate) fn check(kind: Kind) -> Result<(), CUresult> {

@@ -10,11 +10,14 @@
 //! - A copy is handed to a worker only after both of its ranges were checked (see `api`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use crate::config::config;
+use crate::faults::{self, Kind};
+use crate::memory::POISON;
 use crate::result::*;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -145,6 +148,11 @@ impl Stream {
                 // dropped by `destroy` once the caller lets go of the stream.
                 while let Ok(op) = rx.recv() {
                     if let Some(j) = &mut jitter {
+                        // A copy in progress leaves its target undefined: poison it for the
+                        // pause, so that a reader who did not wait sees wrong bytes.
+                        if let Op::Copies(copies) = &op {
+                            poison_targets(copies);
+                        }
                         j.pause();
                     }
                     let copies = matches!(op, Op::Copies(_));
@@ -164,6 +172,12 @@ impl Stream {
     fn run(&self, op: Op) {
         match op {
             Op::Copies(copies) => {
+                if let Err(code) = faults::check(Kind::Async) {
+                    let _ = STICKY.compare_exchange(0, code, Ordering::SeqCst, Ordering::SeqCst);
+                }
+                if sticky_error().is_some() {
+                    return; // the context is lost: nothing runs any more
+                }
                 for c in copies {
                     // SAFETY: the ranges were checked at enqueue to lie inside live device
                     // allocations or host memory the caller vouched for; the caller must keep
@@ -247,6 +261,31 @@ impl Stream {
     /// Stops accepting work; the worker finishes what is queued and exits.
     fn close(&self) {
         lock(&self.tx).take();
+    }
+}
+
+/// The sticky error of a copy that failed on its stream (0: none).
+static STICKY: AtomicU32 = AtomicU32::new(0);
+
+/// The error that lost the context, if a copy failed on its stream.
+pub(crate) fn sticky_error() -> Option<CUresult> {
+    match STICKY.load(Ordering::SeqCst) {
+        0 => None,
+        code => Some(code),
+    }
+}
+
+/// Fills each copy's target with [`POISON`], unless it overlaps a source of the same operation.
+fn poison_targets(copies: &[Copy]) {
+    let overlaps =
+        |a: &Copy, b: &Copy| a.dst < b.src + b.len as u64 && b.src < a.dst + a.len as u64;
+    for c in copies {
+        if copies.iter().any(|other| overlaps(c, other)) {
+            continue;
+        }
+        // SAFETY: the target was checked at enqueue, as for the copy itself (see `run`), and no
+        // source of this operation lies in it.
+        unsafe { std::ptr::write_bytes(c.dst as *mut u8, POISON, c.len) };
     }
 }
 

@@ -54,6 +54,47 @@ fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
     })
 }
 
+/// Longest a child process may run before the test kills it and fails: a hang is a failure.
+const CHILD_SECS_MAX: u64 = 300;
+
+/// Runs `cmd` to completion, or kills it after `secs_max` and fails.
+fn output_within(mut cmd: Command, secs_max: u64) -> Output {
+    use std::process::Stdio;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Drain the pipes on threads so that a chatty child never blocks on a full pipe.
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out_reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut stdout, &mut buf).map(|_| buf)
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        std::io::Read::read_to_end(&mut stderr, &mut buf).map(|_| buf)
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs_max);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{cmd:?} ran past {secs_max} s (a hang on the simulated driver?)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: out_reader.join().unwrap().unwrap(),
+        stderr: err_reader.join().unwrap().unwrap(),
+    }
+}
+
 /// Runs `program args` with the simulated driver (strict or not, with `extra` variables), with
 /// jitter from a printed seed.
 fn run_on_sim(
@@ -88,7 +129,7 @@ fn run_on_sim(
     if let Some(report) = report {
         cmd.env("KVBM_SIM_REPORT", report);
     }
-    let out = cmd.output().unwrap();
+    let out = output_within(cmd, CHILD_SECS_MAX);
     println!("stdout:\n{}", String::from_utf8_lossy(&out.stdout));
     println!("stderr:\n{}", String::from_utf8_lossy(&out.stderr));
     out
@@ -211,4 +252,36 @@ fn injected_driver_failures_surface_as_errors_or_fallbacks_never_panics() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(stdout.contains("batch copy false") && stdout.contains("every byte verified"));
+}
+
+#[test]
+fn a_copy_that_fails_on_its_stream_fails_the_run_without_a_hang_or_a_panic() {
+    // The second copy operation a stream runs faults as a DMA error would: the call that queued
+    // it succeeded, the event reports it, and the context is lost for every later call.
+    let (bench, _, _) = built();
+    let offload = [
+        "offload",
+        "--device",
+        "cuda",
+        "--blocks",
+        "32",
+        "--layers",
+        "4",
+        "--host-gb",
+        "0.02",
+        "--iterations",
+        "1",
+        "--engine",
+        "split",
+    ];
+    for args in [SMALL_COPY, &offload[..]] {
+        let out = run_on_sim(bench, args, true, None, &[("KVBM_SIM_FAIL", "async:2:700")]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{args:?} succeeded over a failed copy"
+        );
+        assert!(stderr.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
 }
