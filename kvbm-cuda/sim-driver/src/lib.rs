@@ -39,12 +39,17 @@ pub use stream::{hold_stream, StreamHold};
 /// `libcuda.so.1` among others).
 pub const DRIVER_FILE_NAMES: &[&str] = &["libcuda.so", "libcuda.so.1"];
 
-/// Copies the built library `cdylib` into `dir` under each of [`DRIVER_FILE_NAMES`], so that a
-/// process started with `LD_LIBRARY_PATH=dir` loads it as the CUDA driver.
+/// Links (or, across file systems, copies) the built library `cdylib` into `dir` under each of
+/// [`DRIVER_FILE_NAMES`], so that a process started with `LD_LIBRARY_PATH=dir` loads it as the
+/// CUDA driver.
 pub fn install(cdylib: &std::path::Path, dir: &std::path::Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     for name in DRIVER_FILE_NAMES {
-        std::fs::copy(cdylib, dir.join(name))?;
+        let target = dir.join(name);
+        let _ = std::fs::remove_file(&target);
+        if std::fs::hard_link(cdylib, &target).is_err() {
+            std::fs::copy(cdylib, &target)?;
+        }
     }
     Ok(())
 }

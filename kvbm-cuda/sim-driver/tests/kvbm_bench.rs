@@ -44,7 +44,15 @@ fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
             let status = cmd.current_dir(&workspace).status().unwrap();
             assert!(status.success(), "cargo {args:?} failed");
         }
-        let driver_dir = target.join(format!("kvbm-cuda-sim-{}", std::process::id()));
+        // One directory per test process; those of processes that are gone are removed.
+        let drivers = target.join("kvbm-cuda-sim");
+        for entry in std::fs::read_dir(&drivers).into_iter().flatten().flatten() {
+            let pid = entry.file_name();
+            if !Path::new("/proc").join(&pid).exists() {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+        let driver_dir = drivers.join(std::process::id().to_string());
         kvbm_cuda_sim::install(&profile.join("libkvbm_cuda_sim.so"), &driver_dir).unwrap();
         (
             profile.join("kvbm-bench"),
@@ -174,7 +182,7 @@ fn kvbm_bench_copy_runs_byte_exact_on_the_cuda_back_end() {
 }
 
 #[test]
-fn kvbm_bench_offload_runs_byte_exact_on_both_engines() {
+fn kvbm_bench_offload_runs_byte_exact_on_both_engines_and_the_disk_tier() {
     for engine in ["split", "manager"] {
         let args = [
             "offload",
@@ -193,6 +201,27 @@ fn kvbm_bench_offload_runs_byte_exact_on_both_engines() {
         ];
         check_bench(&args, "verified: every byte of every block");
     }
+    // With the disk tier: back from disk asynchronously, as the connector onboards.
+    let disk_dir = built().2.join("disk");
+    let disk_dir = disk_dir.to_str().unwrap();
+    let args = [
+        "offload",
+        "--device",
+        "cuda",
+        "--blocks",
+        "32",
+        "--layers",
+        "4",
+        "--host-gb",
+        "0.02",
+        "--iterations",
+        "1",
+        "--disk-gb",
+        "0.02",
+        "--disk-dir",
+        disk_dir,
+    ];
+    check_bench(&args, "verified: every byte of every block");
 }
 
 #[test]
