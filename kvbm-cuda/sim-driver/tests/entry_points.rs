@@ -1,5 +1,6 @@
-//! Every driver function kvbm-cuda calls by name is one this driver exports: the `sys::cu*`
-//! calls and `has_symbol("...")` lookups in kvbm-cuda's source, checked against `src/api.rs`.
+//! Every driver function kvbm-cuda names is one this driver exports: its `sys::cu*` calls, its
+//! `has_symbol("...")` lookups and the `REQUIRED_ENTRY_POINTS` `CudaBackend::open` checks for,
+//! against `src/api.rs`.
 //! (What cudarc's safe API calls underneath is exercised by `tests/kvbm_bench.rs`, where a
 //! missing symbol is a cudarc panic.)
 
@@ -34,6 +35,13 @@ fn every_entry_point_kvbm_cuda_names_is_exported() {
             let text = std::fs::read_to_string(&path).unwrap();
             called.extend(names_after(&text, "sys::"));
             called.extend(names_after(&text, "has_symbol(\""));
+            if let Some(at) = text.find("REQUIRED_ENTRY_POINTS: &[&str] = &[") {
+                let list = &text[at..];
+                let list = &list[..list.find("];").unwrap()];
+                let required = names_after(list, "\"");
+                assert!(required.len() > 10, "REQUIRED_ENTRY_POINTS: {required:?}");
+                called.extend(required);
+            }
         }
     }
     assert!(
