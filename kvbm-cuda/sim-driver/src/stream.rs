@@ -340,12 +340,9 @@ fn handle(id: u64, tag: usize) -> usize {
 
 /// The stream behind the null, legacy (1) or per-thread (2) default stream handle.
 fn default_stream() -> Result<Arc<Stream>, CUresult> {
-    static DEFAULT: OnceLock<Arc<Stream>> = OnceLock::new();
-    if let Some(s) = DEFAULT.get() {
-        return Ok(s.clone());
-    }
-    let s = Stream::spawn(0)?;
-    Ok(DEFAULT.get_or_init(|| s).clone())
+    // Spawned once, under the lock: a second worker would block forever on its own channel.
+    static DEFAULT: OnceLock<Result<Arc<Stream>, CUresult>> = OnceLock::new();
+    DEFAULT.get_or_init(|| Stream::spawn(0)).clone()
 }
 
 /// True for the null, legacy and per-thread default stream handles.

@@ -537,3 +537,27 @@ fn without_a_wait_another_stream_does_not_see_the_copy() {
         }
     }
 }
+
+#[test]
+fn the_default_stream_runs_copies_and_synchronizes() {
+    ready();
+    let len = 1024;
+    let (a, b) = (alloc(len), alloc(len));
+    let original = pattern(len, 4);
+    write_device(a, &original);
+    for default in [null_mut(), 2 as CUhandle] {
+        // SAFETY: both allocations are live until freed below, after the synchronize.
+        unsafe {
+            assert_eq!(cuMemcpyAsync(b, a, len, default), CUDA_SUCCESS);
+            assert_eq!(cuStreamSynchronize(default), CUDA_SUCCESS);
+        }
+        assert_eq!(read_device(b, len), original);
+        write_device(b, &[0u8; 1024]);
+    }
+    // SAFETY: live allocations, freed once.
+    unsafe {
+        assert_eq!(cuCtxSynchronize(), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(a), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(b), CUDA_SUCCESS);
+    }
+}
