@@ -37,6 +37,8 @@ pub(crate) const REQUIRED_ENTRY_POINTS: &[&str] = &[
     "cuDevicePrimaryCtxRelease_v2",
     "cuCtxGetCurrent",
     "cuCtxSetCurrent",
+    // cudarc's `new_stream` synchronizes the context first.
+    "cuCtxSynchronize",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
     "cuMemHostRegister_v2",
@@ -292,9 +294,15 @@ impl CudaCopyStream {
                 // SAFETY: `validate` checked both ranges against regions that the in-flight
                 // table keeps alive until this transfer's event completes; with unified
                 // addressing cuMemcpyAsync infers the direction from the pointers.
-                unsafe { sys::cuMemcpyAsync(p.dst, p.src, p.len, self.stream.cu_stream()) }
-                    .result()
-                    .map_err(|e| DeviceError::driver("cuMemcpyAsync", e))?;
+                let queued =
+                    unsafe { sys::cuMemcpyAsync(p.dst, p.src, p.len, self.stream.cu_stream()) }
+                        .result();
+                if let Err(e) = queued {
+                    // Pieces queued before this one still use the regions: wait for them before
+                    // `regions` can be dropped with the error.
+                    let _ = self.stream.synchronize();
+                    return Err(DeviceError::driver("cuMemcpyAsync", e));
+                }
             }
         }
         let event = self
@@ -335,7 +343,12 @@ impl CudaCopyStream {
         .result()
         .map_err(|e| DeviceError::Driver {
             call: "cuMemcpyBatchAsync",
-            code: format!("{:?} (failed at piece {fail_index})", e.0),
+            code: if fail_index == usize::MAX {
+                // The driver's "not tied to one copy".
+                format!("{:?}", e.0)
+            } else {
+                format!("{:?} (failed at piece {fail_index})", e.0)
+            },
         })
     }
 }
