@@ -50,6 +50,32 @@ for engine in manager split; do
   done
 done
 
+echo "== kvbm-bench copy and offload on the CUDA back end over the simulated driver (kvbm-cuda-sim as libcuda.so): strict, streams jittered, every byte verified"
+cargo build --quiet -p kvbm-bench -p kvbm-cuda-sim
+SIM_CUDA_DIR="$PWD/target/sim-cuda"
+mkdir -p "$SIM_CUDA_DIR"
+for name in libcuda.so libcuda.so.1; do
+  ln -f target/debug/libkvbm_cuda_sim.so "$SIM_CUDA_DIR/$name" 2>/dev/null \
+    || cp -f target/debug/libkvbm_cuda_sim.so "$SIM_CUDA_DIR/$name"
+done
+(
+  export LD_LIBRARY_PATH="$SIM_CUDA_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export KVBM_SIM_STRICT=1 KVBM_SIM_JITTER_SEED=14 KVBM_SIM_JITTER_US=200
+  unset KVBM_SIM_FAIL KVBM_SIM_REPORT
+  for layout in lbnhc blnhc outer-first; do
+    target/debug/kvbm-bench copy --device cuda --layout "$layout" --layers 4 --gib 0.01 \
+      --iterations 1 >/dev/null
+  done
+  KVBM_COPY_BATCH=0 target/debug/kvbm-bench copy --device cuda --layout lhbnc --layers 4 \
+    --gib 0.01 --iterations 1 >/dev/null
+  for engine in manager split; do
+    for disk_gb in 0 0.02; do
+      target/debug/kvbm-bench offload --device cuda --engine "$engine" --blocks 32 --layers 4 \
+        --iterations 1 --host-gb 0.02 --disk-gb "$disk_gb" >/dev/null
+    done
+  done
+)
+
 echo "== router front-end cost (kvbm-router example frontend_cost), a small run: index fed over ZMQ, tokenize and route"
 cargo run --quiet -p kvbm-router --example frontend_cost -- --workers 8 --blocks-per-worker 256 \
   --tokens 64,512 --iterations 50 --tokenize-iterations 5 >/dev/null
