@@ -6,6 +6,9 @@
 #
 #   ./gpu-check.sh                    # results (logs, results.jsonl) go to $OUT or a temp dir
 #   KVBM_GPU_CHECK_EMULATED=1 ./scripts/gpu-check.sh   # a dry run on the emulated device
+#   KVBM_GPU_CHECK_SIMULATED=1 ./scripts/gpu-check.sh  # a dry run of the CUDA back end itself,
+#       on the simulated driver (kvbm-cuda-sim's libkvbm_cuda_sim.so, found next to kvbm-bench
+#       or named by KVBM_SIM_DRIVER, loaded as libcuda.so): strict, streams jittered
 #
 # Without an NVIDIA GPU it says so and exits 0.
 set -uo pipefail
@@ -14,7 +17,17 @@ DEVICE=cuda
 GIB="${KVBM_GPU_CHECK_GIB:-1}"      # GiB per direction per pass of each copy run
 PIN_GIB="${KVBM_GPU_CHECK_PIN_GIB:-16}"
 BLOCKS="${KVBM_GPU_CHECK_BLOCKS:-1024}"
-if [ "${KVBM_GPU_CHECK_EMULATED:-0}" = 1 ]; then
+SIMULATED="${KVBM_GPU_CHECK_SIMULATED:-0}"
+if [ "${KVBM_GPU_CHECK_EMULATED:-0}" = 1 ] && [ "$SIMULATED" = 1 ]; then
+  echo "gpu-check: KVBM_GPU_CHECK_EMULATED=1 and KVBM_GPU_CHECK_SIMULATED=1: choose one" >&2
+  exit 2
+fi
+if [ "$SIMULATED" = 1 ]; then
+  GIB="${KVBM_GPU_CHECK_GIB:-0.125}"
+  PIN_GIB="${KVBM_GPU_CHECK_PIN_GIB:-0.5}"
+  BLOCKS="${KVBM_GPU_CHECK_BLOCKS:-64}"
+  echo "gpu-check: dry run of the CUDA back end on the simulated driver"
+elif [ "${KVBM_GPU_CHECK_EMULATED:-0}" = 1 ]; then
   DEVICE=emulated
   GIB="${KVBM_GPU_CHECK_GIB:-0.125}"
   PIN_GIB="${KVBM_GPU_CHECK_PIN_GIB:-0.5}"
@@ -27,7 +40,10 @@ else
   fi
 fi
 BENCH="${KVBM_BENCH:-}"
-for candidate in "$HERE/kvbm-bench" "$HERE/../target/release/kvbm-bench"; do
+CANDIDATES=("$HERE/kvbm-bench" "$HERE/../target/release/kvbm-bench")
+# A debug build is fine for a dry run, never for figures from a GPU.
+if [ "$SIMULATED" = 1 ]; then CANDIDATES+=("$HERE/../target/debug/kvbm-bench"); fi
+for candidate in "${CANDIDATES[@]}"; do
   if [ -z "$BENCH" ] && [ -x "$candidate" ]; then BENCH="$candidate"; fi
 done
 if [ -z "$BENCH" ]; then
@@ -37,6 +53,23 @@ fi
 OUT="${OUT:-$(mktemp -d -t kvbm-gpu-check.XXXXXX)}"
 mkdir -p "$OUT"
 RESULTS="$OUT/results.jsonl"
+if [ "$SIMULATED" = 1 ]; then
+  # The simulated driver built with this kvbm-bench (same directory), unless named.
+  SIM_DRIVER="${KVBM_SIM_DRIVER:-$(dirname "$BENCH")/libkvbm_cuda_sim.so}"
+  if [ ! -f "$SIM_DRIVER" ]; then
+    echo "gpu-check: simulated driver $SIM_DRIVER not found (cargo build -p kvbm-cuda-sim with the same profile, or set KVBM_SIM_DRIVER)" >&2
+    exit 2
+  fi
+  mkdir -p "$OUT/sim-cuda"
+  for name in libcuda.so libcuda.so.1; do
+    ln -f "$SIM_DRIVER" "$OUT/sim-cuda/$name" 2>/dev/null || cp -f "$SIM_DRIVER" "$OUT/sim-cuda/$name"
+  done
+  export LD_LIBRARY_PATH="$OUT/sim-cuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export KVBM_SIM_STRICT=1 KVBM_SIM_REPORT="$OUT/sim-violations.txt"
+  export KVBM_SIM_JITTER_SEED="${KVBM_SIM_JITTER_SEED:-14}" KVBM_SIM_JITTER_US="${KVBM_SIM_JITTER_US:-200}"
+  unset KVBM_SIM_FAIL
+  echo "gpu-check: driver $SIM_DRIVER, KVBM_SIM_JITTER_SEED=$KVBM_SIM_JITTER_SEED KVBM_SIM_JITTER_US=$KVBM_SIM_JITTER_US"
+fi
 : > "$RESULTS"
 START=$(date +%s)
 
@@ -55,7 +88,7 @@ run() {
 }
 
 # 1. The device and the driver; which back end `auto` picks.
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && [ "$SIMULATED" != 1 ]; then
   nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pcie.link.width.current \
     --format=csv,noheader | tee "$OUT/nvidia-smi.txt"
 fi
@@ -103,7 +136,11 @@ done
 #    disk tier, if Python, torch and the kvbm wheel are here.
 WHEEL=$(ls "$HERE"/kvbm-*.whl 2>/dev/null | head -n 1)
 PY="${PYTHON:-python3}"
-if command -v "$PY" >/dev/null 2>&1; then
+if [ "$SIMULATED" = 1 ]; then
+  # Torch has no CUDA tensors on the simulated driver; stand-in tensors over its device memory
+  # are yet to come.
+  echo "== connector: skipped (no CUDA tensors on the simulated driver)"
+elif command -v "$PY" >/dev/null 2>&1; then
   if [ -n "$WHEEL" ] && ! "$PY" -c "import kvbm" >/dev/null 2>&1; then
     "$PY" -m venv --system-site-packages "$OUT/venv" >/dev/null 2>&1 \
       && "$OUT/venv/bin/python" -m pip install --quiet --no-deps --no-index "$WHEEL" >"$OUT/pip.log" 2>&1 \
