@@ -295,7 +295,13 @@ pub fn run_copy(args: CopyArgs) -> anyhow::Result<bool> {
     let host = device
         .alloc_host(
             blocks * kv.host_stride_bytes(),
-            HostRegionOptions::default(),
+            // Pinned in chunks of whole blocks, as the engine pins its host tier: no block may
+            // straddle two registrations.
+            HostRegionOptions {
+                chunk_bytes: kvbm_core::manager::host_pin_options(kv.host_stride_bytes(), 1)
+                    .chunk_bytes,
+                ..HostRegionOptions::default()
+            },
         )
         .context("mapping host memory")?;
     let host_layout = BlockLayout::host(kv, blocks, host.addr());
