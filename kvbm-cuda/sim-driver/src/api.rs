@@ -88,8 +88,17 @@ fn with_context() -> Result<(), CUresult> {
     if CURRENT.with(|c| c.get()) == 0 {
         return Err(CUDA_ERROR_INVALID_CONTEXT);
     }
+    not_lost()
+}
+
+/// Err(the sticky error) once a copy failed on its stream; also the result of every wait, which
+/// reports a fault that happened while it waited (as cuStreamSynchronize does on a GPU).
+fn not_lost() -> Result<(), CUresult> {
     match stream::sticky_error() {
-        Some(code) => Err(code),
+        Some(code) => {
+            stream::quiesce();
+            Err(code)
+        }
         None => Ok(()),
     }
 }
@@ -327,7 +336,8 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
             for s in all {
                 s.synchronize();
             }
-        });
+        })
+        .and_then(|()| not_lost());
     code(r)
 }
 
@@ -643,7 +653,8 @@ pub unsafe extern "C" fn cuStreamSynchronize(h: CUhandle) -> CUresult {
     code(
         with_context()
             .and_then(|()| stream::stream(h as usize))
-            .map(|s| s.synchronize()),
+            .map(|s| s.synchronize())
+            .and_then(|()| not_lost()),
     )
 }
 
@@ -656,7 +667,7 @@ pub unsafe extern "C" fn cuStreamQuery(h: CUhandle) -> CUresult {
     let r = with_context().and_then(|()| stream::stream(h as usize));
     code(r.and_then(|s| {
         if s.is_idle() {
-            Ok(())
+            not_lost()
         } else {
             Err(CUDA_ERROR_NOT_READY)
         }
@@ -723,7 +734,7 @@ pub unsafe extern "C" fn cuEventQuery(event: CUhandle) -> CUresult {
     let r = with_context().and_then(|()| stream::event(event as usize));
     code(r.and_then(|e| {
         if e.is_complete() {
-            Ok(())
+            not_lost()
         } else {
             Err(CUDA_ERROR_NOT_READY)
         }
@@ -739,7 +750,8 @@ pub unsafe extern "C" fn cuEventSynchronize(event: CUhandle) -> CUresult {
     code(
         with_context()
             .and_then(|()| stream::event(event as usize))
-            .map(|e| e.synchronize()),
+            .map(|e| e.synchronize())
+            .and_then(|()| not_lost()),
     )
 }
 

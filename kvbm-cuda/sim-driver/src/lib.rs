@@ -33,7 +33,7 @@ pub mod violations;
 pub use config::{
     DRIVER_VERSION_ENV, JITTER_SEED_ENV, JITTER_US_ENV, MEMORY_BYTES_ENV, REPORT_ENV, STRICT_ENV,
 };
-pub use stream::{hold_stream, StreamHold};
+pub use stream::{drain_stream, hold_stream, StreamHold};
 
 /// The file names cudarc 0.19 tries first for the driver on Linux (`libcuda.so`, then
 /// `libcuda.so.1` among others).

@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc::{channel, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
 use std::time::Duration;
 
 use crate::config::config;
@@ -71,6 +71,14 @@ pub fn hold_stream(h: usize) -> Result<StreamHold, CUresult> {
     let gate = Arc::new(Gate::default());
     stream(h)?.enqueue(Op::Hold(gate.clone()))?;
     Ok(StreamHold { gate })
+}
+
+/// Waits until the stream `h` has run (or, on a lost context, skipped) everything queued on it,
+/// whatever the context's state. Not a CUDA function: for the simulator's own tests, since every
+/// CUDA call returns at once on a lost context.
+pub fn drain_stream(h: usize) -> Result<(), CUresult> {
+    stream(h)?.synchronize();
+    Ok(())
 }
 
 #[derive(Default)]
@@ -147,16 +155,23 @@ impl Stream {
                 // The worker owns an Arc of the stream but only the sender ends the loop: it is
                 // dropped by `destroy` once the caller lets go of the stream.
                 while let Ok(op) = rx.recv() {
+                    let copies = matches!(op, Op::Copies(_));
+                    // Copies touch caller memory only under a read guard of TOUCHING, and not
+                    // at all once the context is lost (see `quiesce`).
+                    let touching =
+                        copies.then(|| TOUCHING.read().unwrap_or_else(|e| e.into_inner()));
                     if let Some(j) = &mut jitter {
                         // A copy in progress leaves its target undefined: poison it for the
                         // pause, so that a reader who did not wait sees wrong bytes.
                         if let Op::Copies(copies) = &op {
-                            poison_targets(copies);
+                            if sticky_error().is_none() {
+                                poison_targets(copies);
+                            }
                         }
                         j.pause();
                     }
-                    let copies = matches!(op, Op::Copies(_));
                     worker.run(op);
+                    drop(touching);
                     let mut progress = lock(&worker.progress);
                     if copies {
                         progress.pending.pop_front();
@@ -272,6 +287,19 @@ pub(crate) fn sticky_error() -> Option<CUresult> {
     match STICKY.load(Ordering::SeqCst) {
         0 => None,
         code => Some(code),
+    }
+}
+
+/// Held for reading by a worker while it poisons or copies caller memory.
+static TOUCHING: RwLock<()> = RwLock::new(());
+
+/// Once the context is lost, waits until no worker is in the middle of a copy; none starts one
+/// afterwards. Every call that needs the context does this before it returns the sticky error,
+/// so that a caller releasing memory after a failure (as kvbm-cuda does) never has a worker
+/// write into memory it already unmapped: on a GPU nothing runs on a lost context either.
+pub(crate) fn quiesce() {
+    if sticky_error().is_some() {
+        drop(TOUCHING.write().unwrap_or_else(|e| e.into_inner()));
     }
 }
 

@@ -17,8 +17,9 @@ fn profile_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).unwrap().to_path_buf()
 }
 
-/// Builds kvbm-bench, the simulated driver and the probe once; installs the driver as
-/// `libcuda.so` in a directory of its own. Returns (kvbm-bench, probe, driver directory).
+/// Builds kvbm-bench, the simulated driver and the probes once; installs the driver as
+/// `libcuda.so` in a directory of its own. Returns (kvbm-bench, pageable probe, driver
+/// directory); the other probe lies next to the first.
 fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
     static BUILT: OnceLock<(PathBuf, PathBuf, PathBuf)> = OnceLock::new();
     BUILT.get_or_init(|| {
@@ -34,6 +35,8 @@ fn built() -> &'static (PathBuf, PathBuf, PathBuf) {
                 "kvbm-cuda-sim",
                 "--example",
                 "pageable_probe",
+                "--example",
+                "lost_context_probe",
             ][..],
         ] {
             let mut cmd = Command::new(env!("CARGO"));
@@ -310,7 +313,30 @@ fn a_copy_that_fails_on_its_stream_fails_the_run_without_a_hang_or_a_panic() {
             !out.status.success(),
             "{args:?} succeeded over a failed copy"
         );
-        assert!(stderr.contains("CUDA_ERROR_ILLEGAL_ADDRESS"), "{stderr}");
+        assert!(
+            stderr.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+            "{:?}: {stderr}",
+            out.status
+        );
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[test]
+fn nothing_runs_on_a_lost_context_so_memory_released_after_a_fault_is_safe() {
+    // kvbm-cuda releases a transfer's regions once its completion reports a fault, with copies
+    // of other streams still queued. The simulator once went on poisoning their targets under
+    // jitter, and segfaulted into a host range already unmapped (seen in CI as a kvbm-bench run
+    // killed halfway through printing its error). The probe replays that order in one process.
+    let (_, pageable, _) = built();
+    let probe = pageable.with_file_name("lost_context_probe");
+    let out = run_on_sim(
+        &probe,
+        &[],
+        true,
+        None,
+        &[("KVBM_SIM_FAIL", "async:1:700"), ("KVBM_SIM_JITTER_US", "50")],
+    );
+    assert!(out.status.success(), "{:?}", out.status);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "survived");
 }
