@@ -74,6 +74,10 @@ done
         --iterations 1 --host-gb 0.02 --disk-gb "$disk_gb" >/dev/null
     done
   done
+  echo "== kvbm-cuda's and kvbm-core's tests again, on the CUDA back end over the simulated driver (KVBM_DEVICE=cuda, strict, jittered)"
+  # Tests that hold a stream or inject faults per stream open the emulated device themselves.
+  export KVBM_DEVICE=cuda KVBM_SIM_JITTER_US=50
+  cargo test --quiet -p kvbm-cuda -p kvbm-core --tests
 )
 
 echo "== router front-end cost (kvbm-router example frontend_cost), a small run: index fed over ZMQ, tokenize and route"

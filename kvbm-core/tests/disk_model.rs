@@ -52,7 +52,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
     let events = EventPublisher::new();
     let mut sub = events.subscribe(100_000);
     let m = BlockManager::with_publisher(
-        Device::emulated(),
+        device(),
         ManagerOptions {
             kv: kv(2),
             gpu_blocks: 10,

@@ -21,7 +21,7 @@ const FILE: &str = "kvbm-test.cache";
 
 fn disk_manager(dir: &Path, filter_disabled: bool, events: EventPublisher) -> BlockManager {
     let m = BlockManager::with_publisher(
-        Device::emulated(),
+        device(),
         ManagerOptions {
             kv: kv(2),
             gpu_blocks: 12,
@@ -360,7 +360,7 @@ fn the_disk_tier_is_sized_from_the_environment() {
     assert_eq!(disk.dir, dir.path());
     assert_eq!(disk.file_name, "kvbm-rank3.cache");
     assert!(disk.filter_disabled && !disk.disable_o_direct);
-    let m = BlockManager::new(Device::emulated(), options, GpuMemory::Allocate).unwrap();
+    let m = BlockManager::new(device(), options, GpuMemory::Allocate).unwrap();
     assert_eq!(m.disk_pool().unwrap().capacity(), 12);
     assert!(dir.path().join("kvbm-rank3.cache").exists());
     let no_disk = kvbm_core::KvbmConfig::from_lookup(

@@ -185,7 +185,15 @@ fn wrong_arguments_are_refused_and_lose_nothing() {
 fn an_offloaded_block_is_findable_at_once_and_an_onboard_from_it_waits_for_its_copy() {
     // The manager's leader registers (and announces) a host block when its copy is queued, as
     // the connector's does; the worker must then order the onboard after that copy.
-    let m = manager(2, LayerShape::OuterFirst, 8, 4, TransferLimits::default());
+    // Emulated: the test holds a stream, which only it can.
+    let m = manager_on(
+        Device::emulated(),
+        2,
+        LayerShape::OuterFirst,
+        8,
+        4,
+        TransferLimits::default(),
+    );
     let mut sub = m.subscribe(64);
     let ids = identities(&(0..8).collect::<Vec<u32>>());
     let gpu = m
@@ -305,8 +313,7 @@ fn a_managers_events_go_out_over_zmq_in_vllms_format() {
         kv_events: Some(kvbm_events::PublisherConfig::new("tcp://127.0.0.1:*", None)),
     };
     let m =
-        kvbm_core::BlockManager::new(Device::emulated(), options, kvbm_core::GpuMemory::Allocate)
-            .unwrap();
+        kvbm_core::BlockManager::new(device(), options, kvbm_core::GpuMemory::Allocate).unwrap();
     assert!(m
         .host_region()
         .wait_ready(usize::MAX, std::time::Duration::from_secs(60)));
@@ -385,7 +392,9 @@ fn a_managers_events_go_out_over_zmq_in_vllms_format() {
 #[test]
 fn a_failed_offload_batch_leaves_the_host_tier_at_once_and_the_rest_is_served() {
     // One block a batch: the first batch's DMA fails (an injected fault), the second lands.
-    let m = manager(
+    // Emulated: only it injects faults per stream (on CUDA, KVBM_SIM_FAIL does, per process).
+    let m = manager_on(
+        Device::emulated(),
         2,
         LayerShape::OuterFirst,
         8,
@@ -432,7 +441,9 @@ fn a_failed_offload_batch_leaves_the_host_tier_at_once_and_the_rest_is_served() 
 
 #[test]
 fn a_failed_onboard_batch_returns_its_targets_and_registers_the_rest() {
-    let m = manager(
+    // Emulated: only it injects faults per stream.
+    let m = manager_on(
+        Device::emulated(),
         2,
         LayerShape::BlockFirst,
         8,
@@ -500,7 +511,15 @@ fn handles_of_another_manager_are_refused() {
 
 #[test]
 fn read_host_block_waits_for_the_offload_into_it() {
-    let m = manager(2, LayerShape::OuterFirst, 8, 4, TransferLimits::default());
+    // Emulated: the test holds a stream, which only it can.
+    let m = manager_on(
+        Device::emulated(),
+        2,
+        LayerShape::OuterFirst,
+        8,
+        4,
+        TransferLimits::default(),
+    );
     let ids = identities(&(0..8).collect::<Vec<u32>>());
     let gpu = m
         .register_gpu(fill(&m, m.allocate_gpu(2).unwrap(), &ids))

@@ -27,8 +27,25 @@ fn kv() -> KvLayout {
     KvLayout::new(3, 2, B, 16, 2).unwrap()
 }
 
+/// The device under test: the one `KVBM_DEVICE` names (`auto`: CUDA when a driver and a GPU
+/// exist, else emulated). `scripts/test.sh` runs these tests again with `KVBM_DEVICE=cuda` on
+/// the simulated driver.
+fn device() -> Device {
+    Device::from_env(0).expect("KVBM_DEVICE names a device this machine has")
+}
+
 fn rig(layout: &str, gpu_blocks: usize, host_blocks: usize, disk_blocks: usize) -> Rig {
-    let device = Device::emulated();
+    rig_on(device(), layout, gpu_blocks, host_blocks, disk_blocks)
+}
+
+/// [`rig`] on a given device: the emulated one for tests that hold a stream, which only it can.
+fn rig_on(
+    device: Device,
+    layout: &str,
+    gpu_blocks: usize,
+    host_blocks: usize,
+    disk_blocks: usize,
+) -> Rig {
     let kv = kv();
     let gpu_layout = GpuLayout::Paged {
         layout: layout.parse::<PhysicalLayout>().unwrap(),
@@ -311,7 +328,8 @@ fn malformed_plans_and_ids_outside_the_pools_are_refused_and_lose_nothing() {
 
 #[test]
 fn preemption_waits_for_the_offloads_reading_the_preempted_blocks() {
-    let mut r = rig("BLNHC", 8, 4, 0);
+    // Emulated: the test holds a stream, which only it can.
+    let mut r = rig_on(Device::emulated(), "BLNHC", 8, 4, 0);
     let before = r.block(2);
     r.leader
         .plan_offloads(vec![("p".into(), tokens(0, 1), vec![2])])
@@ -339,7 +357,8 @@ fn asynchronous_onboards_run_side_by_side() {
     // Two disk onboards; the host-to-device stream is held, so the first one's copy cannot
     // finish. With one loader the second one's disk reads would wait behind it; with several,
     // they run meanwhile.
-    let mut r = rig("BLNHC", 32, 8, 16);
+    // Emulated: the test holds a stream, which only it can.
+    let mut r = rig_on(Device::emulated(), "BLNHC", 32, 8, 16);
     let mut hashes = Vec::new();
     for (i, first) in [0u32, 1000].into_iter().enumerate() {
         let gpu: Vec<u32> = (0..2).map(|b| i as u32 * 2 + b).collect();
@@ -394,7 +413,8 @@ fn asynchronous_onboards_run_side_by_side() {
 
 #[test]
 fn a_request_is_finished_offloading_only_when_no_offload_of_it_is_in_flight() {
-    let mut r = rig("BLNHC", 16, 8, 0);
+    // Emulated: the test holds a stream, which only it can.
+    let mut r = rig_on(Device::emulated(), "BLNHC", 16, 8, 0);
     let (p, q) = ("p".to_string(), "q".to_string());
     // One job for both requests; a preemption of p settles it (and so q's part of it).
     r.worker
@@ -421,7 +441,7 @@ fn a_failed_copy_fails_exactly_its_blocks_and_is_never_served() {
     // The worker is handed only the first half of the engine's KV cache (BLNHC: blocks 0..4),
     // so every copy touching a block of the second half is refused by the stream, as a real DMA
     // fault fails its batch; one block a batch here, so exactly those blocks fail.
-    let device = Device::emulated();
+    let device = device();
     let kv = kv();
     let gpu_layout = GpuLayout::Paged {
         layout: "BLNHC".parse::<PhysicalLayout>().unwrap(),
@@ -487,7 +507,7 @@ fn a_failed_copy_fails_exactly_its_blocks_and_is_never_served() {
 fn the_host_pool_is_pinned_in_whole_blocks() {
     // Qwen3-0.6B blocks (1.75 MiB, a host stride that does not divide 256 MiB): a chunk of the
     // pool pinned (CUDA-registered) at once holds whole blocks, so no block straddles two.
-    let device = Device::emulated();
+    let device = device();
     let kv = KvLayout::new(28, 2, 16, 1024, 2).unwrap();
     let gpu_layout = GpuLayout::Paged {
         layout: "BLNHC".parse::<PhysicalLayout>().unwrap(),

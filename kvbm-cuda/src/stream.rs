@@ -251,9 +251,7 @@ impl CopyStream {
         validate(self.direction, &pieces, &regions)?;
         let submitted = pieces.len() as u64;
         let bytes: u64 = pieces.iter().map(|p| p.len as u64).sum();
-        if self.options.coalesce {
-            coalesce(&mut pieces);
-        }
+        fit_to_segments(self.direction, &mut pieces, &regions, self.options.coalesce);
         self.stats.transfers.fetch_add(1, Ordering::Relaxed);
         self.stats
             .pieces_submitted
@@ -306,6 +304,102 @@ impl CopyStream {
             bytes: self.stats.bytes.load(Ordering::Relaxed),
         }
     }
+}
+
+/// The pieces of one copy side that a single driver copy may span: a GPU region, or one
+/// pinning chunk of a host region (each chunk is its own `cuMemHostRegister` range, and a real
+/// driver handles a copy reaching past its range as pageable memory, or refuses it). Sorted
+/// (start, end, chunk bytes) of the regions.
+struct Segments(Vec<(u64, u64, u64)>);
+
+impl Segments {
+    fn of(regions: &[Region], want_gpu: bool) -> Self {
+        let mut spans: Vec<(u64, u64, u64)> = regions
+            .iter()
+            .filter_map(|r| match (r, want_gpu) {
+                (Region::Gpu(g), true) => Some((g.addr(), g.addr() + g.len() as u64, u64::MAX)),
+                (Region::Host(h), false) => {
+                    Some((h.addr(), h.addr() + h.len() as u64, h.chunk_bytes() as u64))
+                }
+                _ => None,
+            })
+            .collect();
+        spans.sort_unstable();
+        Self(spans)
+    }
+
+    /// The end of the segment holding `addr` (which [`validate`] placed inside a region).
+    fn end_of(&self, addr: u64) -> u64 {
+        let i = self.0.partition_point(|s| s.0 <= addr);
+        let Some(&(start, end, chunk)) = i.checked_sub(1).and_then(|i| self.0.get(i)) else {
+            return u64::MAX;
+        };
+        let chunk_end = ((addr - start) / chunk)
+            .checked_add(1)
+            .and_then(|n| n.checked_mul(chunk))
+            .and_then(|off| start.checked_add(off))
+            .unwrap_or(u64::MAX);
+        chunk_end.min(end)
+    }
+}
+
+/// Makes each piece lie inside one segment on both sides (see [`Segments`]): a piece crossing
+/// a boundary is split there, and with `merge`, consecutive pieces that continue each other on
+/// both sides are merged as [`coalesce`] does, but never across a boundary. Validated pieces.
+fn fit_to_segments(
+    direction: Direction,
+    pieces: &mut Vec<CopyPiece>,
+    regions: &[Region],
+    merge: bool,
+) {
+    let (gpu, host) = (Segments::of(regions, true), Segments::of(regions, false));
+    let (src, dst) = match direction {
+        Direction::DeviceToHost => (&gpu, &host),
+        Direction::HostToDevice => (&host, &gpu),
+    };
+    // Where the piece starting at (s, d) must end at the latest.
+    let limit = |s: u64, d: u64| (src.end_of(s) - s).min(dst.end_of(d) - d);
+    let fits = pieces.iter().all(|p| p.len as u64 <= limit(p.src, p.dst));
+    if !merge && fits {
+        return;
+    }
+    let mut out: Vec<CopyPiece> = Vec::with_capacity(pieces.len());
+    for &p in pieces.iter() {
+        let mut p = p;
+        loop {
+            let room = limit(p.src, p.dst);
+            let len = (p.len as u64).min(room) as usize;
+            let head = CopyPiece {
+                src: p.src,
+                dst: p.dst,
+                len,
+            };
+            let merged = merge
+                && out.last_mut().is_some_and(|last| {
+                    let continues = last.src + last.len as u64 == head.src
+                        && last.dst + last.len as u64 == head.dst;
+                    let room = limit(last.src, last.dst);
+                    if continues && (last.len + head.len) as u64 <= room {
+                        last.len += head.len;
+                        true
+                    } else {
+                        false
+                    }
+                });
+            if !merged {
+                out.push(head);
+            }
+            if len == p.len {
+                break;
+            }
+            p = CopyPiece {
+                src: p.src + len as u64,
+                dst: p.dst + len as u64,
+                len: p.len - len,
+            };
+        }
+    }
+    *pieces = out;
 }
 
 /// (start, end, ready end) of the regions of one kind, sorted by start.

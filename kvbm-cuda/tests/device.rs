@@ -1,4 +1,8 @@
-//! The device layer on a machine without a GPU, and the emulated back end end to end.
+//! The device layer end to end. The tests run on the device `KVBM_DEVICE` names (`auto`: CUDA
+//! when a driver and a GPU exist, else the emulated device); `scripts/test.sh` runs them a
+//! second time with `KVBM_DEVICE=cuda` on the simulated driver (kvbm-cuda-sim, strict, jittered),
+//! so every one of them also checks the CUDA back end. A test that needs what only the emulated
+//! device offers (holding a stream) says so and opens it.
 
 use std::time::Duration;
 
@@ -7,6 +11,11 @@ use kvbm_cuda::{
     HostRegionOptions, PinStatus, StreamOptions, Transfer,
 };
 use rand::{Rng, RngCore, SeedableRng};
+
+/// The device under test: the one `KVBM_DEVICE` names.
+fn device() -> Device {
+    Device::from_env(0).expect("KVBM_DEVICE names a device this machine has")
+}
 
 fn small_host_options() -> HostRegionOptions {
     HostRegionOptions {
@@ -67,7 +76,7 @@ fn gather_offload_and_scatter_onboard_are_byte_exact() {
     let seed = rand::random::<u64>();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let device = Device::emulated();
+    let device = device();
     let len = 1 << 20;
     let gpu = device.alloc_gpu(len).unwrap();
     let host = ready_host(&device, len);
@@ -130,7 +139,7 @@ fn gather_offload_and_scatter_onboard_are_byte_exact() {
 
 #[test]
 fn transfers_on_one_stream_complete_in_order() {
-    let device = Device::emulated();
+    let device = device();
     let gpu = device.alloc_gpu(4096).unwrap();
     let host = ready_host(&device, 4096);
     let stream = device.copy_stream(Direction::HostToDevice).unwrap();
@@ -162,7 +171,7 @@ fn transfers_on_one_stream_complete_in_order() {
 
 #[test]
 fn the_stream_keeps_regions_alive_after_the_caller_lets_go() {
-    let device = Device::emulated();
+    let device = device();
     let len = 8 << 20;
     let host = ready_host(&device, len);
     host.write(0, &vec![7u8; len]).unwrap();
@@ -190,7 +199,7 @@ fn check_refused(
     direction: Direction,
     build: impl FnOnce(&mut Transfer, &kvbm_cuda::GpuRegion, &kvbm_cuda::HostRegion),
 ) -> DeviceError {
-    let device = Device::emulated();
+    let device = device();
     let gpu = device.alloc_gpu(8192).unwrap();
     let host = ready_host(&device, 8192);
     let stream = device.copy_stream(direction).unwrap();
@@ -267,7 +276,7 @@ fn coalescing_merges_only_pieces_that_continue_on_both_sides() {
 
 #[test]
 fn coalescing_off_and_on_copy_the_same_bytes() {
-    let device = Device::emulated();
+    let device = device();
     let gpu = device.alloc_gpu(1 << 16).unwrap();
     let host = ready_host(&device, 1 << 16);
     let data: Vec<u8> = (0..1 << 16).map(|i| (i * 31 % 251) as u8).collect();
@@ -300,8 +309,73 @@ fn coalescing_off_and_on_copy_the_same_bytes() {
 }
 
 #[test]
+fn copies_never_cross_a_host_pinning_chunk_or_a_gpu_region() {
+    // Each pinning chunk of a host region is its own registration: a driver copy reaching past
+    // one is pageable (or refused) on a real GPU, and a violation on the simulated driver. The
+    // stream splits pieces at chunk ends and merges adjacent pieces only inside one chunk.
+    let device = device();
+    let chunk = small_host_options().chunk_bytes; // 64 KiB
+    let len = 4 * chunk;
+    let gpu = device.alloc_gpu(len).unwrap();
+    let host = ready_host(&device, len);
+    let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
+    gpu.write(0, &data).unwrap();
+    // (name, pieces, driver copies merged, driver copies unmerged)
+    let cases: [(&str, Vec<(usize, usize)>, u64, u64); 3] = [
+        // 4 KiB pieces back to back over all four chunks: merged into one copy per chunk.
+        (
+            "adjacent pages",
+            (0..len / 4096).map(|i| (i * 4096, 4096)).collect(),
+            4,
+            (len / 4096) as u64,
+        ),
+        // One piece over everything: split at each chunk end.
+        ("one piece", vec![(0, len)], 4, 4),
+        // A piece straddling the first boundary, then one continuing its second half.
+        (
+            "a straddler",
+            vec![(chunk - 100, 200), (chunk + 100, 50)],
+            2,
+            3,
+        ),
+    ];
+    for (name, pieces, merged, unmerged) in cases {
+        for coalesce in [true, false] {
+            let stream = device
+                .copy_stream_with(
+                    Direction::DeviceToHost,
+                    StreamOptions {
+                        coalesce,
+                        batch_copy: true,
+                    },
+                )
+                .unwrap();
+            host.write(0, &vec![0u8; len]).unwrap();
+            let mut t = Transfer::default();
+            for &(at, n) in &pieces {
+                t.push(gpu.addr() + at as u64, host.addr() + at as u64, n);
+            }
+            t.keep(gpu.clone());
+            t.keep(host.clone());
+            stream.submit(t).unwrap().wait().unwrap();
+            let mut out = vec![0u8; len];
+            host.read(0, &mut out).unwrap();
+            for &(at, n) in &pieces {
+                assert!(
+                    out[at..at + n] == data[at..at + n],
+                    "{name}, coalesce {coalesce}"
+                );
+            }
+            let issued = stream.stats().copies_issued;
+            let expected = if coalesce { merged } else { unmerged };
+            assert_eq!(issued, expected, "{name}, coalesce {coalesce}");
+        }
+    }
+}
+
+#[test]
 fn host_regions_become_ready_in_chunks_and_report_how_they_are_pinned() {
-    let device = Device::emulated();
+    let device = device();
     let len = (1 << 20) + 123;
     let host = device.alloc_host(len, small_host_options()).unwrap();
     assert!(host.wait_ready(len, Duration::from_secs(60)));
@@ -309,10 +383,13 @@ fn host_regions_become_ready_in_chunks_and_report_how_they_are_pinned() {
     assert!(host.is_fully_ready());
     let (first, full) = host.ready_times();
     assert!(first.unwrap() <= full.unwrap());
-    match host.pin_status() {
-        PinStatus::Locked => {}
-        PinStatus::Unpinned(reason) => assert!(reason.contains("mlock"), "{reason}"),
-        other => panic!("unexpected pin status {other:?}"),
+    match (device.kind(), host.pin_status()) {
+        (DeviceKind::Emulated, PinStatus::Locked) => {}
+        (DeviceKind::Emulated, PinStatus::Unpinned(reason)) => {
+            assert!(reason.contains("mlock"), "{reason}")
+        }
+        (DeviceKind::Cuda, PinStatus::Registered) => {}
+        (kind, other) => panic!("unexpected pin status {other:?} on {kind:?}"),
     }
     host.write(len - 3, &[1, 2, 3]).unwrap();
     let mut out = [0u8; 3];
@@ -325,9 +402,12 @@ fn host_regions_become_ready_in_chunks_and_report_how_they_are_pinned() {
 
 #[test]
 fn external_gpu_memory_is_used_but_not_owned() {
-    let device = Device::emulated();
-    let mut engine_tensor = vec![3u8; 8192];
-    let addr = engine_tensor.as_mut_ptr() as u64;
+    let device = device();
+    // The engine's tensor: device memory kvbm did not allocate for itself (on CUDA, registering
+    // needs a real device allocation; on the emulated device any memory would do).
+    let engine_tensor = device.alloc_gpu(8192).unwrap();
+    engine_tensor.write(0, &[3u8; 8192]).unwrap();
+    let addr = engine_tensor.addr();
     // SAFETY: `engine_tensor` outlives the region and every transfer below.
     let region = unsafe { device.register_gpu(addr, 8192, 0) }.unwrap();
     assert!(region.is_external());
@@ -345,8 +425,11 @@ fn external_gpu_memory_is_used_but_not_owned() {
     let mut out = vec![0u8; 8192];
     host.read(0, &mut out).unwrap();
     assert!(out.iter().all(|&b| b == 3));
-    engine_tensor[0] = 9; // still ours to use
-    assert_eq!(engine_tensor[0], 9);
+    // Dropping the registration left the engine's memory alone: still there, still its own.
+    engine_tensor.write(0, &[9]).unwrap();
+    let mut first = [0u8; 2];
+    engine_tensor.read(0, &mut first).unwrap();
+    assert_eq!(first, [9, 3]);
 }
 
 #[test]

@@ -19,6 +19,13 @@ pub fn kv(outer: usize) -> KvLayout {
     KvLayout::new(3, outer, BLOCK_TOKENS, 16, 2).unwrap()
 }
 
+/// The device under test: the one `KVBM_DEVICE` names (`auto`: CUDA when a driver and a GPU
+/// exist, else emulated). `scripts/test.sh` runs the tests again with `KVBM_DEVICE=cuda` on the
+/// simulated driver.
+pub fn device() -> Device {
+    Device::from_env(0).expect("KVBM_DEVICE names a device this machine has")
+}
+
 pub fn manager(
     outer: usize,
     shape: LayerShape,
@@ -26,8 +33,21 @@ pub fn manager(
     host_blocks: usize,
     limits: TransferLimits,
 ) -> BlockManager {
+    manager_on(device(), outer, shape, gpu_blocks, host_blocks, limits)
+}
+
+/// [`manager`] on a given device: the emulated one for tests that inject copy faults
+/// (`fail_next_copies`), which only it can.
+pub fn manager_on(
+    device: Device,
+    outer: usize,
+    shape: LayerShape,
+    gpu_blocks: usize,
+    host_blocks: usize,
+    limits: TransferLimits,
+) -> BlockManager {
     let m = BlockManager::new(
-        Device::emulated(),
+        device,
         ManagerOptions {
             kv: kv(outer),
             gpu_blocks,

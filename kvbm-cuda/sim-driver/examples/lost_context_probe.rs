@@ -8,8 +8,8 @@
 //! with jitter on.
 
 use kvbm_cuda_sim::api::*;
-use kvbm_cuda_sim::{drain_stream, hold_stream};
 use kvbm_cuda_sim::result::*;
+use kvbm_cuda_sim::{drain_stream, hold_stream};
 
 fn main() {
     let len = 1 << 16;
@@ -41,7 +41,10 @@ fn main() {
         assert_eq!(cuMemcpyAsync(host as u64, gpu, len, held), CUDA_SUCCESS);
         // The fault: the first copy a stream runs (the held one has not run yet).
         let half = len / 2;
-        assert_eq!(cuMemcpyAsync(gpu + half as u64, gpu, half, faulting), CUDA_SUCCESS);
+        assert_eq!(
+            cuMemcpyAsync(gpu + half as u64, gpu, half, faulting),
+            CUDA_SUCCESS
+        );
         let lost = cuStreamSynchronize(faulting);
         assert_ne!(lost, CUDA_SUCCESS, "set KVBM_SIM_FAIL=async:1:CODE");
         assert_eq!(cuMemHostUnregister(host), lost);

@@ -335,7 +335,10 @@ fn nothing_runs_on_a_lost_context_so_memory_released_after_a_fault_is_safe() {
         &[],
         true,
         None,
-        &[("KVBM_SIM_FAIL", "async:1:700"), ("KVBM_SIM_JITTER_US", "50")],
+        &[
+            ("KVBM_SIM_FAIL", "async:1:700"),
+            ("KVBM_SIM_JITTER_US", "50"),
+        ],
     );
     assert!(out.status.success(), "{:?}", out.status);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "survived");
