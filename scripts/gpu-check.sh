@@ -137,9 +137,15 @@ done
 WHEEL=$(ls "$HERE"/kvbm-*.whl 2>/dev/null | head -n 1)
 PY="${PYTHON:-python3}"
 if [ "$SIMULATED" = 1 ]; then
-  # Torch has no CUDA tensors on the simulated driver; stand-in tensors over its device memory
-  # are yet to come.
-  echo "== connector: skipped (no CUDA tensors on the simulated driver)"
+  # Torch has no CUDA tensors on the simulated driver: kvbm.testing's cuda:0 stand-ins over its
+  # device memory take their place, if the kvbm package is importable (scripts/test.sh's .venv).
+  SIM_PY="$PY"
+  if [ -x "$HERE/../.venv/bin/python" ]; then SIM_PY="$HERE/../.venv/bin/python"; fi
+  if "$SIM_PY" -c "import kvbm, numpy" >/dev/null 2>&1; then
+    run connector 180 env KVBM_GPU_CHECK_DEVICE=simulated "$SIM_PY" "$HERE/gpu_connector_check.py"
+  else
+    echo "== connector: skipped (the kvbm package is not importable)"
+  fi
 elif command -v "$PY" >/dev/null 2>&1; then
   if [ -n "$WHEEL" ] && ! "$PY" -c "import kvbm" >/dev/null 2>&1; then
     "$PY" -m venv --system-site-packages "$OUT/venv" >/dev/null 2>&1 \

@@ -1,7 +1,9 @@
 """The connector's worker side on real tensors: KV caches laid out as vLLM 0.33 lays them out
 (one backing buffer, per-layer [B, H, N, C] views in LBNHC, vLLM's default, and BLNHC, what kvbm
 asks for) and as older releases did (per-layer [2, B, N, H, D] tensors); torch CUDA tensors on a
-GPU, numpy arrays in a dry run; registered with KvbmWorker, many blocks saved to the pinned host
+GPU, numpy arrays in a dry run (KVBM_GPU_CHECK_DEVICE=emulated), numpy arrays over the simulated
+CUDA driver's device memory as cuda:0 tensors (KVBM_GPU_CHECK_DEVICE=simulated: the worker's CUDA
+path on kvbm-cuda-sim); registered with KvbmWorker, many blocks saved to the pinned host
 pool and loaded back into other GPU blocks, some through the disk tier, every byte compared with
 the tensors. Prints a summary line per layout and one JSON line. Run by gpu-check.sh."""
 
@@ -12,7 +14,15 @@ import tempfile
 import time
 
 import kvbm
-from kvbm.testing import KV_CACHE_LAYOUTS, HostTensor, allocate_kv_cache, host_array, layout_strides
+from kvbm.testing import (
+    KV_CACHE_LAYOUTS,
+    CudaDevice,
+    HostTensor,
+    allocate_kv_cache,
+    host_array,
+    layout_strides,
+    simulated_gpu_array,
+)
 from kvbm.worker import KvbmWorker
 
 DEVICE = os.environ.get("KVBM_GPU_CHECK_DEVICE", "cuda")
@@ -30,9 +40,10 @@ def make(shape):
         return t
     import numpy as np
 
-    a = host_array(shape, huge_pages=True)
+    simulated = DEVICE == "simulated"
+    a = simulated_gpu_array(shape) if simulated else host_array(shape, huge_pages=True)
     a[...] = np.random.default_rng(len(shape)).integers(0, 1 << 16, size=shape, dtype=np.uint16)
-    return HostTensor(a)
+    return HostTensor(a, device=CudaDevice(0) if simulated else "cpu")
 
 
 def make_vllm(layout):
@@ -40,7 +51,9 @@ def make_vllm(layout):
     per-layer views as_strided in bytes, then viewed as bf16."""
     content = 2 * HEAD
     if DEVICE != "cuda":
-        caches, raw = allocate_kv_cache(LAYERS, BLOCKS, HEADS, BLOCK, content, "uint16", layout, huge_pages=True)
+        caches, raw = allocate_kv_cache(
+            LAYERS, BLOCKS, HEADS, BLOCK, content, "uint16", layout, huge_pages=True, simulated_gpu=DEVICE == "simulated"
+        )
         import numpy as np
 
         raw[...] = np.random.default_rng(9).integers(-128, 127, size=raw.shape, dtype=np.int8)

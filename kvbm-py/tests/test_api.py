@@ -10,7 +10,7 @@ import kvbm
 from kvbm.testing import allocate_kv_cache
 from kvbm.worker import KvbmWorker, describe_kv_caches
 
-from conftest import LAYOUTS_033, REPO, HostTensor, block_view, make_caches
+from conftest import LAYOUTS_033, REPO, SIMULATED_GPU, HostTensor, block_view, make_caches
 
 #: Copies per block for 3 layers of 2 heads (the older 5-D tensors: K and V apart per layer).
 RUNS = {
@@ -126,7 +126,7 @@ def test_worker_round_trips_blocks_byte_exactly(kind):
     worker = KvbmWorker(host_blocks=5)
     worker.register_kv_caches(caches)
     w = worker.native
-    assert (w.num_layers, w.num_blocks, w.host_blocks, w.device_kind) == (3, 8, 5, "emulated")
+    assert (w.num_layers, w.num_blocks, w.host_blocks, w.device_kind) == (3, 8, 5, "cuda" if SIMULATED_GPU else "emulated")
     assert w.runs_per_block == RUNS[kind], "one copy per contiguous run of a block"
     assert w.layout_name == (kind.upper().removeprefix("MLA-") if kind.upper()[-5:] in LAYOUTS_033 else "per-layer tensors")
     w.offload([(1, 0), (6, 4), (3, 2)], ["r"])

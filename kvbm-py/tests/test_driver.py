@@ -79,7 +79,7 @@ def run_worker(conn) -> None:
     import os
 
     os.environ["KVBM_DEVICE"] = "emulated"
-    from conftest import make_caches, token_slot
+    from conftest import SIMULATED_GPU, make_caches, token_slot
 
     import kvbm
     from kvbm.worker import KvbmWorker
@@ -93,6 +93,8 @@ def run_worker(conn) -> None:
     # Each tensor-parallel rank holds its own shard: here, its own bytes for the same tokens.
     shard = rank * 4099
     worker.register_kv_caches(caches)
+    # cuda:0 tensors (the simulated driver's memory) take the CUDA path whatever KVBM_DEVICE says.
+    assert worker.native.device_kind == ("cuda" if SIMULATED_GPU else "emulated")
     names = list(caches)
     pending_async = {}
 

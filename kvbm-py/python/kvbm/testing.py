@@ -1,15 +1,38 @@
 """Stand-ins for engine tensors, for tests, benchmarks and dry runs without a GPU.
 
 :class:`HostTensor` puts a numpy array behind the part of ``torch.Tensor`` kvbm reads
-(``data_ptr()``, ``shape``, ``stride()``, ``dtype``, ``element_size()``, ``device``); kvbm then
-treats it as GPU memory on its emulated device. :func:`host_array` maps such memory, optionally
-with huge pages as the emulated device maps its own. Needs numpy.
+(``data_ptr()``, ``shape``, ``stride()``, ``dtype``, ``element_size()``, ``device``,
+``is_cuda``); kvbm then treats it as GPU memory on its emulated device. :func:`host_array` maps
+such memory, optionally with huge pages as the emulated device maps its own.
+
+On the simulated CUDA driver (kvbm-cuda-sim installed as ``libcuda.so`` on
+``LD_LIBRARY_PATH``), :func:`simulated_gpu_array` allocates device memory with the driver's
+``cuMemAlloc`` (the simulator's device memory is host memory, so numpy can stand in for the
+engine's kernels writing it), and tensors over it say ``device.type == "cuda"``: the worker
+then takes its CUDA path, as with vLLM's torch tensors. Needs numpy.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import threading
+import weakref
 from typing import Sequence
+
+
+class CudaDevice:
+    """``torch.device("cuda", index)`` as far as kvbm reads it."""
+
+    type = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        self.index = index
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}"
+
+    __repr__ = __str__
 
 
 class HostStorage:
@@ -38,14 +61,22 @@ def _owner(array):
 
 
 class HostTensor:
-    """A numpy array seen as a (CPU) tensor. ``storage`` is the contiguous array it views
-    (found through the array's bases when not given)."""
+    """A numpy array seen as a tensor. ``storage`` is the contiguous array it views (found
+    through the array's bases when not given). ``device`` is ``"cpu"``, or a
+    :class:`CudaDevice` for arrays over simulated device memory (:func:`simulated_gpu_array`)."""
 
-    device = "cpu"
-
-    def __init__(self, array, storage=None) -> None:
+    def __init__(self, array, storage=None, device="cpu") -> None:
         self.array = array
         self.storage = storage if storage is not None else _owner(array)
+        self.device = device
+
+    @property
+    def is_cuda(self) -> bool:
+        return getattr(self.device, "type", self.device) == "cuda"
+
+    def kvbm_synchronize(self) -> None:
+        """What ``torch.cuda.current_stream().synchronize()`` is to a torch tensor: the engine's
+        writes to this memory are done. numpy's writes are done when they return."""
 
     def untyped_storage(self) -> HostStorage:
         return HostStorage(self.storage)
@@ -66,6 +97,71 @@ class HostTensor:
 
     def element_size(self) -> int:
         return self.array.itemsize
+
+
+class _SimulatedDriver:
+    """The CUDA driver library cudarc loads (``libcuda.so`` by name, as kvbm's native module
+    does, so both get the same instance), with the primary context of device 0."""
+
+    _lock = threading.Lock()
+    _lib = None
+    _ctx = None
+
+    @classmethod
+    def _check(cls, lib, result: int, call: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{call} failed with CUresult {result}")
+
+    @classmethod
+    def get(cls):
+        with cls._lock:
+            if cls._lib is None:
+                lib = None
+                for name in ("libcuda.so", "libcuda.so.1"):
+                    try:
+                        lib = ctypes.CDLL(name)
+                        break
+                    except OSError:
+                        continue
+                if lib is None or not hasattr(lib, "kvbm_sim_violations"):
+                    raise RuntimeError(
+                        "the simulated CUDA driver (kvbm-cuda-sim installed as libcuda.so) is not on "
+                        "LD_LIBRARY_PATH"
+                    )
+                lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
+                lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
+                lib.kvbm_sim_violations.restype = ctypes.c_uint64
+                cls._check(lib, lib.cuInit(0), "cuInit")
+                ctx = ctypes.c_void_p()
+                cls._check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "cuDevicePrimaryCtxRetain")
+                cls._lib, cls._ctx = lib, ctx
+            # The context is current per thread.
+            cls._check(cls._lib, cls._lib.cuCtxSetCurrent(cls._ctx), "cuCtxSetCurrent")
+            return cls._lib
+
+
+def simulated_driver_violations() -> int:
+    """How many violations the simulated driver recorded in this process."""
+    return int(_SimulatedDriver.get().kvbm_sim_violations())
+
+
+def simulated_gpu_array(shape: Sequence[int], dtype="uint16"):
+    """A zeroed array of ``shape`` in device memory of the simulated CUDA driver (``cuMemAlloc``),
+    freed with ``cuMemFree`` when the array and every view of it are gone."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    size = max(count * dtype.itemsize, 1)
+    lib = _SimulatedDriver.get()
+    ptr = ctypes.c_uint64()
+    _SimulatedDriver._check(lib, lib.cuMemAlloc_v2(ctypes.byref(ptr), size), "cuMemAlloc")
+    raw = (ctypes.c_uint8 * size).from_address(ptr.value)
+    raw_array = np.frombuffer(raw, dtype=np.uint8)
+    raw_array[:] = 0
+    # Not at interpreter exit: kvbm's native worker may still be alive then.
+    weakref.finalize(raw, lambda p=ptr.value: _SimulatedDriver.get().cuMemFree_v2(p)).atexit = False
+    return raw_array[: count * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def host_array(shape: Sequence[int], dtype="uint16", huge_pages: bool = False):
@@ -117,8 +213,11 @@ def allocate_kv_cache(
     groups: int = 1,
     kernel_block_size=None,
     huge_pages: bool = False,
+    simulated_gpu: bool = False,
 ):
-    """KV cache views laid out as vLLM 0.33 lays them out, in host memory.
+    """KV cache views laid out as vLLM 0.33 lays them out, in host memory (or with
+    ``simulated_gpu``, in device memory of the simulated CUDA driver: see
+    :func:`simulated_gpu_array`).
 
     Follows ``allocate_kv_cache`` (vllm/v1/worker/utils.py) and the ``KVCacheTensor`` placement of
     ``get_kv_cache_config_from_groups`` (vllm/v1/core/kv_cache_planning.py): one int8 backing
@@ -148,7 +247,12 @@ def allocate_kv_cache(
     )
     layer_stride, block_stride = planned[0], planned[1]
     size = num_blocks * num_layers * page
-    raw = host_array((size,), dtype="int8", huge_pages=huge_pages)
+    if simulated_gpu:
+        raw = simulated_gpu_array((size,), dtype="int8")
+        device = CudaDevice(0)
+    else:
+        raw = host_array((size,), dtype="int8", huge_pages=huge_pages)
+        device = "cpu"
     tokens = kernel_block_size or block_size
     ratio = block_size // tokens
     if ratio > 1:
@@ -162,5 +266,5 @@ def allocate_kv_cache(
     for g in range(groups):
         for layer in range(num_layers):
             name = f"model.layers.{layer}.self_attn.attn" if g == 0 else f"model.layers.{layer}.g{g}.self_attn.attn"
-            caches[name] = HostTensor(view_5d[layer].view(dtype), storage=raw)
+            caches[name] = HostTensor(view_5d[layer].view(dtype), storage=raw, device=device)
     return caches, raw

@@ -148,11 +148,14 @@ class KvbmWorker:
         if self._device is not None:
             device = self._device
         if device == "cuda":
-            import torch  # type: ignore
+            # kvbm.testing's tensors over simulated device memory bring their own.
+            self._sync = getattr(tensors[0], "kvbm_synchronize", None)
+            if self._sync is None:
+                import torch  # type: ignore
 
-            # The stream current when the step's offloads start (vLLM may run the forward on
-            # another one than at registration).
-            self._sync = lambda: torch.cuda.current_stream(index).synchronize()
+                # The stream current when the step's offloads start (vLLM may run the forward
+                # on another one than at registration).
+                self._sync = lambda: torch.cuda.current_stream(index).synchronize()
         self._native = _kvbm.Worker(
             dict(kv_caches),
             num_blocks,
