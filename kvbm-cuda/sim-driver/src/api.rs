@@ -547,7 +547,10 @@ pub struct CUmemcpyAttributes {
 /// # Safety
 /// `dsts`, `srcs`, `sizes` hold `count` entries; `attrs` and `attrs_idxs` hold `num_attrs`;
 /// `fail_idx` is null or valid for a write; the ranges stay valid until the stream has run them.
-#[no_mangle]
+///
+/// Built with the `old-driver` feature, the library does not export it, as drivers before CUDA
+/// 12.8 do not.
+#[cfg_attr(not(feature = "old-driver"), no_mangle)]
 pub unsafe extern "C" fn cuMemcpyBatchAsync(
     dsts: *mut CUdeviceptr,
     srcs: *mut CUdeviceptr,

@@ -343,3 +343,61 @@ fn nothing_runs_on_a_lost_context_so_memory_released_after_a_fault_is_safe() {
     assert!(out.status.success(), "{:?}", out.status);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "survived");
 }
+
+#[test]
+fn on_a_driver_without_batched_copies_kvbm_copies_piece_by_piece() {
+    // A driver older than CUDA 12.8 has no cuMemcpyBatchAsync: the simulated driver built with
+    // `old-driver` leaves it out, and kvbm-cuda must see that when it opens the driver.
+    let (bench, _, driver_dir) = built();
+    let profile = profile_dir();
+    let target = profile.parent().unwrap();
+    let release = profile.file_name().is_some_and(|n| n == "release");
+    let old_target = target.join("kvbm-cuda-sim-old-driver");
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args([
+        "build",
+        "-p",
+        "kvbm-cuda-sim",
+        "--features",
+        "old-driver",
+        "--lib",
+    ])
+    .arg("--target-dir")
+    .arg(&old_target);
+    if release {
+        cmd.arg("--release");
+    }
+    assert!(cmd.current_dir(&workspace).status().unwrap().success());
+    // Inside this process's own driver directory, which only this process removes.
+    let old_dir = driver_dir.join("old-driver");
+    let built_lib = old_target
+        .join(profile.file_name().unwrap())
+        .join("libkvbm_cuda_sim.so");
+    kvbm_cuda_sim::install(&built_lib, &old_dir).unwrap();
+    let out = Command::new(bench)
+        .args(SMALL_COPY)
+        .env("LD_LIBRARY_PATH", &old_dir)
+        .env("KVBM_SIM_STRICT", "1")
+        .env("KVBM_SIM_JITTER_SEED", "3")
+        .env("KVBM_SIM_JITTER_US", "20")
+        .env_remove("KVBM_SIM_FAIL")
+        .env_remove("KVBM_SIM_REPORT")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let _ = std::fs::remove_dir_all(&old_dir);
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("batch copy false") && stdout.contains("every byte verified"),
+        "{stdout}"
+    );
+    // The same program on the full driver batches.
+    let out = run_on_sim(bench, SMALL_COPY, true, None, &[]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("batch copy true"));
+}
