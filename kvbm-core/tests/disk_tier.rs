@@ -13,7 +13,6 @@ use kvbm_core::{
     decode_identity, encode_identity, Admission, BlockIdentity, BlockManager, DiskOptions,
     GpuMemory, LayerShape, ManagerOptions, RegisteredBlock, TransferLimits,
 };
-use kvbm_cuda::Device;
 use kvbm_events::{EventPublisher, KvEvent, SequenceHash, Tier};
 use proptest::prelude::*;
 

@@ -320,8 +320,9 @@ fn copies_never_cross_a_host_pinning_chunk_or_a_gpu_region() {
     let host = ready_host(&device, len);
     let data: Vec<u8> = (0..len).map(|i| (i * 7 % 253) as u8).collect();
     gpu.write(0, &data).unwrap();
-    // (name, pieces, driver copies merged, driver copies unmerged)
-    let cases: [(&str, Vec<(usize, usize)>, u64, u64); 3] = [
+    /// (name, pieces as (offset, length), driver copies merged, driver copies unmerged)
+    type Case = (&'static str, Vec<(usize, usize)>, u64, u64);
+    let cases: [Case; 3] = [
         // 4 KiB pieces back to back over all four chunks: merged into one copy per chunk.
         (
             "adjacent pages",
