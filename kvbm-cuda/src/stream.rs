@@ -359,8 +359,7 @@ fn fit_to_segments(
     };
     // Where the piece starting at (s, d) must end at the latest.
     let limit = |s: u64, d: u64| (src.end_of(s) - s).min(dst.end_of(d) - d);
-    let fits = pieces.iter().all(|p| p.len as u64 <= limit(p.src, p.dst));
-    if !merge && fits {
+    if !merge && pieces.iter().all(|p| p.len as u64 <= limit(p.src, p.dst)) {
         return;
     }
     let mut out: Vec<CopyPiece> = Vec::with_capacity(pieces.len());
