@@ -284,6 +284,58 @@ fn injected_driver_failures_surface_as_errors_or_fallbacks_never_panics() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(stdout.contains("batch copy false") && stdout.contains("every byte verified"));
+    // A refused cuMemcpyAsync (copies piece by piece): the transfer fails with the call named.
+    let out = run_on_sim(
+        bench,
+        SMALL_COPY,
+        true,
+        None,
+        &[("KVBM_SIM_FAIL", "memcpy:3:700"), ("KVBM_COPY_BATCH", "0")],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("cuMemcpyAsync") && stderr.contains("CUDA_ERROR_ILLEGAL_ADDRESS"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // A refused host registration: kvbm-cuda serves that chunk unpinned (logged), which a GPU
+    // copies correctly but synchronously; the simulator counts each such copy as pageable, and
+    // nothing else.
+    let dir = tempfile_dir("register-fault");
+    let report = dir.join("violations.txt");
+    let out = run_on_sim(
+        bench,
+        SMALL_COPY,
+        false,
+        Some(&report),
+        &[("KVBM_SIM_FAIL", "register:1:2")],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("every byte verified"), "{stdout}");
+    assert!(stderr.contains("serving it unpinned"), "{stderr}");
+    let violations = std::fs::read_to_string(&report).unwrap();
+    let pageable = violations.matches("is pageable host memory").count();
+    assert!(pageable > 0, "{violations}");
+    assert!(
+        violations
+            .lines()
+            .filter(|l| l.starts_with("cuMemcpy"))
+            .all(|l| l.contains("is pageable host memory")),
+        "{violations}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fresh directory under the target directory for one test of this process.
+fn tempfile_dir(name: &str) -> PathBuf {
+    let (_, _, driver_dir) = built();
+    let dir = driver_dir.join(name);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
 }
 
 #[test]
