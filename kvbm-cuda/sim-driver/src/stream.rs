@@ -226,6 +226,7 @@ impl Stream {
     }
 
     pub fn copy(&self, copies: Vec<Copy>) -> Result<(), CUresult> {
+        poison_queued_targets(&copies);
         self.enqueue(Op::Copies(copies))
     }
 
@@ -300,6 +301,24 @@ static TOUCHING: RwLock<()> = RwLock::new(());
 pub(crate) fn quiesce() {
     if sticky_error().is_some() {
         drop(TOUCHING.write().unwrap_or_else(|e| e.into_inner()));
+    }
+}
+
+/// At enqueue: a queued copy's target is undefined until the copy completes, so it is poisoned
+/// now, and a host that reads it without waiting (the classic missing wait) sees [`POISON`]
+/// rather than plausible old bytes. Not where an unfinished copy of any stream still touches the
+/// range (an earlier copy may legitimately still read it), nor where the copy's own sources lie.
+fn poison_queued_targets(copies: &[Copy]) {
+    let overlaps =
+        |a: &Copy, b: &Copy| a.dst < b.src + b.len as u64 && b.src < a.dst + a.len as u64;
+    for c in copies {
+        if copies.iter().any(|other| overlaps(c, other)) || pending_touching(c.dst, c.len).is_some()
+        {
+            continue;
+        }
+        // SAFETY: the target was checked by the caller (`api`) to lie inside a live allocation
+        // or a host range the caller vouched for, and no queued copy reads or writes it.
+        unsafe { std::ptr::write_bytes(c.dst as *mut u8, POISON, c.len) };
     }
 }
 

@@ -561,3 +561,62 @@ fn the_default_stream_runs_copies_and_synchronizes() {
         assert_eq!(cuMemFree_v2(b), CUDA_SUCCESS);
     }
 }
+
+#[test]
+fn a_queued_copys_target_reads_as_poison_until_it_completes_unless_another_copy_reads_it() {
+    // The missing-wait bug: the host reads a block a still-queued copy is writing. The target is
+    // poisoned when the copy is queued, so such a reader sees POISON, never plausible old bytes.
+    ready();
+    let len = 4096;
+    let gpu = alloc(len);
+    let original = pattern(len, 9);
+    write_device(gpu, &original);
+    let mut host = vec![0x11u8; 2 * len];
+    let host_addr = host.as_mut_ptr() as u64;
+    // SAFETY: `host` stays allocated (and registered) until the end of the test.
+    let rc = unsafe { cuMemHostRegister_v2(host.as_mut_ptr().cast(), 2 * len, 0) };
+    assert_eq!(rc, CUDA_SUCCESS);
+    let (s1, s2) = (new_stream(), new_stream());
+    let hold1 = hold_stream(s1 as usize).unwrap();
+    let hold2 = hold_stream(s2 as usize).unwrap();
+    let second_half = host_addr + len as u64;
+    // SAFETY: ranges inside `gpu` and the registered `host`; both outlive the streams' work.
+    unsafe {
+        // s1 is to read the second half of `host` (an H2D copy queued first) ...
+        assert_eq!(cuMemcpyAsync(gpu, second_half, len, s1), CUDA_SUCCESS);
+        // ... so a D2H copy into it queued later on s2 must not poison what s1 still reads.
+        assert_eq!(cuMemcpyAsync(second_half, gpu, len, s2), CUDA_SUCCESS);
+        // The first half is touched by nothing queued: poisoned at once.
+        assert_eq!(cuMemcpyAsync(host_addr, gpu, len, s2), CUDA_SUCCESS);
+    }
+    // A host read without a wait (volatile: the simulator wrote it behind the compiler's back).
+    // SAFETY: `at` < 2 * len, inside `host`.
+    let peek = |at: usize| unsafe { std::ptr::read_volatile(host.as_ptr().add(at)) };
+    assert!(
+        (0..len).all(|i| peek(i) == POISON),
+        "an unwaited target reads as poison"
+    );
+    assert!(
+        (len..2 * len).all(|i| peek(i) == 0x11),
+        "a target another copy reads is kept"
+    );
+    drop(hold1);
+    // SAFETY: live streams, destroyed once after they finished.
+    unsafe {
+        assert_eq!(cuStreamSynchronize(s1), CUDA_SUCCESS);
+        assert!(
+            read_device(gpu, len).iter().all(|&b| b == 0x11),
+            "s1 read the old bytes"
+        );
+        write_device(gpu, &original);
+        drop(hold2);
+        assert_eq!(cuStreamSynchronize(s2), CUDA_SUCCESS);
+        for s in [s1, s2] {
+            assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
+        }
+        assert_eq!(cuMemHostUnregister(host.as_mut_ptr().cast()), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(gpu), CUDA_SUCCESS);
+    }
+    assert_eq!(&host[..len], &original[..], "the copy landed");
+    assert_eq!(&host[len..], &original[..], "the copy landed");
+}
