@@ -226,8 +226,19 @@ impl Stream {
     }
 
     pub fn copy(&self, copies: Vec<Copy>) -> Result<(), CUresult> {
+        if lock(&self.tx).is_none() {
+            return Err(CUDA_ERROR_INVALID_HANDLE); // refused before anything is touched
+        }
         poison_queued_targets(&copies);
         self.enqueue(Op::Copies(copies))
+    }
+
+    /// Appends the ranges (both sides) of this stream's unfinished copies to `out`.
+    fn pending_ranges(&self, out: &mut Vec<(u64, u64)>) {
+        for c in lock(&self.progress).pending.iter().flatten() {
+            out.push((c.src, c.src + c.len as u64));
+            out.push((c.dst, c.dst + c.len as u64));
+        }
     }
 
     pub fn record(&self, event: &Arc<Event>) -> Result<(), CUresult> {
@@ -309,31 +320,57 @@ pub(crate) fn quiesce() {
 /// rather than plausible old bytes. Not where an unfinished copy of any stream still touches the
 /// range (an earlier copy may legitimately still read it), nor where the copy's own sources lie.
 fn poison_queued_targets(copies: &[Copy]) {
-    let overlaps =
-        |a: &Copy, b: &Copy| a.dst < b.src + b.len as u64 && b.src < a.dst + a.len as u64;
+    if sticky_error().is_some() {
+        return; // the copy will never run
+    }
+    // Everything a target must not overlap: both sides of every unfinished copy of every
+    // stream, and this operation's sources.
+    let mut busy: Vec<(u64, u64)> = sources(copies);
+    if let Ok(streams) = all_streams() {
+        for stream in streams {
+            stream.pending_ranges(&mut busy);
+        }
+    }
+    poison_clear_of(copies, busy);
+}
+
+/// The source ranges of `copies`.
+fn sources(copies: &[Copy]) -> Vec<(u64, u64)> {
+    copies
+        .iter()
+        .map(|c| (c.src, c.src + c.len as u64))
+        .collect()
+}
+
+/// Fills with [`POISON`] each target of `copies` that overlaps none of the `busy` ranges.
+/// O((copies + busy) log busy).
+fn poison_clear_of(copies: &[Copy], mut busy: Vec<(u64, u64)>) {
+    busy.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(busy.len());
+    for (start, end) in busy {
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
     for c in copies {
-        if copies.iter().any(|other| overlaps(c, other)) || pending_touching(c.dst, c.len).is_some()
-        {
+        let (start, end) = (c.dst, c.dst + c.len as u64);
+        // The first busy range ending after `start` (ends increase along disjoint ranges).
+        let i = merged.partition_point(|r| r.1 <= start);
+        if merged.get(i).is_some_and(|r| r.0 < end) {
             continue;
         }
         // SAFETY: the target was checked by the caller (`api`) to lie inside a live allocation
-        // or a host range the caller vouched for, and no queued copy reads or writes it.
+        // or a host range the caller vouched for (and kept alive until the copy completes), and
+        // no busy range (a source of this operation, or memory an unfinished copy touches) lies
+        // in it.
         unsafe { std::ptr::write_bytes(c.dst as *mut u8, POISON, c.len) };
     }
 }
 
 /// Fills each copy's target with [`POISON`], unless it overlaps a source of the same operation.
 fn poison_targets(copies: &[Copy]) {
-    let overlaps =
-        |a: &Copy, b: &Copy| a.dst < b.src + b.len as u64 && b.src < a.dst + a.len as u64;
-    for c in copies {
-        if copies.iter().any(|other| overlaps(c, other)) {
-            continue;
-        }
-        // SAFETY: the target was checked at enqueue, as for the copy itself (see `run`), and no
-        // source of this operation lies in it.
-        unsafe { std::ptr::write_bytes(c.dst as *mut u8, POISON, c.len) };
-    }
+    poison_clear_of(copies, sources(copies));
 }
 
 /// A per-stream delay before each operation, from a seeded xorshift generator, so that a missing
@@ -364,6 +401,8 @@ impl Jitter {
 struct Tables {
     next_id: u64,
     streams: HashMap<usize, Arc<Stream>>,
+    /// Destroyed streams whose workers may still run queued work (as CUDA lets them).
+    closing: Vec<Arc<Stream>>,
     events: HashMap<usize, Arc<Event>>,
 }
 
@@ -373,6 +412,7 @@ fn tables() -> MutexGuard<'static, Tables> {
         Mutex::new(Tables {
             next_id: 1,
             streams: HashMap::new(),
+            closing: Vec::new(),
             events: HashMap::new(),
         })
     }))
@@ -424,6 +464,7 @@ pub(crate) fn destroy_stream(h: usize) -> Result<(), CUresult> {
         .remove(&h)
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     stream.close();
+    tables().closing.push(stream);
     Ok(())
 }
 
@@ -435,9 +476,17 @@ pub(crate) fn pending_touching(start: u64, len: usize) -> Option<Copy> {
         .find_map(|s| s.pending_touching(start, len))
 }
 
-/// Every live stream, the default one included.
+/// Every stream with work, the default one and destroyed ones still draining included.
 pub(crate) fn all_streams() -> Result<Vec<Arc<Stream>>, CUresult> {
-    let mut all: Vec<Arc<Stream>> = tables().streams.values().cloned().collect();
+    let (mut all, closing) = {
+        let mut tables = tables();
+        let live: Vec<Arc<Stream>> = tables.streams.values().cloned().collect();
+        (live, std::mem::take(&mut tables.closing))
+    };
+    // Idle destroyed streams are forgotten (checked without the tables lock held).
+    let draining: Vec<Arc<Stream>> = closing.into_iter().filter(|s| !s.is_idle()).collect();
+    tables().closing.extend(draining.iter().cloned());
+    all.extend(draining);
     all.push(default_stream()?);
     Ok(all)
 }

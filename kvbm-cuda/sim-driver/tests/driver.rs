@@ -620,3 +620,42 @@ fn a_queued_copys_target_reads_as_poison_until_it_completes_unless_another_copy_
     assert_eq!(&host[..len], &original[..], "the copy landed");
     assert_eq!(&host[len..], &original[..], "the copy landed");
 }
+
+#[test]
+fn a_destroyed_stream_still_running_its_queue_keeps_its_sources_unpoisoned() {
+    // CUDA lets a stream be destroyed with work queued; that work still runs, so its sources
+    // stay off limits for poisoning by later copies of other streams.
+    ready();
+    let len = 4096;
+    let (gpu, gpu2) = (alloc(len), alloc(len));
+    let original = pattern(len, 21);
+    let mut host = original.clone();
+    // SAFETY: `host` stays allocated (and registered) until the end of the test.
+    let rc = unsafe { cuMemHostRegister_v2(host.as_mut_ptr().cast(), len, 0) };
+    assert_eq!(rc, CUDA_SUCCESS);
+    let host_addr = host.as_mut_ptr() as u64;
+    let s1 = new_stream();
+    let hold = hold_stream(s1 as usize).unwrap();
+    let s2 = new_stream();
+    // SAFETY: ranges inside live allocations and the registered `host`, which outlive the work.
+    unsafe {
+        assert_eq!(cuMemcpyAsync(gpu, host_addr, len, s1), CUDA_SUCCESS);
+        let read = new_event();
+        assert_eq!(cuEventRecord(read, s1), CUDA_SUCCESS);
+        assert_eq!(cuStreamDestroy_v2(s1), CUDA_SUCCESS);
+        // Another stream's copy into `host`, queued while s1's copy still has to read it: a
+        // race in a real program, but the simulator must not be the one that breaks s1's read.
+        let s2_hold = hold_stream(s2 as usize).unwrap();
+        assert_eq!(cuMemcpyAsync(host_addr, gpu2, len, s2), CUDA_SUCCESS);
+        drop(hold);
+        assert_eq!(cuEventSynchronize(read), CUDA_SUCCESS);
+        assert_eq!(cuEventDestroy_v2(read), CUDA_SUCCESS);
+        assert_eq!(read_device(gpu, len), original, "s1 read what host held");
+        drop(s2_hold);
+        assert_eq!(cuStreamSynchronize(s2), CUDA_SUCCESS);
+        assert_eq!(cuStreamDestroy_v2(s2), CUDA_SUCCESS);
+        assert_eq!(cuMemHostUnregister(host.as_mut_ptr().cast()), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(gpu), CUDA_SUCCESS);
+        assert_eq!(cuMemFree_v2(gpu2), CUDA_SUCCESS);
+    }
+}
