@@ -248,10 +248,11 @@ impl CopyStream {
             mut pieces,
             regions,
         } = transfer;
-        validate(self.direction, &pieces, &regions)?;
+        let sides = Sides::of(self.direction, &regions);
+        validate(&sides, &pieces)?;
         let submitted = pieces.len() as u64;
         let bytes: u64 = pieces.iter().map(|p| p.len as u64).sum();
-        fit_to_segments(self.direction, &mut pieces, &regions, self.options.coalesce);
+        fit_to_segments(&sides, &mut pieces, self.options.coalesce);
         self.stats.transfers.fetch_add(1, Ordering::Relaxed);
         self.stats
             .pieces_submitted
@@ -306,155 +307,105 @@ impl CopyStream {
     }
 }
 
-/// The pieces of one copy side that a single driver copy may span: a GPU region, or one
-/// pinning chunk of a host region (each chunk is its own `cuMemHostRegister` range, and a real
-/// driver handles a copy reaching past its range as pageable memory, or refuses it). Sorted
-/// (start, end, chunk bytes) of the regions.
-struct Segments(Vec<(u64, u64, u64)>);
+/// One region a transfer touches, as its pieces are checked and fitted against it.
+#[derive(Clone, Copy)]
+struct Span {
+    start: u64,
+    end: u64,
+    /// The end of the ready (pinned) prefix; `end` for GPU memory.
+    ready_end: u64,
+    /// The segment size: a single driver copy stays inside one segment. A GPU region is one
+    /// segment; a host region is one per pinning chunk (each chunk is its own
+    /// `cuMemHostRegister` range, and a real driver handles a copy reaching past its range as
+    /// pageable memory, or refuses it).
+    chunk: u64,
+}
 
-impl Segments {
-    fn of(regions: &[Region], want_gpu: bool) -> Self {
-        let mut spans: Vec<(u64, u64, u64)> = regions
-            .iter()
-            .filter_map(|r| match (r, want_gpu) {
-                (Region::Gpu(g), true) => Some((g.addr(), g.addr() + g.len() as u64, u64::MAX)),
-                (Region::Host(h), false) => {
-                    Some((h.addr(), h.addr() + h.len() as u64, h.chunk_bytes() as u64))
-                }
-                _ => None,
-            })
-            .collect();
-        spans.sort_unstable();
-        Self(spans)
-    }
-
-    /// The end of the segment holding `addr` (which [`validate`] placed inside a region).
-    fn end_of(&self, addr: u64) -> u64 {
-        let i = self.0.partition_point(|s| s.0 <= addr);
-        let Some(&(start, end, chunk)) = i.checked_sub(1).and_then(|i| self.0.get(i)) else {
-            return u64::MAX;
-        };
-        let chunk_end = ((addr - start) / chunk)
+impl Span {
+    /// The end of the segment holding `addr`, which lies in this span.
+    fn segment_end(&self, addr: u64) -> u64 {
+        let chunk_end = ((addr - self.start) / self.chunk)
             .checked_add(1)
-            .and_then(|n| n.checked_mul(chunk))
-            .and_then(|off| start.checked_add(off))
+            .and_then(|n| n.checked_mul(self.chunk))
+            .and_then(|off| self.start.checked_add(off))
             .unwrap_or(u64::MAX);
-        chunk_end.min(end)
+        chunk_end.min(self.end)
     }
 }
 
-/// Makes each piece lie inside one segment on both sides (see [`Segments`]): a piece crossing
-/// a boundary is split there, and with `merge`, consecutive pieces that continue each other on
-/// both sides are merged as [`coalesce`] does, but never across a boundary. Validated pieces.
-fn fit_to_segments(
-    direction: Direction,
-    pieces: &mut Vec<CopyPiece>,
-    regions: &[Region],
-    merge: bool,
-) {
-    let (gpu, host) = (Segments::of(regions, true), Segments::of(regions, false));
-    let (src, dst) = match direction {
-        Direction::DeviceToHost => (&gpu, &host),
-        Direction::HostToDevice => (&host, &gpu),
-    };
-    // Where the piece starting at (s, d) must end at the latest.
-    let limit = |s: u64, d: u64| (src.end_of(s) - s).min(dst.end_of(d) - d);
-    if !merge && pieces.iter().all(|p| p.len as u64 <= limit(p.src, p.dst)) {
-        return;
-    }
-    let mut out: Vec<CopyPiece> = Vec::with_capacity(pieces.len());
-    for &p in pieces.iter() {
-        let mut p = p;
-        loop {
-            let room = limit(p.src, p.dst);
-            let len = (p.len as u64).min(room) as usize;
-            let head = CopyPiece {
-                src: p.src,
-                dst: p.dst,
-                len,
-            };
-            let merged = merge
-                && out.last_mut().is_some_and(|last| {
-                    let continues = last.src + last.len as u64 == head.src
-                        && last.dst + last.len as u64 == head.dst;
-                    let room = limit(last.src, last.dst);
-                    if continues && (last.len + head.len) as u64 <= room {
-                        last.len += head.len;
-                        true
-                    } else {
-                        false
-                    }
-                });
-            if !merged {
-                out.push(head);
-            }
-            if len == p.len {
-                break;
-            }
-            p = CopyPiece {
-                src: p.src + len as u64,
-                dst: p.dst + len as u64,
-                len: p.len - len,
-            };
+/// The spans of a transfer's source and target sides, each sorted by start; built once per
+/// submission, for [`validate`] and then [`fit_to_segments`].
+struct Sides {
+    src: Vec<Span>,
+    dst: Vec<Span>,
+}
+
+impl Sides {
+    fn of(direction: Direction, regions: &[Region]) -> Self {
+        let side = |want_gpu: bool| {
+            let mut spans: Vec<Span> = regions
+                .iter()
+                .filter_map(|r| match (r, want_gpu) {
+                    (Region::Gpu(g), true) => Some(Span {
+                        start: g.addr(),
+                        end: g.addr() + g.len() as u64,
+                        ready_end: g.addr() + g.len() as u64,
+                        chunk: u64::MAX,
+                    }),
+                    (Region::Host(h), false) => Some(Span {
+                        start: h.addr(),
+                        end: h.addr() + h.len() as u64,
+                        ready_end: h.addr() + h.ready_bytes() as u64,
+                        chunk: h.chunk_bytes() as u64,
+                    }),
+                    _ => None,
+                })
+                .collect();
+            spans.sort_unstable_by_key(|s| (s.start, s.end));
+            spans
+        };
+        let (gpu, host) = (side(true), side(false));
+        match direction {
+            Direction::DeviceToHost => Self {
+                src: gpu,
+                dst: host,
+            },
+            Direction::HostToDevice => Self {
+                src: host,
+                dst: gpu,
+            },
         }
     }
-    *pieces = out;
 }
 
-/// (start, end, ready end) of the regions of one kind, sorted by start.
-fn spans(regions: &[Region], want_gpu: bool) -> Vec<(u64, u64, u64)> {
-    let mut spans: Vec<(u64, u64, u64)> = regions
-        .iter()
-        .filter_map(|r| match (r, want_gpu) {
-            (Region::Gpu(g), true) => Some((g.addr(), g.addr() + g.len() as u64, u64::MAX)),
-            (Region::Host(h), false) => Some((
-                h.addr(),
-                h.addr() + h.len() as u64,
-                h.addr() + h.ready_bytes() as u64,
-            )),
-            _ => None,
-        })
-        .collect();
-    spans.sort_unstable();
-    spans
+/// The span whose start is the last at or before `addr`, if any.
+fn holding(spans: &[Span], addr: u64) -> Option<&Span> {
+    let i = spans.partition_point(|s| s.start <= addr);
+    i.checked_sub(1).map(|i| &spans[i])
 }
 
 /// Ok when `[addr, addr+len)` is inside one span and inside its ready prefix; `Err(Some(ready))`
 /// when inside but not ready yet; `Err(None)` when outside every span.
-fn find_span(spans: &[(u64, u64, u64)], addr: u64, len: usize) -> Result<(), Option<u64>> {
-    let i = spans.partition_point(|s| s.0 <= addr);
-    if i == 0 {
-        return Err(None);
-    }
-    let (start, end, ready_end) = spans[i - 1];
+fn find_span(spans: &[Span], addr: u64, len: usize) -> Result<(), Option<u64>> {
+    let span = holding(spans, addr).ok_or(None)?;
     let piece_end = addr.checked_add(len as u64).ok_or(None)?;
-    if piece_end > end {
+    if piece_end > span.end {
         return Err(None);
     }
-    if piece_end > ready_end {
-        return Err(Some(ready_end - start));
+    if piece_end > span.ready_end {
+        return Err(Some(span.ready_end - span.start));
     }
     Ok(())
 }
 
-fn validate(
-    direction: Direction,
-    pieces: &[CopyPiece],
-    regions: &[Region],
-) -> Result<(), DeviceError> {
-    let gpu = spans(regions, true);
-    let host = spans(regions, false);
-    let (src_spans, dst_spans) = match direction {
-        Direction::DeviceToHost => (&gpu, &host),
-        Direction::HostToDevice => (&host, &gpu),
-    };
+fn validate(sides: &Sides, pieces: &[CopyPiece]) -> Result<(), DeviceError> {
     for (index, p) in pieces.iter().enumerate() {
         if p.len == 0 {
             return Err(DeviceError::InvalidArgument(format!(
                 "copy piece {index} has length 0"
             )));
         }
-        for (side, spans, addr) in [("source", src_spans, p.src), ("target", dst_spans, p.dst)] {
+        for (side, spans, addr) in [("source", &sides.src, p.src), ("target", &sides.dst, p.dst)] {
             match find_span(spans, addr, p.len) {
                 Ok(()) => {}
                 Err(None) => {
@@ -476,6 +427,58 @@ fn validate(
         }
     }
     Ok(())
+}
+
+/// Makes each piece lie inside one segment on both sides (see [`Span::chunk`]): a piece
+/// crossing a boundary is split there, and with `merge`, consecutive pieces that continue each
+/// other on both sides are merged as [`coalesce`] does, but never across a boundary. For pieces
+/// [`validate`] accepted.
+fn fit_to_segments(sides: &Sides, pieces: &mut Vec<CopyPiece>, merge: bool) {
+    // How far the piece starting at (s, d) may reach.
+    let limit = |s: u64, d: u64| {
+        let end = |spans: &[Span], a: u64| holding(spans, a).map_or(u64::MAX, |x| x.segment_end(a));
+        (end(&sides.src, s) - s).min(end(&sides.dst, d) - d)
+    };
+    if !merge && pieces.iter().all(|p| p.len as u64 <= limit(p.src, p.dst)) {
+        return;
+    }
+    let mut out: Vec<CopyPiece> = Vec::with_capacity(pieces.len());
+    // How far the last piece of `out` may reach, from its start.
+    let mut last_room = 0u64;
+    for &p in pieces.iter() {
+        let mut p = p;
+        loop {
+            let room = limit(p.src, p.dst);
+            let len = (p.len as u64).min(room) as usize;
+            let merged = merge
+                && out.last_mut().is_some_and(|last| {
+                    let continues =
+                        last.src + last.len as u64 == p.src && last.dst + last.len as u64 == p.dst;
+                    let fits = (last.len + len) as u64 <= last_room;
+                    if continues && fits {
+                        last.len += len;
+                    }
+                    continues && fits
+                });
+            if !merged {
+                out.push(CopyPiece {
+                    src: p.src,
+                    dst: p.dst,
+                    len,
+                });
+                last_room = room;
+            }
+            if len == p.len {
+                break;
+            }
+            p = CopyPiece {
+                src: p.src + len as u64,
+                dst: p.dst + len as u64,
+                len: p.len - len,
+            };
+        }
+    }
+    *pieces = out;
 }
 
 /// A one-shot completion signal set by an emulated stream's worker.
@@ -581,14 +584,27 @@ impl Completion {
 
 #[cfg(test)]
 mod tests {
-    use super::find_span;
+    use super::{find_span, Span};
 
     /// Where a piece lands: inside a ready span, inside but past the ready prefix (with the
     /// ready length), or outside every span.
     type Found = Result<(), Option<u64>>;
 
-    /// Spans are (start, end, ready end), as `spans` builds them.
-    const SPANS: &[(u64, u64, u64)] = &[(1000, 2000, 1500), (5000, 6000, u64::MAX)];
+    /// A host-like span pinned up to 1500, and a GPU-like one, as `Sides::of` builds them.
+    const SPANS: &[Span] = &[
+        Span {
+            start: 1000,
+            end: 2000,
+            ready_end: 1500,
+            chunk: 4096,
+        },
+        Span {
+            start: 5000,
+            end: 6000,
+            ready_end: 6000,
+            chunk: u64::MAX,
+        },
+    ];
 
     #[test]
     fn a_piece_must_lie_inside_one_span_and_its_ready_prefix() {

@@ -17,6 +17,19 @@ fn device() -> Device {
     Device::from_env(0).expect("KVBM_DEVICE names a device this machine has")
 }
 
+/// A D2H stream with coalescing on or off, batched copies where the driver has them.
+fn d2h_stream(device: &Device, coalesce: bool) -> kvbm_cuda::CopyStream {
+    device
+        .copy_stream_with(
+            Direction::DeviceToHost,
+            StreamOptions {
+                coalesce,
+                batch_copy: true,
+            },
+        )
+        .unwrap()
+}
+
 fn small_host_options() -> HostRegionOptions {
     HostRegionOptions {
         chunk_bytes: 64 << 10,
@@ -282,15 +295,7 @@ fn coalescing_off_and_on_copy_the_same_bytes() {
     let data: Vec<u8> = (0..1 << 16).map(|i| (i * 31 % 251) as u8).collect();
     gpu.write(0, &data).unwrap();
     for coalesce in [false, true] {
-        let stream = device
-            .copy_stream_with(
-                Direction::DeviceToHost,
-                StreamOptions {
-                    coalesce,
-                    batch_copy: true,
-                },
-            )
-            .unwrap();
+        let stream = d2h_stream(&device, coalesce);
         host.write(0, &vec![0u8; 1 << 16]).unwrap();
         let mut t = Transfer::default();
         for i in 0..16 {
@@ -342,15 +347,7 @@ fn copies_never_cross_a_host_pinning_chunk_or_a_gpu_region() {
     ];
     for (name, pieces, merged, unmerged) in cases {
         for coalesce in [true, false] {
-            let stream = device
-                .copy_stream_with(
-                    Direction::DeviceToHost,
-                    StreamOptions {
-                        coalesce,
-                        batch_copy: true,
-                    },
-                )
-                .unwrap();
+            let stream = d2h_stream(&device, coalesce);
             host.write(0, &vec![0u8; len]).unwrap();
             let mut t = Transfer::default();
             for &(at, n) in &pieces {
