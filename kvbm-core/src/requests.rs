@@ -27,8 +27,10 @@ struct Request {
     /// Blocks (from the first) already in the host tier or offloaded.
     offloaded_blocks: usize,
     had_offloads: bool,
-    /// The last match: (first block, blocks found, asynchronous).
-    matched: Option<(usize, usize, bool)>,
+    /// The last match: (first block, blocks found, asynchronous, of them in the host tier).
+    matched: Option<(usize, usize, bool, usize)>,
+    /// The last onboard planned: blocks from the host tier, then from disk.
+    hit_blocks: (usize, usize),
     lora: Option<String>,
     salt: Option<String>,
     finished: bool,
@@ -133,7 +135,7 @@ impl Requests {
         let (on_host, on_disk) = leader.count_prefix_tiers(&r.hashes[start..limit]);
         let found = on_host + on_disk;
         let asynchronous = on_disk > 0;
-        r.matched = (found > 0).then_some((start, found, asynchronous));
+        r.matched = (found > 0).then_some((start, found, asynchronous, on_host));
         Ok((found * b, asynchronous))
     }
 
@@ -152,7 +154,10 @@ impl Requests {
             r.block_ids = block_ids;
         }
         let matched = r.matched.take();
-        let Some((start, found, asynchronous)) = matched.filter(|_| num_external_tokens > 0) else {
+        r.hit_blocks = (0, 0);
+        let Some((start, found, asynchronous, on_host)) =
+            matched.filter(|_| num_external_tokens > 0)
+        else {
             return Ok(false);
         };
         let wanted = found.min(num_external_tokens / b);
@@ -176,6 +181,8 @@ impl Requests {
             // Evicted since they were counted: vLLM recomputes these (the plan reports them).
             r.unbacked_from = Some(start + got);
         }
+        let from_host = on_host.min(wanted);
+        r.hit_blocks = (from_host, wanted - from_host);
         // Reported in finished_recving even when nothing could be held (then all failed).
         r.onboarding |= asynchronous;
         // Blocks onboarded from the host tier are there already; those from disk are offloaded
@@ -183,6 +190,22 @@ impl Requests {
         let upto = if asynchronous { start } else { start + got };
         r.offloaded_blocks = r.offloaded_blocks.max(upto);
         Ok(asynchronous)
+    }
+
+    /// `get_external_cache_hit_sources`: splits the `tokens` vLLM granted to the request's last
+    /// onboard into (from the host tier, from disk), host first as the onboard reads them; the
+    /// two add up to `tokens`. None when no onboard was planned for it.
+    pub fn hit_sources(&self, request: &str, tokens: usize) -> Option<(usize, usize)> {
+        let (host, disk) = self.by_id.get(request)?.hit_blocks;
+        if host + disk == 0 {
+            return None;
+        }
+        let host_tokens = if disk == 0 {
+            tokens
+        } else {
+            tokens.min(host * self.block_size)
+        };
+        Some((host_tokens, tokens - host_tokens))
     }
 
     /// `build_connector_meta`, first half: applies the scheduler's output (`scheduled`), then

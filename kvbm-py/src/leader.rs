@@ -124,6 +124,14 @@ impl Leader {
         guard(|| Ok(self.inner.release(request_id)))
     }
 
+    /// Adopts what the workers' disk files held when they opened ((disk block, key, identity
+    /// bytes), as `Worker.take_recovered_disk` gives them, agreed by every rank): each block
+    /// with a readable identity joins the disk tier and is announced. Only while the disk tier
+    /// is empty. Returns how many were adopted.
+    fn adopt_disk(&mut self, found: Vec<(u32, u64, Vec<u8>)>) -> PyResult<usize> {
+        guard(|| self.inner.adopt_disk(found).map_err(core_err))
+    }
+
     /// The disk writes of the blocks admitted since the last call, as (host block, disk block,
     /// key, identity bytes).
     fn take_disk_writes(&mut self) -> PyResult<Vec<DiskWrite>> {
@@ -205,6 +213,12 @@ impl Leader {
                 )
                 .map_err(core_err)
         })
+    }
+
+    /// `get_external_cache_hit_sources`: the `tokens` of the request's last onboard split into
+    /// (from the host tier, from disk), or None when none was planned.
+    fn hit_sources(&self, request: &str, tokens: usize) -> Option<(usize, usize)> {
+        self.requests.hit_sources(request, tokens)
     }
 
     /// `update_state_after_alloc`: the request's GPU block ids and the external tokens vLLM

@@ -388,6 +388,12 @@ impl Worker {
         })
     }
 
+    /// What this rank's disk file held when it opened, as (disk block, key, identity bytes),
+    /// for the leader's `adopt_disk` (once: later calls return nothing).
+    fn take_recovered_disk(&mut self) -> PyResult<Vec<(u32, u64, Vec<u8>)>> {
+        guard(|| Ok(self.w_mut().take_recovered_disk()))
+    }
+
     /// Waits for everything in flight.
     fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
         guard(|| {

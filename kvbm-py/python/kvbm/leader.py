@@ -70,11 +70,30 @@ class KvbmLeader:
         disk_blocks: int = 0,
         disk_filter_disabled: bool = False,
         metrics: Optional[Metrics] = None,
+        recovery: Optional[Tuple[str, int, str]] = None,
     ) -> None:
         self.block_size = int(block_size)
         self._native = _kvbm.Leader(
             self.block_size, int(host_blocks), int(disk_blocks), bool(disk_filter_disabled)
         )
+        #: Disk blocks adopted from the workers' files at start.
+        self.adopted_disk_blocks = 0
+        if recovery is not None and int(disk_blocks) > 0:
+            # (disk directory, world size, vLLM instance id): the workers' cache files, opened
+            # before the scheduler starts, may hold blocks of an earlier run (kvbm.recovery).
+            from .recovery import read_agreed
+
+            disk_dir, world_size, instance = recovery
+            found, why = read_agreed(disk_dir, int(world_size), str(instance))
+            if why:
+                log.warning("kvbm leader: adopting no disk block: %s", why)
+            elif found:
+                self.adopted_disk_blocks = self._native.adopt_disk(found)
+                log.info(
+                    "kvbm leader: adopted %d disk blocks that %d rank(s) recovered",
+                    self.adopted_disk_blocks,
+                    int(world_size),
+                )
         self._metrics = metrics or global_metrics()
         self._metrics.set("kvbm_host_blocks_capacity", host_blocks)
         # The request objects (or vLLM's NewRequestData), for their tokens: kvbm-core's leader
@@ -118,6 +137,20 @@ class KvbmLeader:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._objs[request.request_id] = request
         self._native.allocated(request.request_id, _group0(blocks), max(0, int(num_external_tokens)))
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> Dict[str, int]:
+        """``get_external_cache_hit_sources``: the external tokens vLLM granted the request's
+        last onboard, split by the tier they come from (``"host"``, ``"disk"``; only non-zero
+        counts; they add up to ``num_external_tokens``). Tokens of a request kvbm planned no
+        onboard for are ``"external_unspecified"``."""
+        n = int(num_external_tokens)
+        if n <= 0:
+            return {}
+        split = self._native.hit_sources(request.request_id, n)
+        if split is None:
+            return {"external_unspecified": n}
+        host, disk = split
+        return {k: v for k, v in (("host", host), ("disk", disk)) if v}
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         objs = self._objs

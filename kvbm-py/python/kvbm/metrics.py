@@ -4,6 +4,17 @@
 unless ``DYN_KVBM_METRICS_HOST`` says otherwise. Counters keep Dynamo's exact series names (no
 ``_total`` suffix), so they are exposed untyped.
 
+One vLLM instance, one port: vLLM runs the scheduler (kvbm's leader) in its EngineCore process
+and each GPU worker in that process (one GPU) or in a process per rank (the multiprocessing
+executor, tensor parallelism). Only the scheduler side listens. Workers in other processes
+publish their values to a private directory (``DYN_KVBM_METRICS_DIR``, by default
+``<tmp>/kvbm-metrics-<uid>``, mode 0700, one subdirectory per port) as one small JSON file per
+process, rewritten at most every :data:`PUBLISH_INTERVAL_S` and removed at shutdown; the server
+merges them on every scrape. The leader's metrics are its own; a worker metric is the sum over
+ranks for bytes (each rank moves its shard) and the largest rank's value for block counts (every
+rank copies its shard of the same blocks). Files of processes that no longer exist are ignored
+and removed.
+
 The values are kvbm-core's counters (the leader's matches, a worker's copies), copied in under
 these names by the native ``metrics()`` of each; Python counts only what it alone sees (tokens
 looked up, load errors reported to vLLM).
@@ -11,8 +22,16 @@ looked up, load errors reported to vLLM).
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import stat
+import tempfile
 import threading
-from typing import Dict, Optional, Tuple
+import time
+from typing import Dict, List, Optional, Tuple
+
+log = logging.getLogger("kvbm")
 
 # name -> (type, help)
 METRICS: Dict[str, Tuple[str, str]] = {
@@ -35,6 +54,22 @@ METRICS: Dict[str, Tuple[str, str]] = {
     "kvbm_host_blocks_registered": ("gauge", "Blocks resident in the host tier"),
     "kvbm_host_blocks_capacity": ("gauge", "Blocks the host tier holds at most"),
 }
+
+#: Metrics the leader (scheduler side) keeps; the rest are the workers'.
+LEADER_METRICS = frozenset(
+    {
+        "kvbm_matched_tokens",
+        "kvbm_lookup_tokens",
+        "kvbm_host_cache_hit_rate",
+        "kvbm_disk_cache_hit_rate",
+        "kvbm_host_blocks_registered",
+        "kvbm_host_blocks_capacity",
+    }
+)
+#: Worker metrics added up over ranks (the rest: the largest rank's value).
+SUMMED_OVER_RANKS = frozenset({"kvbm_offload_bytes_d2h", "kvbm_onboard_bytes_h2d"})
+#: A worker process rewrites its file at most this often (and once more at shutdown).
+PUBLISH_INTERVAL_S = 0.25
 
 
 class Metrics:
@@ -78,12 +113,161 @@ def global_metrics() -> Metrics:
     return _GLOBAL
 
 
-def _collector(metrics: Metrics):
+def merge(own: Dict[str, float], workers: List[Dict[str, float]]) -> Dict[str, float]:
+    """The instance's values: the serving process's own (leader and any in-process worker) with
+    the other worker processes' (see the module's text for the rules)."""
+    out = dict(own)
+    for snap in workers:
+        for name, value in snap.items():
+            if name not in METRICS or name in LEADER_METRICS:
+                continue
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            if name in SUMMED_OVER_RANKS:
+                out[name] = out.get(name, 0.0) + value
+            else:
+                out[name] = max(out.get(name, 0.0), value)
+    return out
+
+
+def _private_dir(path: str) -> Optional[str]:
+    """``path`` as a directory of ours, mode 0700 (created if missing); None, with a warning,
+    when it is a symlink, not a directory, or another user's."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        log.warning("kvbm metrics: cannot use %s (%s); other processes' metrics are not merged", path, e)
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        log.warning(
+            "kvbm metrics: %s is not a private directory of this user (a symlink, another "
+            "user's, or open to others); other processes' metrics are not merged",
+            path,
+        )
+        return None
+    return path
+
+
+def metrics_dir(port: int) -> Optional[str]:
+    """The directory where this instance's worker processes publish (see the module's text)."""
+    base = os.environ.get("DYN_KVBM_METRICS_DIR") or os.path.join(
+        tempfile.gettempdir(), f"kvbm-metrics-{os.getuid()}"
+    )
+    if _private_dir(base) is None:
+        return None
+    return _private_dir(os.path.join(base, str(int(port))))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_published(directory: Optional[str]) -> List[Dict[str, float]]:
+    """The snapshots other live processes published in ``directory`` (stale files removed)."""
+    if not directory:
+        return []
+    out = []
+    me = os.getpid()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    for name in names:
+        if not name.endswith(".json") or "-" not in name:
+            continue
+        try:
+            pid = int(name[:-5].rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        path = os.path.join(directory, name)
+        if pid == me:
+            continue  # this process's workers share its own values
+        if not _alive(pid):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read(1 << 16))
+        except (OSError, ValueError):
+            continue  # being replaced, or not ours to read
+        if isinstance(data, dict):
+            out.append(data)
+    return out
+
+
+class WorkerPublisher:
+    """A worker process's side: writes its values for the instance's server to merge."""
+
+    def __init__(self, metrics: Metrics, rank: int, directory: str) -> None:
+        self._metrics = metrics
+        self._path = os.path.join(directory, f"rank{int(rank)}-{os.getpid()}.json")
+        self._last = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def publish(self, force: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._last < PUBLISH_INTERVAL_S:
+                return
+            self._last = now
+            snap = {k: v for k, v in self._metrics.snapshot().items() if k not in LEADER_METRICS}
+            tmp = self._path + ".tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(snap, f)
+                os.replace(tmp, self._path)
+            except OSError as e:
+                log.debug("kvbm metrics: cannot publish to %s: %s", self._path, e)
+
+    def close(self) -> None:
+        with self._lock:
+            for path in (self._path, self._path + ".tmp"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+
+def publisher_from_env(rank: int, metrics: Optional[Metrics] = None) -> Optional[WorkerPublisher]:
+    """A worker's publisher when ``DYN_KVBM_METRICS`` is on (None when off or when its
+    directory cannot be used)."""
+    from . import _kvbm
+
+    server = _kvbm.metrics_server()
+    if server is None:
+        return None
+    directory = metrics_dir(server[1])
+    if directory is None:
+        return None
+    pub = WorkerPublisher(metrics or _GLOBAL, rank, directory)
+    pub.publish(force=True)
+    return pub
+
+
+def _collector(metrics: Metrics, directory: Optional[str] = None):
     from prometheus_client.metrics_core import Metric
 
     class _Collector:
         def collect(self):
-            for name, value in metrics.snapshot().items():
+            values = merge(metrics.snapshot(), read_published(directory))
+            for name, value in values.items():
                 kind, help_text = METRICS[name]
                 # prometheus_client names counters' TYPE line "<name>_total" (OpenMetrics);
                 # Dynamo's series have no suffix, so counters are exposed untyped under their
@@ -96,8 +280,9 @@ def _collector(metrics: Metrics):
 
 
 def serve_from_env(metrics: Optional[Metrics] = None) -> Optional[int]:
-    """Starts the metrics server if ``DYN_KVBM_METRICS`` is on (once per process); returns the
-    port, or None when off. A port in use is reported, not fatal."""
+    """Starts the metrics server if ``DYN_KVBM_METRICS`` is on (once per process): the scheduler
+    side's, which also serves the values of the instance's worker processes. Returns the port,
+    or None when off. A port in use is reported, not fatal."""
     from . import _kvbm
 
     # Read and checked by kvbm-core's configuration, like every other variable.
@@ -112,13 +297,11 @@ def serve_from_env(metrics: Optional[Metrics] = None) -> Optional[int]:
         from prometheus_client import CollectorRegistry, start_http_server
 
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_collector(metrics or _GLOBAL))
+        registry.register(_collector(metrics or _GLOBAL, metrics_dir(port)))
         try:
             _SERVER = start_http_server(port, addr=host, registry=registry)
         except OSError as e:
-            import logging
-
-            logging.getLogger("kvbm").warning(
+            log.warning(
                 "kvbm metrics: cannot listen on %s:%s (%s); metrics are not served", host, port, e
             )
             return None

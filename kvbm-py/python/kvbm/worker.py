@@ -98,8 +98,16 @@ class KvbmWorker:
         metrics: Optional[Metrics] = None,
         device: Optional[str] = None,
         kv_cache_config: Any = None,
+        publisher: Any = None,
+        instance_id: Optional[str] = None,
     ) -> None:
         self._kv_cache_config = kv_cache_config
+        # Publishes this worker's values for the instance's metrics server when that runs in
+        # another process (kvbm.metrics.WorkerPublisher).
+        self._publisher = publisher
+        # With it, what this rank's disk file held is written for the leader of the same vLLM
+        # instance to adopt (kvbm.recovery).
+        self._instance_id = instance_id
         self._host_blocks = host_blocks
         self._disk_blocks = disk_blocks
         self._world_size = int(world_size)
@@ -168,6 +176,17 @@ class KvbmWorker:
             disk_file=f"kvbm-rank{self._rank}.cache",
         )
         self._layers = {n: i for i, n in enumerate(names)}
+        if int(disk_blocks) > 0 and self._instance_id is not None:
+            from .recovery import write_recovered
+
+            found = self._native.take_recovered_disk()
+            disk_dir = (config or _kvbm.Config.from_env()).disk_dir
+            try:
+                write_recovered(disk_dir, self._rank, self._instance_id, found)
+            except OSError as e:
+                log.warning("kvbm worker: cannot record the %d recovered disk blocks: %s", len(found), e)
+            else:
+                log.info("kvbm worker: rank %d's disk file holds %d blocks", self._rank, len(found))
         expected = getattr(kcc, "kv_cache_layout", None)
         got = self._native.layout_name
         if expected and got != "per-layer tensors" and str(expected).upper() != got:
@@ -255,11 +274,15 @@ class KvbmWorker:
     def shutdown(self) -> None:
         if self._native is not None:
             self._native.shutdown()
+        if self._publisher is not None:
+            self._publisher.close()
 
     def _report_metrics(self) -> None:
         """kvbm-core's counters of this worker, exported under Dynamo's names (they are
         cumulative in core: set, not added)."""
         self._metrics.update(self.native.metrics())
+        if self._publisher is not None:
+            self._publisher.publish()
 
 
 __all__: List[str] = ["KvbmWorker", "describe_kv_caches"]

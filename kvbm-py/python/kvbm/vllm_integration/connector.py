@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Set, Tuple
 from .. import _kvbm
 from ..leader import KvbmLeader
 from ..metadata import KvbmConnectorMetadata
-from ..metrics import serve_from_env
+from ..metrics import publisher_from_env, serve_from_env
 from ..worker import KvbmWorker
 
 log = logging.getLogger("kvbm")
@@ -91,6 +91,16 @@ def _to_vllm_events(events):
     return out
 
 
+def _as_cache_hit_sources(split):
+    """kvbm's {"host": n, "disk": m} as vLLM's ``CacheHitSource`` keys
+    (vllm/v1/metrics/cache_hit_source.py); plain strings where vLLM has no such enum."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource  # type: ignore
+    except ImportError:
+        return split
+    return {CacheHitSource(k): v for k, v in split.items()}
+
+
 class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     """kvbm's vLLM KV connector (scheduler and worker roles)."""
 
@@ -106,7 +116,10 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         parallel = getattr(vllm_config, "parallel_config", None)
         world = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
         config = _kvbm.Config.from_env()
-        serve_from_env()
+        if self._role == "scheduler":
+            # One port per vLLM instance: the scheduler side serves it, with the values the
+            # workers (in this process or their own) publish (kvbm.metrics).
+            serve_from_env()
         self._leader: Optional[KvbmLeader] = None
         self._worker: Optional[KvbmWorker] = None
         # Both roles size the tiers from the same numbers (vLLM hands both the KV cache config),
@@ -123,12 +136,15 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 "the host tier has no block: set DYN_KVBM_CPU_CACHE_GB (or "
                 "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS) above 0; the disk tier needs it too"
             )
+        # The same in the scheduler and every worker of this vLLM instance (kvbm.recovery).
+        instance_id = str(getattr(vllm_config, "instance_id", "") or "") or None
         if self._role == "scheduler":
             self._leader = KvbmLeader(
                 block_size,
                 host_blocks,
                 disk_blocks=disk_blocks,
                 disk_filter_disabled=config.disk_offload_filter_disabled,
+                recovery=(config.disk_dir, world, instance_id) if instance_id else None,
             )
             log.info(
                 "kvbm leader: %d host and %d disk blocks of %d tokens",
@@ -139,12 +155,14 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         else:
             rank = int(getattr(parallel, "rank", 0) or 0)
             self._worker = KvbmWorker(
+                publisher=publisher_from_env(rank),
                 host_blocks=host_blocks,
                 disk_blocks=disk_blocks,
                 world_size=world,
                 rank=rank,
                 config=config,
                 kv_cache_config=kv_cache_config,
+                instance_id=instance_id,
             )
 
     # -- scheduler role -----------------------------------------------------------------------
@@ -164,6 +182,13 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._lead().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> Any:
+        # vLLM (0.32+) splits its cached-prompt-token metrics by source with this
+        # (vllm/v1/core/sched/scheduler.py, after update_state_after_alloc; the counts must add
+        # up to num_external_tokens). kvbm's tiers are host memory and disk.
+        split = self._lead().hit_sources(request, num_external_tokens)
+        return _as_cache_hit_sources(split)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         return self._lead().build_connector_meta(scheduler_output)
