@@ -90,14 +90,16 @@ class VllmServer:
     """One `vllm serve` of the tiny model."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, *, connector: bool, prefix_caching: bool = True,
-                 gpu_blocks: int = 40, env: Optional[Dict[str, str]] = None, kv_events_port: Optional[int] = None,
+                 gpu_blocks: int = 40, env: Optional[Dict[str, str]] = None, kv_events: bool = False,
                  kvbm_metrics_port: Optional[int] = None):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         self.kvbm_metrics_port = kvbm_metrics_port
-        self.kv_events_port = kv_events_port
+        #: vLLM's KV event publisher and its replay socket (with kv_events).
+        self.kv_events_port = free_port() if kv_events else None
+        self.kv_replay_port = free_port() if kv_events else None
         argv = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
             "--served-model-name", MODEL_NAME,
@@ -111,11 +113,14 @@ class VllmServer:
             argv.append("--no-enable-prefix-caching")
         if connector:
             argv += ["--kv-transfer-config", json.dumps(CONNECTOR)]
-        if kv_events_port is not None:
+        if kv_events:
             argv += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://127.0.0.1:{kv_events_port}",
-                "replay_endpoint": f"tcp://127.0.0.1:{kv_events_port + 1}",
+                # vLLM binds only a wildcard endpoint and connects to any other
+                # (vllm/distributed/kv_events.py, ZmqEventPublisher._is_bind_endpoint); the
+                # router connects to 127.0.0.1. The replay socket is always bound.
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{self.kv_replay_port}",
                 "topic": "kv-events",
             })]
         full_env = dict(os.environ)

@@ -61,34 +61,57 @@ def _bytes_per_block(kv_cache_config: Any, block_size: int) -> int:
     return int(page) * layers
 
 
+def _struct_fields(cls) -> frozenset:
+    return frozenset(getattr(cls, "__struct_fields__", ()) or ())
+
+
 def _to_vllm_events(events):
-    """kvbm's events as vLLM's KV cache event classes (host and disk media)."""
+    """kvbm's events as vLLM's KV cache event classes (host and disk media), built with the
+    fields the installed vLLM's classes have (vllm/distributed/kv_events.py: 0.32 and 0.33 both
+    require ``lora_name``). An event that cannot be built is dropped with a warning, never
+    passed on as kvbm's own object: vLLM's publisher would encode it as a bare array that no
+    subscriber can decode, and a router would then drop the whole batch, vLLM's own GPU events
+    included."""
     try:
         from vllm.distributed import kv_events as ve  # type: ignore
     except ImportError:
         return events
+    stored_fields = _struct_fields(ve.BlockStored)
+    removed_fields = _struct_fields(ve.BlockRemoved)
     out = []
     for e in events:
         kind = type(e).__name__
         try:
             if kind == "BlockStored":
-                out.append(
-                    ve.BlockStored(
-                        block_hashes=e.block_hashes,
-                        parent_block_hash=e.parent_block_hash,
-                        token_ids=e.token_ids,
-                        block_size=e.block_size,
-                        lora_id=None,
-                        medium=e.medium,
-                    )
-                )
+                fields = {
+                    "block_hashes": list(e.block_hashes),
+                    "parent_block_hash": e.parent_block_hash,
+                    "token_ids": list(e.token_ids),
+                    "block_size": e.block_size,
+                    "lora_id": None,
+                    "medium": e.medium,
+                    "lora_name": e.lora_name,
+                }
+                if stored_fields:
+                    fields = {k: v for k, v in fields.items() if k in stored_fields}
+                out.append(ve.BlockStored(**fields))
             elif kind == "BlockRemoved":
-                out.append(ve.BlockRemoved(block_hashes=e.block_hashes, medium=e.medium))
+                fields = {"block_hashes": list(e.block_hashes), "medium": e.medium}
+                if removed_fields:
+                    fields = {k: v for k, v in fields.items() if k in removed_fields}
+                out.append(ve.BlockRemoved(**fields))
             else:
                 out.append(ve.AllBlocksCleared())
-        except TypeError:  # a vLLM whose event fields differ: pass kvbm's own
-            out.append(e)
+        except TypeError as err:
+            global _EVENTS_DROPPED
+            _EVENTS_DROPPED += 1
+            if _EVENTS_DROPPED == 1:
+                log.warning("kvbm: a %s event does not fit this vLLM's event class (%s); dropped", kind, err)
     return out
+
+
+#: kvbm events that could not be turned into vLLM's classes.
+_EVENTS_DROPPED = 0
 
 
 def _as_cache_hit_sources(split):
