@@ -130,8 +130,10 @@ pub struct Leader {
     admitted: Vec<RegisteredBlock>,
     /// Staging host blocks of disk onboards (never registered), with their step.
     staging: VecDeque<(u64, Vec<FillingBlock>)>,
-    /// What an asynchronous onboard holds, by request, until `release`.
-    pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<FillingBlock>)>,
+    /// What an asynchronous onboard holds, by request, until `release`: its host and disk
+    /// blocks, and the staging host blocks its disk reads land in, each with the identity it
+    /// is registered under once the onboard finished.
+    pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<(FillingBlock, BlockIdentity)>)>,
     publisher: EventPublisher,
     /// The leader's own subscription ([`Self::take_events`]), when it made its publisher.
     events: Option<EventSubscriber>,
@@ -298,6 +300,7 @@ impl Leader {
         }
         held_blocks.extend(host_blocks);
         let mut reads = Vec::new();
+        let mut identities = Vec::new();
         if let Some(disk) = &self.disk {
             let rest = &h[host_ids.len()..];
             if !rest.is_empty() {
@@ -310,7 +313,9 @@ impl Leader {
                         key: hash.0,
                     });
                 }
-                held_blocks.extend(on_disk.into_blocks());
+                let disk_blocks = on_disk.into_blocks();
+                identities = disk_blocks.iter().map(|b| b.identity()).collect();
+                held_blocks.extend(disk_blocks);
                 staged = staging;
             }
         }
@@ -318,7 +323,7 @@ impl Leader {
             Some(rid) => {
                 let entry = self.pinned.entry(rid.to_owned()).or_default();
                 entry.0.extend(held_blocks);
-                entry.1.extend(staged);
+                entry.1.extend(staged.into_iter().zip(identities));
             }
             None => {
                 self.keep(held_blocks);
@@ -342,6 +347,12 @@ impl Leader {
         if !host.is_empty() && !self.admitted.is_empty() {
             // A bad host block is never written to disk.
             self.admitted.retain(|b| !host.contains(&b.id().0));
+        }
+        if !host.is_empty() {
+            // A staging block whose disk read failed never joins the host tier.
+            for (_, staged) in self.pinned.values_mut() {
+                staged.retain(|(b, _)| !host.contains(&b.id().0));
+            }
         }
         let mut n = 0;
         let pools = [(Some(&self.host), host), (self.disk.as_ref(), disk)];
@@ -474,9 +485,24 @@ impl Leader {
     }
 
     /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished); false
-    /// for a request that holds nothing.
+    /// for a request that holds nothing. Its staging host blocks, which now hold the blocks read
+    /// from disk, join the host tier under those blocks' identities (announced as host blocks):
+    /// a disk hit becomes a host block, and is not offloaded from the GPU again. Staging blocks
+    /// a worker reported bad were dropped by [`Self::discard`] before.
     pub fn release(&mut self, request_id: &str) -> bool {
-        self.pinned.remove(request_id).is_some()
+        let Some((_held, staged)) = self.pinned.remove(request_id) else {
+            return false;
+        };
+        if !staged.is_empty() {
+            let complete = staged.into_iter().map(|(b, id)| b.complete(id)).collect();
+            if let Err(r) = self.host.register_all(complete) {
+                tracing::warn!(
+                    reason = r.reason,
+                    "staged disk reads not kept in the host tier"
+                );
+            }
+        }
+        true
     }
 
     /// The disk writes of the blocks admitted since the last call: each gets a disk block,

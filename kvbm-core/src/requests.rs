@@ -185,10 +185,9 @@ impl Requests {
         r.hit_blocks = (from_host, wanted - from_host);
         // Reported in finished_recving even when nothing could be held (then all failed).
         r.onboarding |= asynchronous;
-        // Blocks onboarded from the host tier are there already; those from disk are offloaded
-        // again as they complete (a no-op when the host tier still holds them).
-        let upto = if asynchronous { start } else { start + got };
-        r.offloaded_blocks = r.offloaded_blocks.max(upto);
+        // Blocks onboarded from the host tier are there already; those read from disk join it
+        // when the onboard finished (`Leader::release`): none is offloaded from the GPU again.
+        r.offloaded_blocks = r.offloaded_blocks.max(start + got);
         Ok(asynchronous)
     }
 

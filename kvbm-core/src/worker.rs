@@ -237,6 +237,9 @@ impl DiskShared {
         }
         for (r, lookup) in &missed {
             bad.host.insert(r.host);
+            // The leader registers a staging block once its onboard finished: it must know
+            // this one holds nothing.
+            bad.reported_host.push(r.host);
             // A block that failed verification stays bad on disk: the leader drops it. (A slot
             // that holds another key, or an I/O error, says nothing certain about the block.)
             if matches!(lookup, Lookup::Miss(kvbm_disk::Miss::Mismatch(_))) {

@@ -300,6 +300,112 @@ mod requests {
         assert!(req.tracked().is_empty());
     }
 
+    /// A prompt whose blocks only disk holds: A computes and offloads 3 blocks (written to
+    /// disk), they leave the host tier, B matches them on disk. Returns the leader, the
+    /// requests, B's tokens and B's asynchronous onboard's disk reads.
+    fn disk_hit() -> (Leader, Requests, Vec<u32>, Vec<kvbm_core::DiskRead>) {
+        let mut leader = Leader::new(B, 8, 16, true).unwrap();
+        let mut req = Requests::new(B);
+        let a = tokens(500, 13);
+        step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::New {
+                request: "a".into(),
+                block_ids: vec![0, 1, 2, 3],
+                computed: 0,
+                lora: None,
+                salt: None,
+            }],
+            &[("a".into(), 13, a.clone())],
+        );
+        for _ in 0..3 {
+            leader.take_plan(vec![]).unwrap();
+        }
+        assert_eq!(leader.evict_idle_host(), 3);
+        let (found, asynchronous) = req
+            .match_prefix(&leader, "b", &a[..12], 0, 13, None, None)
+            .unwrap();
+        assert_eq!((found, asynchronous), (12, true));
+        assert!(req
+            .allocated(&mut leader, "b", vec![10, 11, 12, 13], 12)
+            .unwrap());
+        assert_eq!(req.hit_sources("b", 12), Some((0, 12)));
+        let plan = leader.take_plan(vec![]).unwrap();
+        let reads = plan.async_onboards[0].disk_reads.clone();
+        assert_eq!(reads.len(), 3);
+        (leader, req, a, reads)
+    }
+
+    #[test]
+    fn a_disk_hit_becomes_a_host_block_and_is_not_offloaded_again() {
+        let (mut leader, mut req, a, reads) = disk_hit();
+        let hashes: Vec<u64> = kvbm_events::BlockHasher::new(B, None, None)
+            .sequence_hashes(None, &a[..12])
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        assert_eq!(leader.count_prefix_tiers(&hashes), (0, 3));
+        leader.take_events();
+        // The workers report B's onboard finished: its staging blocks join the host tier.
+        req.connector_output(&mut leader, &["b".to_string()], &[]);
+        assert_eq!(leader.count_prefix_tiers(&hashes), (3, 0));
+        let mut host = std::collections::BTreeSet::new();
+        super::replay(&leader.take_events(), kvbm_events::Tier::Host, &mut host);
+        assert_eq!(host, hashes.iter().copied().collect());
+        // They are the very host blocks the disk reads landed in.
+        let staged: std::collections::BTreeSet<u32> = reads.iter().map(|r| r.host).collect();
+        let registered: std::collections::BTreeSet<u32> = hashes
+            .iter()
+            .map(|&h| {
+                leader
+                    .host_pool()
+                    .lookup(kvbm_events::SequenceHash(h))
+                    .expect("registered")
+                    .id()
+                    .0
+            })
+            .collect();
+        assert_eq!(registered, staged);
+        // B prefills its last token: nothing of the loaded prefix is offloaded from the GPU.
+        let plan = step(
+            &mut req,
+            &mut leader,
+            vec![Scheduled::New {
+                request: "b".into(),
+                block_ids: vec![10, 11, 12, 13],
+                computed: 12,
+                lora: None,
+                salt: None,
+            }],
+            &[("b".into(), 1, a.clone())],
+        );
+        assert!(plan.offloads.is_empty(), "{:?}", plan.offloads);
+    }
+
+    #[test]
+    fn a_staging_block_whose_disk_read_failed_never_joins_the_host_tier() {
+        let (mut leader, mut req, a, reads) = disk_hit();
+        let hashes: Vec<u64> = kvbm_events::BlockHasher::new(B, None, None)
+            .sequence_hashes(None, &a[..12])
+            .into_iter()
+            .map(|h| h.0)
+            .collect();
+        // The worker reports the second read's host block bad in the same output.
+        leader.discard(&[reads[1].host], &[]);
+        req.connector_output(&mut leader, &["b".to_string()], &[]);
+        // The first joined; the second did not (so neither did the third: a prefix stops).
+        assert!(leader
+            .host_pool()
+            .lookup(kvbm_events::SequenceHash(hashes[0]))
+            .is_some());
+        assert!(leader
+            .host_pool()
+            .lookup(kvbm_events::SequenceHash(hashes[1]))
+            .is_none());
+        assert_eq!(leader.count_prefix_tiers(&hashes).0, 1);
+    }
+
     #[test]
     fn unbacked_blocks_are_not_offloaded_until_vllm_recomputes_them() {
         let mut leader = Leader::new(B, 4, 0, false).unwrap();

@@ -104,6 +104,17 @@ def test_pass_two_loads_from_host_and_from_disk(run):
     assert metric(v2, "vllm:external_prefix_cache_hits_total") == host + disk
 
 
+def test_a_disk_hit_becomes_a_host_block_without_a_second_copy_from_the_gpu(run):
+    k1, k2 = run["kvbm1"], run["kvbm2"]
+    read = metric(k2, "kvbm_disk_read_blocks") - metric(k1, "kvbm_disk_read_blocks")
+    offloaded = metric(k2, "kvbm_offload_blocks_d2h") - metric(k1, "kvbm_offload_blocks_d2h")
+    # Pass 2 computes only its questions and answers (about 2 blocks a request); the prefixes
+    # read from disk (4 documents, 16 blocks each) stay in the host tier as they landed. Were
+    # they offloaded from the GPU again, GPU->host copies would outnumber the disk reads.
+    assert read >= 48
+    assert offloaded < read, (offloaded, read)
+
+
 def test_all_metrics_on_the_one_port_and_no_address_clash(run):
     k2 = run["kvbm2"]
     # The scheduler side's (leader) ...
