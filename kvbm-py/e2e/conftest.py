@@ -89,9 +89,10 @@ def metric(page, name: str, **labels: str) -> float:
 class VllmServer:
     """One `vllm serve` of the tiny model."""
 
-    def __init__(self, name: str, model: Path, log_dir: Path, *, connector: bool, prefix_caching: bool = True,
+    def __init__(self, name: str, model: Path, log_dir: Path, *, connector, prefix_caching: bool = True,
                  gpu_blocks: int = 40, env: Optional[Dict[str, str]] = None, kv_events: bool = False,
-                 kvbm_metrics_port: Optional[int] = None):
+                 kvbm_metrics_port: Optional[int] = None, max_model_len: int = MAX_MODEL_LEN,
+                 extra_args: tuple = ()):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -104,15 +105,18 @@ class VllmServer:
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
             "--served-model-name", MODEL_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE),
+            "--max-model-len", str(max_model_len), "--block-size", str(BLOCK_SIZE),
             "--num-gpu-blocks-override", str(gpu_blocks),
             "--enforce-eager", "--dtype", "float32", "--seed", "0",
             "--max-num-seqs", "8",
+            *extra_args,
         ]
         if not prefix_caching:
             argv.append("--no-enable-prefix-caching")
         if connector:
-            argv += ["--kv-transfer-config", json.dumps(CONNECTOR)]
+            # True: kvbm's DynamoConnector as the README names it; a dict: that config.
+            config = CONNECTOR if connector is True else connector
+            argv += ["--kv-transfer-config", json.dumps(config)]
         if kv_events:
             argv += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq",
@@ -161,6 +165,23 @@ class VllmServer:
         choice = json.loads(raw)["choices"][0]
         return {"text": choice["text"], "token_ids": choice.get("token_ids"),
                 "prompt_token_ids": choice.get("prompt_token_ids")}
+
+    def stream(self, prompt: str, max_tokens: int) -> Tuple[float, List[float]]:
+        """A streamed greedy completion: (seconds to the first token, seconds between the
+        tokens after it), measured on this side of the socket."""
+        body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        stamps = []
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
+            for line in resp:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    stamps.append(time.perf_counter())
+        if not stamps:
+            raise RuntimeError("no token streamed")
+        return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
 
     def metrics(self):
         _, raw = http("GET", f"{self.url}/metrics", timeout=10)
