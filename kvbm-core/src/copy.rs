@@ -293,6 +293,19 @@ impl CopyEngine {
         Ok(Self { shared, threads })
     }
 
+    /// Orders the engine's later copies in `direction` after everything queued so far on the
+    /// engine's (vLLM's) CUDA stream `foreign`, on the device: the copies of a step then follow
+    /// the forward pass's writes (offloads) and any pending writes to their target blocks
+    /// (onboards) without the host waiting. Copies already queued are not affected. Nothing to
+    /// do on the emulated device.
+    pub fn order_after_stream(&self, direction: Direction, foreign: u64) -> Result<(), CoreError> {
+        let stream = match direction {
+            Direction::DeviceToHost => &self.shared.d2h,
+            Direction::HostToDevice => &self.shared.h2d,
+        };
+        stream.order_after_stream(foreign).map_err(CoreError::from)
+    }
+
     /// The engine's limits.
     pub fn limits(&self) -> TransferLimits {
         self.shared.limits

@@ -830,6 +830,16 @@ impl Worker {
         self.wait_offloads_of(&preempted)
     }
 
+    /// Orders this worker's later copies in `direction` after everything queued so far on the
+    /// engine's CUDA stream `foreign` ([`CopyEngine::order_after_stream`]): called with the
+    /// stream vLLM runs the forward pass on, before a step's onboards (`HostToDevice`: their
+    /// target blocks may still have writes pending there, e.g. zeroing under asynchronous
+    /// scheduling) and before its offloads (`DeviceToHost`: the forward writes the blocks
+    /// they read). The host never waits for the GPU.
+    pub fn order_after_stream(&self, direction: Direction, foreign: u64) -> Result<(), CoreError> {
+        self.copies.order_after_stream(direction, foreign)
+    }
+
     /// Starts the plan's onboards (`start_load_kv`): its disk reads into staging host blocks,
     /// its synchronous onboards (one job per stage), and its asynchronous onboards; the plan's
     /// load errors are reported by [`Self::take_failed`].

@@ -314,6 +314,39 @@ impl CudaCopyStream {
         Ok(completion)
     }
 
+    /// Orders this stream's later copies after everything queued so far on `foreign` (a
+    /// `CUstream` of the same context, e.g. the one the engine runs its forward pass on; 0 for
+    /// the legacy default stream): an event recorded there, waited on here, on the device. The
+    /// host does not wait.
+    pub(crate) fn order_after(&self, foreign: u64) -> Result<(), DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
+        // Serialised with `submit`: the wait lands between two transfers, never inside one.
+        let _inflight = self.inflight.lock();
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: plain driver calls on handles of this context; the event is destroyed only
+        // after the wait on it was queued (the driver keeps what the wait needs).
+        unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+            )
+            .result()
+            .map_err(|e| DeviceError::driver("cuEventCreate", e))?;
+            let recorded = sys::cuEventRecord(event, foreign as sys::CUstream)
+                .result()
+                .map_err(|e| DeviceError::driver("cuEventRecord", e))
+                .and_then(|()| {
+                    sys::cuStreamWaitEvent(self.stream.cu_stream(), event, 0)
+                        .result()
+                        .map_err(|e| DeviceError::driver("cuStreamWaitEvent", e))
+                });
+            let _ = sys::cuEventDestroy_v2(event).result();
+            recorded
+        }
+    }
+
     fn copy_batched(&self, pieces: &[CopyPiece]) -> Result<(), DeviceError> {
         let mut dsts: Vec<sys::CUdeviceptr> = pieces.iter().map(|p| p.dst).collect();
         let mut srcs: Vec<sys::CUdeviceptr> = pieces.iter().map(|p| p.src).collect();

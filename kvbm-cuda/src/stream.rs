@@ -269,6 +269,17 @@ impl CopyStream {
         }
     }
 
+    /// Orders this stream's later transfers after everything queued so far on the engine's
+    /// CUDA stream `foreign` (a `CUstream` handle of the same context; 0 for the legacy default
+    /// stream), on the device, without the host waiting. The emulated device has no such
+    /// stream (the engine's writes are done when its host call returns): nothing to do.
+    pub fn order_after_stream(&self, foreign: u64) -> Result<(), DeviceError> {
+        match &self.backend {
+            Backend::Emulated(_) => Ok(()),
+            Backend::Cuda(s) => s.order_after(foreign),
+        }
+    }
+
     /// Holds the stream before its next transfer until the returned guard drops, so that a
     /// test can keep copies queued (in flight, for everything above) as long as it needs.
     /// Only the emulated device can: on CUDA this is `InvalidArgument`.

@@ -456,3 +456,95 @@ fn a_held_emulated_stream_starts_nothing_until_released() {
     host.read(0, &mut got).unwrap();
     assert_eq!(got, [7u8; 4096]);
 }
+
+/// The simulated driver's stream hold, looked up in the `libcuda.so` cudarc loaded (a real
+/// driver has no such symbol: None).
+struct SimHooks {
+    hold: unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void) -> i32,
+    release: unsafe extern "C" fn(*mut std::ffi::c_void) -> i32,
+}
+
+fn sim_hooks() -> Option<SimHooks> {
+    for name in [c"libcuda.so", c"libcuda.so.1"] {
+        // SAFETY: RTLD_NOLOAD only finds a library already loaded; dlsym's results are
+        // transmuted to the signatures kvbm-cuda-sim exports them with.
+        unsafe {
+            let lib = libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            if lib.is_null() {
+                continue;
+            }
+            let hold = libc::dlsym(lib, c"kvbmSimHoldStream".as_ptr());
+            let release = libc::dlsym(lib, c"kvbmSimReleaseHold".as_ptr());
+            if hold.is_null() || release.is_null() {
+                return None;
+            }
+            return Some(SimHooks {
+                hold: std::mem::transmute::<*mut libc::c_void, _>(hold),
+                release: std::mem::transmute::<*mut libc::c_void, _>(release),
+            });
+        }
+    }
+    None
+}
+
+#[test]
+fn copies_ordered_after_the_engines_stream_wait_for_its_queued_writes() {
+    // vLLM writes the KV blocks on its own stream; a step's offloads are ordered after it on
+    // the device (`order_after_stream`) instead of the host synchronising. Here the engine's
+    // write of a block is queued behind a hold on the engine's stream when the offload is
+    // submitted: the offload must neither finish before it nor read the old bytes.
+    let device = device();
+    if device.kind() != DeviceKind::Cuda {
+        return; // the emulated device has no engine stream: the engine's writes are done
+    }
+    let Some(hooks) = sim_hooks() else {
+        eprintln!("not the simulated driver: a held engine stream cannot be arranged; skipped");
+        return;
+    };
+    // One pinning chunk: the engine's single copy must not cross a registration.
+    let len = small_host_options().chunk_bytes;
+    let gpu = device.alloc_gpu(len).unwrap();
+    gpu.write(0, &vec![0x11; len]).unwrap();
+    let mut pattern = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(22).fill_bytes(&mut pattern);
+    let src = ready_host(&device, len);
+    src.write(0, &pattern).unwrap();
+    let out = ready_host(&device, len);
+
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let engine = ctx.new_stream().unwrap();
+    // Before the hold: creating a stream synchronises the context (cudarc's new_stream).
+    let d2h = d2h_stream(&device, true);
+    let handle = engine.cu_stream();
+    let mut hold = std::ptr::null_mut();
+    // SAFETY: the simulator's hook on a live stream of this context.
+    assert_eq!(unsafe { (hooks.hold)(handle.cast(), &mut hold) }, 0);
+    // SAFETY: both ranges are live device and pinned host memory of `len` bytes.
+    unsafe { cudarc::driver::sys::cuMemcpyAsync(gpu.addr(), src.addr(), len, handle) }
+        .result()
+        .unwrap();
+
+    d2h.order_after_stream(handle as u64).unwrap();
+    let mut t = Transfer::with_capacity(1);
+    t.push(gpu.addr(), out.addr(), len);
+    t.keep(gpu.clone());
+    t.keep(out.clone());
+    let done = d2h.submit(t).unwrap();
+    // Ordered after the held write: it cannot finish while the engine's stream is held
+    // (without the wait it runs at once and copies the old bytes).
+    let early = done.wait_timeout(Duration::from_millis(300)).unwrap();
+    // SAFETY: the handle kvbmSimHoldStream wrote, released once.
+    assert_eq!(unsafe { (hooks.release)(hold) }, 0);
+    assert!(
+        !early,
+        "the offload finished before the engine's write it was ordered after"
+    );
+    done.wait().unwrap();
+    let mut got = vec![0u8; len];
+    out.read(0, &mut got).unwrap();
+    assert!(
+        got == pattern,
+        "the offload did not copy the engine's write"
+    );
+    engine.synchronize().unwrap();
+}

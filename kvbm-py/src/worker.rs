@@ -388,6 +388,27 @@ impl Worker {
         })
     }
 
+    /// Orders this worker's later copies in `direction` (`"d2h"` for offloads, `"h2d"` for
+    /// onboards) after everything queued so far on the CUDA stream `stream` (vLLM's current
+    /// stream, `torch.cuda.current_stream().cuda_stream`), on the device; the host does not
+    /// wait. Nothing to do on the emulated device.
+    fn order_after_stream(&self, direction: &str, stream: u64) -> PyResult<()> {
+        guard(|| {
+            let direction = match direction {
+                "d2h" => kvbm_core::Direction::DeviceToHost,
+                "h2d" => kvbm_core::Direction::HostToDevice,
+                other => {
+                    return Err(crate::DeviceError::new_err(format!(
+                        "direction {other:?}: expected d2h or h2d"
+                    )))
+                }
+            };
+            self.w()
+                .order_after_stream(direction, stream)
+                .map_err(core_err)
+        })
+    }
+
     /// What this rank's disk file held when it opened, as (disk block, key, identity bytes),
     /// for the leader's `adopt_disk` (once: later calls return nothing).
     fn take_recovered_disk(&mut self) -> PyResult<Vec<(u32, u64, Vec<u8>)>> {

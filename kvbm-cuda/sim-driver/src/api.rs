@@ -816,3 +816,41 @@ unsafe fn put_str(out: *mut *const c_char, s: Option<*const c_char>) -> Result<(
 pub unsafe extern "C" fn kvbm_sim_violations() -> u64 {
     violations::count()
 }
+
+// ------------------------------------------------------------------ test hooks (not CUDA)
+
+/// Not a CUDA function: holds stream `h` (0: the legacy default stream) at this point of its
+/// queue until [`kvbmSimReleaseHold`] is called with the handle written to `out`. For tests in
+/// another crate that reach the simulator only as the `libcuda.so` cudarc loaded (they look
+/// these two up with `dlsym`; a real driver has neither, and such a test then skips).
+///
+/// # Safety
+/// `out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn kvbmSimHoldStream(h: CUhandle, out: *mut *mut c_void) -> CUresult {
+    if out.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    match stream::hold_stream(h as usize) {
+        Ok(hold) => {
+            // SAFETY: `out` is valid for a write (caller contract).
+            unsafe { *out = Box::into_raw(Box::new(hold)).cast() };
+            CUDA_SUCCESS
+        }
+        Err(e) => e,
+    }
+}
+
+/// Not a CUDA function: releases a hold made by [`kvbmSimHoldStream`] (each handle once).
+///
+/// # Safety
+/// `hold` is a handle [`kvbmSimHoldStream`] wrote and not released yet.
+#[no_mangle]
+pub unsafe extern "C" fn kvbmSimReleaseHold(hold: *mut c_void) -> CUresult {
+    if hold.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    // SAFETY: made by `Box::into_raw` in kvbmSimHoldStream, released once (caller contract).
+    drop(unsafe { Box::from_raw(hold.cast::<stream::StreamHold>()) });
+    CUDA_SUCCESS
+}

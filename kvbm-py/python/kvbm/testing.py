@@ -74,9 +74,11 @@ class HostTensor:
     def is_cuda(self) -> bool:
         return getattr(self.device, "type", self.device) == "cuda"
 
-    def kvbm_synchronize(self) -> None:
-        """What ``torch.cuda.current_stream().synchronize()`` is to a torch tensor: the engine's
-        writes to this memory are done. numpy's writes are done when they return."""
+    def kvbm_current_stream(self) -> int:
+        """What ``torch.cuda.current_stream().cuda_stream`` is to a torch tensor: the stream
+        the engine writes this memory on. numpy writes synchronously: the legacy default
+        stream (0), on which nothing is queued."""
+        return 0
 
     def untyped_storage(self) -> HostStorage:
         return HostStorage(self.storage)

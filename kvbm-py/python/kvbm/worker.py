@@ -23,7 +23,8 @@ when the step has synchronous loads (otherwise after it), ``wait_for_layer_load`
   layout), each after the offloads into the host blocks it reads; asynchronous onboards go to
   the worker's loaders, several at once;
 - ``wait_for_layer_load``: waits for the stage holding that layer;
-- ``wait_for_save``: starts the step's offloads (after the forward pass wrote the blocks), then
+- ``wait_for_save``: starts the step's offloads, ordered on the device after the forward pass
+  that writes the blocks (an event on vLLM's stream; the host does not wait), then
   queues the step's disk writes (after the offloads into those host blocks);
 - ``get_finished``: reports finished requests whose offloads all completed (vLLM frees their
   GPU blocks only then), and requests whose asynchronous onboards are done; their failed blocks
@@ -122,7 +123,8 @@ class KvbmWorker:
         self._failed: Set[int] = set()
         self._bad_host: Set[int] = set()
         self._bad_disk: Set[int] = set()
-        self._sync = None
+        # The CUDA stream vLLM runs the forward pass on, as a handle (CUDA only).
+        self._stream = None
 
     @property
     def native(self) -> "_kvbm.Worker":
@@ -157,13 +159,13 @@ class KvbmWorker:
             device = self._device
         if device == "cuda":
             # kvbm.testing's tensors over simulated device memory bring their own.
-            self._sync = getattr(tensors[0], "kvbm_synchronize", None)
-            if self._sync is None:
+            self._stream = getattr(tensors[0], "kvbm_current_stream", None)
+            if self._stream is None:
                 import torch  # type: ignore
 
-                # The stream current when the step's offloads start (vLLM may run the forward
-                # on another one than at registration).
-                self._sync = lambda: torch.cuda.current_stream(index).synchronize()
+                # The stream current when the step's copies start (vLLM may run the forward on
+                # another one than at registration).
+                self._stream = lambda: int(torch.cuda.current_stream(index).cuda_stream)
         self._native = _kvbm.Worker(
             dict(kv_caches),
             num_blocks,
@@ -230,6 +232,11 @@ class KvbmWorker:
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         if self._meta is not None:
+            if self._stream is not None and self._meta.plan:
+                # The onboards' target blocks may still have writes queued on vLLM's stream
+                # (with asynchronous scheduling, e.g. zeroing of new blocks): the copies wait
+                # for them on the device, the host does not.
+                self.native.order_after_stream("h2d", self._stream())
             self.native.start_onboards()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -238,15 +245,18 @@ class KvbmWorker:
             self.native.wait_layer(layer)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None, **kwargs: Any) -> None:
-        # Offloads start in wait_for_save, once the whole forward pass wrote the blocks: one
-        # job per step rather than one per layer, and one stream sync on CUDA.
+        # Offloads start in wait_for_save, once the whole forward pass was queued: one job per
+        # step rather than one per layer, ordered after the forward on the device.
         return None
 
     def wait_for_save(self) -> None:
         if self._meta is None:
             return
-        if self._has_offloads and self._sync is not None:
-            self._sync()  # the forward's writes are on the compute stream
+        if self._has_offloads and self._stream is not None:
+            # The forward pass writes the blocks on vLLM's stream: the offloads wait for it on
+            # the device (an event recorded there, waited on by the copy stream), and the host
+            # goes on to prepare the next step, as vLLM's own offloading does.
+            self.native.order_after_stream("d2h", self._stream())
         self.native.start_offloads()
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
