@@ -166,9 +166,9 @@ class VllmServer:
         return {"text": choice["text"], "token_ids": choice.get("token_ids"),
                 "prompt_token_ids": choice.get("prompt_token_ids")}
 
-    def stream(self, prompt: str, max_tokens: int) -> Tuple[float, List[float]]:
-        """A streamed greedy completion: (seconds to the first token, seconds between the
-        tokens after it), measured on this side of the socket."""
+    def stream(self, prompt: str, max_tokens: int) -> Tuple[float, float]:
+        """A streamed greedy completion of exactly `max_tokens` tokens: (seconds to the first
+        token, seconds to the last), measured on this side of the socket."""
         body = json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                            "stream": True, "ignore_eos": True}).encode()
         req = urllib.request.Request(f"{self.url}/v1/completions", data=body, method="POST",
@@ -181,7 +181,7 @@ class VllmServer:
                     stamps.append(time.perf_counter())
         if not stamps:
             raise RuntimeError("no token streamed")
-        return stamps[0] - start, [b - a for a, b in zip(stamps, stamps[1:])]
+        return stamps[0] - start, stamps[-1] - start
 
     def metrics(self):
         _, raw = http("GET", f"{self.url}/metrics", timeout=10)
