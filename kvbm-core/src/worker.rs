@@ -501,6 +501,9 @@ pub struct Worker {
     offload_waits: u64,
     // vLLM's step: the bound plan and the request bookkeeping of `get_finished`.
     plan: Option<StepPlan>,
+    /// vLLM's sleep mode unregistered the KV caches: no copy touches GPU memory until
+    /// [`Worker::remap_gpu`].
+    suspended: bool,
     /// Requests that ever offloaded (their finish waits for their offloads).
     offloaded: HashSet<String>,
     /// Finished requests waiting for their offloads.
@@ -659,6 +662,7 @@ impl Worker {
             plan: None,
             offloaded: HashSet::new(),
             finished_waiting: HashSet::new(),
+            suspended: false,
         })
     }
 
@@ -975,6 +979,113 @@ impl Worker {
             bad_host_blocks,
             bad_disk_blocks,
         }
+    }
+
+    /// vLLM's sleep mode (`unregister_kv_caches`): waits for every copy that touches GPU memory
+    /// (offloads, onboards, asynchronous onboards), then refuses any further one until
+    /// [`Self::remap_gpu`]; the host pool, the disk tier and what finished but was not reported
+    /// yet are kept. Idempotent.
+    pub fn suspend(&mut self) {
+        self.wait_offloads();
+        let _ = self.wait_onboards();
+        self.wait_async();
+        self.suspended = true;
+    }
+
+    /// Whether [`Self::suspend`] was called and no [`Self::remap_gpu`] since.
+    pub fn is_suspended(&self) -> bool {
+        self.suspended
+    }
+
+    /// vLLM's `restore_kv_caches`: the engine's KV cache memory again, possibly at other
+    /// addresses, in the same layout (the same geometry, block count and tensor count, or an
+    /// error naming both). The copy engine and the loaders are rebuilt on the new regions;
+    /// asynchronous onboards that finished while suspended are still reported. Only while
+    /// suspended.
+    pub fn remap_gpu(
+        &mut self,
+        kv: KvLayout,
+        gpu_layout: BlockLayout,
+        gpu: Vec<GpuRegion>,
+    ) -> Result<(), CoreError> {
+        if !self.suspended {
+            return Err(CoreError::InvalidArgument(
+                "the KV caches are registered: suspend (unregister) them before restoring".into(),
+            ));
+        }
+        if kv != self.kv
+            || gpu_layout.geometry_id() != self.gpu.geometry_id()
+            || gpu_layout.num_blocks() != self.gpu.num_blocks()
+            || gpu_layout.ready_after().len() != self.ready_after.len()
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "restored KV caches differ from the registered ones: {kv:?} in {} blocks over {} \
+                 tensors, was {:?} in {} blocks over {} tensors",
+                gpu_layout.num_blocks(),
+                gpu_layout.ready_after().len(),
+                self.kv,
+                self.gpu.num_blocks(),
+                self.ready_after.len()
+            )));
+        }
+        let limits = self.copies.limits();
+        let metrics = self.metrics.clone();
+        let old = self.loaders.take().expect("present until dropped");
+        let done = std::mem::take(&mut *old.context.done.lock());
+        let threads = old.threads.len();
+        drop(old);
+        let copies = CopyEngine::new(
+            CopySide {
+                layout: gpu_layout.clone(),
+                regions: gpu.into_iter().map(Region::from).collect(),
+            },
+            CopySide {
+                layout: self.host_layout.clone(),
+                regions: vec![Region::from(self.host.clone())],
+            },
+            self.device
+                .copy_stream_with(Direction::DeviceToHost, limits.copy)?,
+            self.device
+                .copy_stream_with(Direction::HostToDevice, limits.copy)?,
+            limits,
+            metrics,
+        );
+        let copies = match copies {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                self.loaders = Some(self.restart_loaders(self.copies.clone(), done, threads)?);
+                return Err(e);
+            }
+        };
+        self.copies.wait_idle();
+        self.copies = copies.clone();
+        self.loaders = Some(self.restart_loaders(copies, done, threads)?);
+        self.gpu = gpu_layout;
+        self.suspended = false;
+        Ok(())
+    }
+
+    fn restart_loaders(
+        &self,
+        copies: Arc<CopyEngine>,
+        done: Vec<(String, Vec<u32>)>,
+        threads: usize,
+    ) -> Result<Loaders, CoreError> {
+        start_loaders(
+            Arc::new(LoaderContext {
+                copies,
+                host: self.host.clone(),
+                host_stride: self.kv.host_stride_bytes(),
+                ready_timeout: self.ready_timeout,
+                disk: self.disk.as_ref().map(|d| d.shared.clone()),
+                bad: self.bad.clone(),
+                metrics: self.metrics.clone(),
+                done: Mutex::new(done),
+                busy: Mutex::new(0),
+                busy_cv: Condvar::new(),
+            }),
+            threads.max(1),
+        )
     }
 
     /// Waits for everything in flight: offloads, onboards, asynchronous onboards, disk writes.
@@ -1419,6 +1530,13 @@ impl Worker {
 
     /// Checks `(host, gpu)` pairs against the pools' sizes.
     fn check_pairs(&self, pairs: impl Iterator<Item = (u32, u32)>) -> Result<(), CoreError> {
+        if self.suspended {
+            return Err(CoreError::InvalidArgument(
+                "the KV caches are unregistered (vLLM's sleep mode): no copy touches GPU memory \
+                 until they are restored"
+                    .into(),
+            ));
+        }
         let (nh, ng) = (self.host_blocks(), self.gpu.num_blocks());
         for (h, g) in pairs {
             if h as usize >= nh || g as usize >= ng {

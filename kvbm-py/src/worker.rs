@@ -122,6 +122,54 @@ pub struct Worker {
     _tensors: Vec<PyObject>,
     /// vLLM's layout name the tensors follow ("BLNHC", ...), or "per-layer tensors".
     layout_name: String,
+    device_index: usize,
+    outer_dim: Option<usize>,
+}
+
+type GpuSide = (
+    Vec<PyObject>,
+    kvbm_core::layout::ViewsLayout,
+    KvLayout,
+    BlockLayout,
+    String,
+);
+
+/// The KV caches' GPU side: the tensors (kept alive), where each block's runs lie, the KV
+/// layout (with `outer_dim` when the cache spec says K and V share the content axis) and the
+/// layout's vLLM name.
+fn gpu_side(
+    kv_caches: &Bound<'_, PyDict>,
+    num_blocks: usize,
+    outer_dim: Option<usize>,
+) -> PyResult<GpuSide> {
+    let (tensors, views) = views_of(kv_caches)?;
+    if views.is_empty() {
+        return Err(LayoutError::new_err("no KV cache tensor to register"));
+    }
+    let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
+    let mut kv = placed.kv;
+    let mut gpu = placed.layout.clone();
+    if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
+        let total = kv.outer_dim * kv.inner_dim;
+        if outer == 0 || total % outer != 0 {
+            return Err(LayoutError::new_err(format!(
+                "outer_dim {outer} does not divide the {total} elements per token"
+            )));
+        }
+        kv = KvLayout::new(
+            kv.num_layers,
+            outer,
+            kv.block_size_tokens,
+            total / outer,
+            kv.dtype_bytes,
+        )
+        .map_err(core_err)?;
+        gpu = gpu.with_kv(kv).map_err(core_err)?;
+    }
+    let layout_name = placed
+        .physical
+        .map_or_else(|| "per-layer tensors".to_owned(), |p| p.name().to_owned());
+    Ok((tensors, placed, kv, gpu, layout_name))
 }
 
 impl std::fmt::Debug for Worker {
@@ -175,38 +223,13 @@ impl Worker {
         async_onboards_max: usize,
     ) -> PyResult<Self> {
         guard(|| {
-            let (tensors, views) = views_of(kv_caches)?;
-            if views.is_empty() {
-                return Err(LayoutError::new_err("no KV cache tensor to register"));
-            }
             if num_blocks == 0 || host_blocks == 0 {
                 return Err(LayoutError::new_err(format!(
                     "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
                 )));
             }
-            let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
-            let mut kv = placed.kv;
-            let mut gpu = placed.layout;
-            if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
-                let total = kv.outer_dim * kv.inner_dim;
-                if outer == 0 || total % outer != 0 {
-                    return Err(LayoutError::new_err(format!(
-                        "outer_dim {outer} does not divide the {total} elements per token"
-                    )));
-                }
-                kv = KvLayout::new(
-                    kv.num_layers,
-                    outer,
-                    kv.block_size_tokens,
-                    total / outer,
-                    kv.dtype_bytes,
-                )
-                .map_err(core_err)?;
-                gpu = gpu.with_kv(kv).map_err(core_err)?;
-            }
-            let layout_name = placed
-                .physical
-                .map_or_else(|| "per-layer tensors".to_owned(), |p| p.name().to_owned());
+            let (tensors, placed, kv, gpu, layout_name) =
+                gpu_side(kv_caches, num_blocks, outer_dim)?;
             let dev = kvbm_core::open_device(device, device_index).map_err(core_err)?;
             #[allow(unsafe_code)]
             // SAFETY: each span is the memory one or more of `tensors` address with their
@@ -269,6 +292,8 @@ impl Worker {
                 inner: Some(inner),
                 _tensors: tensors,
                 layout_name,
+                device_index,
+                outer_dim,
             })
         })
     }
@@ -406,6 +431,52 @@ impl Worker {
             self.w()
                 .order_after_stream(direction, stream)
                 .map_err(core_err)
+        })
+    }
+
+    /// vLLM's sleep mode (`unregister_kv_caches`): waits for every copy touching the KV caches,
+    /// then refuses any other until `restore`. Idempotent.
+    fn suspend(&mut self, py: Python<'_>) -> PyResult<()> {
+        guard(|| {
+            let inner = self.w_mut();
+            py.allow_threads(|| inner.suspend());
+            Ok(())
+        })
+    }
+
+    /// Whether the KV caches are unregistered (`suspend` without `restore` since).
+    #[getter]
+    fn suspended(&self) -> bool {
+        self.w().is_suspended()
+    }
+
+    /// vLLM's `restore_kv_caches`: registers the KV caches again (the same layout, possibly
+    /// at other addresses). Only after `suspend`.
+    fn restore(&mut self, py: Python<'_>, kv_caches: &Bound<'_, PyDict>) -> PyResult<()> {
+        guard(|| {
+            if !self.w().is_suspended() {
+                return Err(LayoutError::new_err(
+                    "restore: the KV caches are registered (call suspend first)",
+                ));
+            }
+            let num_blocks = self.w().gpu_layout().num_blocks();
+            let (tensors, placed, kv, gpu, layout_name) =
+                gpu_side(kv_caches, num_blocks, self.outer_dim)?;
+            let device_index = self.device_index;
+            let inner = self.w_mut();
+            #[allow(unsafe_code)]
+            // SAFETY: as in `new`: the spans are the tensors' own memory, checked against their
+            // storages; `tensors` replaces the kept references only once the core worker uses
+            // the new regions, and the old regions saw no copy since `suspend`.
+            let regions = unsafe {
+                kvbm_core::Worker::register_spans(inner.device(), &placed.spans, device_index)
+            }
+            .map_err(core_err)?;
+            py.allow_threads(|| inner.remap_gpu(kv, gpu, regions))
+                .map_err(core_err)?;
+            self._tensors = tensors;
+            self.layout_name = layout_name;
+            Ok(())
         })
     }
 

@@ -178,6 +178,8 @@ class KvbmWorker:
             disk_file=f"kvbm-rank{self._rank}.cache",
         )
         self._layers = {n: i for i, n in enumerate(names)}
+        # vLLM's own tensors: restore_kv_caches re-reads them (sleep mode may remap them).
+        self._kv_caches = dict(kv_caches)
         if int(disk_blocks) > 0 and self._instance_id is not None:
             from .recovery import write_recovered
 
@@ -280,6 +282,23 @@ class KvbmWorker:
         meta = KvbmWorkerMetadata(frozenset(self._bad_host), frozenset(self._bad_disk))
         self._bad_host, self._bad_disk = set(), set()
         return meta
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33's sleep mode frees the KV cache memory after this
+        (vllm/v1/worker/gpu_worker.py, ``sleep`` and ``discard``): every copy touching it is
+        waited for, and none is started until ``restore_kv_caches``. The host and disk tiers
+        keep their blocks. Idempotent."""
+        if self._native is not None:
+            self._native.suspend()
+
+    def restore_kv_caches(self, kv_caches: Optional[Dict[str, Any]] = None) -> None:
+        """After vLLM's ``wake_up``: registers the KV caches again, wherever their memory now
+        is (the same layout and block count, or ``LayoutError``): vLLM's own tensors as
+        registered (vLLM calls this without arguments), or ``kv_caches``. Idempotent."""
+        if kv_caches is not None:
+            self._kv_caches = dict(kv_caches)
+        if self._native is not None and self._native.suspended:
+            self._native.restore(self._kv_caches)
 
     def shutdown(self) -> None:
         if self._native is not None:

@@ -248,6 +248,16 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
     def register_kv_caches(self, kv_caches: Any) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM 0.33's sleep mode (supports_sleep_mode is left True): drained, then no copy
+        # touches the KV cache memory until restore_kv_caches.
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         try:
             super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]
