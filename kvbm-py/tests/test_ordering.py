@@ -119,3 +119,26 @@ def test_a_load_waits_for_the_save_into_its_host_block_and_for_no_other():
     for name, a in caches.items():
         assert np.array_equal(a.array[6], pending[name]), name
     worker.shutdown()
+
+
+def test_sleep_mode_waits_for_a_queued_save_before_vllm_frees_the_memory():
+    """vLLM frees the KV cache memory as soon as unregister_kv_caches returns (sleep mode): a
+    save still queued reads that memory, so unregister must wait for it."""
+    caches, worker = setup("BLNHC")
+    saved = forward_writes(caches, 3, seed=5)
+    hold = worker.native._hold_stream("d2h")
+    step(worker, KvbmConnectorMetadata.build(step=1, offloads=[("A", [(3, 0)])]))
+    t = in_thread(worker.unregister_kv_caches)
+    waiting = t.is_alive()  # the save cannot have run: the stream is held
+    hold.release()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    assert waiting, "unregister_kv_caches returned while a save still read the KV caches"
+    # What "freeing" leaves in the memory does not reach the host tier.
+    for t_ in caches.values():
+        t_.array[...] = 0
+    worker.restore_kv_caches()
+    step(worker, KvbmConnectorMetadata.build(step=2, onboards=[("C", [(0, 6)])]), has_sync_kv_loads=True)
+    for name, t_ in caches.items():
+        assert np.array_equal(t_.array[6], saved[name]), name
+    worker.shutdown()
