@@ -89,6 +89,9 @@ pub struct Offloaded {
     pub host: Vec<Option<u32>>,
 }
 
+/// A staging host block a disk read lands in, with the identity it joins the host tier under.
+type StagedRead = (FillingBlock, BlockIdentity);
+
 /// What an onboard needs: the host blocks of its host part, then the disk reads of the rest.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OnboardHolds {
@@ -133,7 +136,7 @@ pub struct Leader {
     /// What an asynchronous onboard holds, by request, until `release`: its host and disk
     /// blocks, and the staging host blocks its disk reads land in, each with the identity it
     /// is registered under once the onboard finished.
-    pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<(FillingBlock, BlockIdentity)>)>,
+    pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<StagedRead>)>,
     publisher: EventPublisher,
     /// The leader's own subscription ([`Self::take_events`]), when it made its publisher.
     events: Option<EventSubscriber>,

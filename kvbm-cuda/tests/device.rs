@@ -459,9 +459,12 @@ fn a_held_emulated_stream_starts_nothing_until_released() {
 
 /// The simulated driver's stream hold, looked up in the `libcuda.so` cudarc loaded (a real
 /// driver has no such symbol: None).
+type HoldFn = unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void) -> i32;
+type ReleaseFn = unsafe extern "C" fn(*mut std::ffi::c_void) -> i32;
+
 struct SimHooks {
-    hold: unsafe extern "C" fn(*mut std::ffi::c_void, *mut *mut std::ffi::c_void) -> i32,
-    release: unsafe extern "C" fn(*mut std::ffi::c_void) -> i32,
+    hold: HoldFn,
+    release: ReleaseFn,
 }
 
 fn sim_hooks() -> Option<SimHooks> {
@@ -479,8 +482,8 @@ fn sim_hooks() -> Option<SimHooks> {
                 return None;
             }
             return Some(SimHooks {
-                hold: std::mem::transmute::<*mut libc::c_void, _>(hold),
-                release: std::mem::transmute::<*mut libc::c_void, _>(release),
+                hold: std::mem::transmute::<*mut libc::c_void, HoldFn>(hold),
+                release: std::mem::transmute::<*mut libc::c_void, ReleaseFn>(release),
             });
         }
     }
