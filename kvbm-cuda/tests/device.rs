@@ -551,3 +551,68 @@ fn copies_ordered_after_the_engines_stream_wait_for_its_queued_writes() {
     );
     engine.synchronize().unwrap();
 }
+
+#[test]
+fn loads_ordered_after_the_engines_stream_land_after_its_queued_writes() {
+    // vLLM's own offloading orders its loads after the compute stream because writes to the
+    // target blocks (zeroing of new blocks, with asynchronous scheduling) may still be queued
+    // there. Here the engine's zeroing of a block is held on its stream when kvbm's load into
+    // that block is submitted: the block must end up holding the loaded bytes, not zeros.
+    let device = device();
+    if device.kind() != DeviceKind::Cuda {
+        return;
+    }
+    let Some(hooks) = sim_hooks() else {
+        eprintln!("not the simulated driver: a held engine stream cannot be arranged; skipped");
+        return;
+    };
+    let len = small_host_options().chunk_bytes;
+    let gpu = device.alloc_gpu(len).unwrap();
+    let zeros = ready_host(&device, len);
+    zeros.write(0, &vec![0u8; len]).unwrap();
+    let mut pattern = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(23).fill_bytes(&mut pattern);
+    let src = ready_host(&device, len);
+    src.write(0, &pattern).unwrap();
+
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let engine = ctx.new_stream().unwrap();
+    let h2d = device
+        .copy_stream_with(
+            Direction::HostToDevice,
+            StreamOptions {
+                coalesce: true,
+                batch_copy: true,
+            },
+        )
+        .unwrap();
+    let handle = engine.cu_stream();
+    let mut hold = std::ptr::null_mut();
+    // SAFETY: the simulator's hook on a live stream of this context.
+    assert_eq!(unsafe { (hooks.hold)(handle.cast(), &mut hold) }, 0);
+    // SAFETY: both ranges are live device and pinned host memory of `len` bytes.
+    unsafe { cudarc::driver::sys::cuMemcpyAsync(gpu.addr(), zeros.addr(), len, handle) }
+        .result()
+        .unwrap();
+    h2d.order_after_stream(handle as u64).unwrap();
+    let mut t = Transfer::with_capacity(1);
+    t.push(src.addr(), gpu.addr(), len);
+    t.keep(gpu.clone());
+    t.keep(src.clone());
+    let done = h2d.submit(t).unwrap();
+    let early = done.wait_timeout(Duration::from_millis(300)).unwrap();
+    // SAFETY: the handle kvbmSimHoldStream wrote, released once.
+    assert_eq!(unsafe { (hooks.release)(hold) }, 0);
+    assert!(
+        !early,
+        "the load finished before the engine's pending write to its block"
+    );
+    done.wait().unwrap();
+    engine.synchronize().unwrap();
+    let mut got = vec![0u8; len];
+    gpu.read(0, &mut got).unwrap();
+    assert!(
+        got == pattern,
+        "the engine's pending write overwrote the loaded block"
+    );
+}
