@@ -132,6 +132,16 @@ impl BadBlocks {
         self.host.insert(host);
         self.reported_host.push(host);
     }
+
+    /// Staging host blocks whose disk reads did not land (refused, failed, never run): never
+    /// served here, and reported so that the leader never registers them (`Leader::discard`
+    /// before `Leader::release`).
+    fn staging_unfilled(&mut self, hosts: impl IntoIterator<Item = u32>) {
+        for h in hosts {
+            self.host.insert(h);
+            self.reported_host.push(h);
+        }
+    }
 }
 
 type SharedBad = Arc<Mutex<BadBlocks>>;
@@ -200,8 +210,9 @@ impl DiskShared {
                 blocks = reads.len(),
                 "disk reads name a host block twice; none served"
             );
-            let mut bad = self.bad.lock();
-            bad.host.extend(reads.iter().map(|r| r.host));
+            self.bad
+                .lock()
+                .staging_unfilled(reads.iter().map(|r| r.host));
             return reads.iter().map(|r| r.host).collect();
         }
         for r in reads {
@@ -371,21 +382,24 @@ struct LoaderContext {
 impl LoaderContext {
     /// Runs one asynchronous onboard; returns the GPU blocks that did not get their bytes.
     fn run(&self, job: &AsyncOnboard) -> Vec<u32> {
+        // This job's own misses, not the shared bad set: another job may reuse and refill a
+        // host block reported bad here once the leader dropped it.
+        let mut missed: HashSet<u32> = HashSet::new();
         if !job.disk_reads.is_empty() {
             match &self.disk {
-                Some(disk) => {
-                    disk.read_into_host(&job.disk_reads);
+                Some(disk) => missed.extend(disk.read_into_host(&job.disk_reads)),
+                None => {
+                    let hosts: Vec<u32> = job.disk_reads.iter().map(|r| r.host).collect();
+                    self.bad.lock().staging_unfilled(hosts.iter().copied());
+                    missed.extend(hosts);
                 }
-                None => self
-                    .bad
-                    .lock()
-                    .host
-                    .extend(job.disk_reads.iter().map(|r| r.host)),
             }
         }
         let (bad, good): (Pairs, Pairs) = {
             let bad = self.bad.lock();
-            job.pairs.iter().partition(|(h, _)| bad.host.contains(h))
+            job.pairs
+                .iter()
+                .partition(|(h, _)| missed.contains(h) || bad.host.contains(h))
         };
         let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
         if good.is_empty() {
@@ -885,7 +899,10 @@ impl Worker {
                 job.request.clone(),
                 job.pairs.iter().map(|&(_, g)| g).collect(),
             );
+            let staged: Vec<u32> = job.disk_reads.iter().map(|r| r.host).collect();
             if let Err(e) = self.onboard_async(job) {
+                // Its disk reads never run: the staging blocks hold nothing.
+                self.bad.lock().staging_unfilled(staged);
                 let loaders = self.loaders.as_ref().expect("present until dropped");
                 loaders.context.done.lock().push((request, gpu));
                 first_error.get_or_insert(e);

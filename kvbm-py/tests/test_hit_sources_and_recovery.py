@@ -143,3 +143,23 @@ def test_the_leader_adopts_what_the_files_agree_on_and_announces_it(tmp_path):
     fresh = KvbmLeader(B, 8, disk_blocks=16, recovery=(str(tmp_path), 1, "another"))
     assert fresh.adopted_disk_blocks == 0
     assert fresh.get_num_new_matched_tokens(request("x", tokens), 0) == (0, False)
+
+
+def test_recovery_files_that_could_hang_or_crash_the_leader_adopt_nothing(tmp_path):
+    d = str(tmp_path)
+    with open(recovered_path(d, 0), "w") as f:
+        f.write('{"format": "kvbm-recovered-v1", "instance": "i", "rank": 0, "blocks": [[Infinity, 1, ""]]}')
+    assert "malformed" in read_agreed(d, 1, "i")[1]
+    os.unlink(recovered_path(d, 0))
+    os.mkfifo(recovered_path(d, 0))  # would block a plain open forever
+    agreed, why = read_agreed(d, 1, "i")
+    assert agreed == [] and "regular file" in why
+    os.unlink(recovered_path(d, 0))
+    # Slots beyond the disk tier configured now (the file of a larger tier): nothing adopted,
+    # and the leader still starts.
+    write_recovered(d, 0, "i", [(40, 7, b"x")])
+    leader = KvbmLeader(B, 8, disk_blocks=16, recovery=(d, 1, "i"))
+    assert leader.adopted_disk_blocks == 0
+    # An identity kvbm-core cannot read is dropped, not fatal.
+    write_recovered(d, 0, "i", [(3, 7, b"not an identity")])
+    assert KvbmLeader(B, 8, disk_blocks=16, recovery=(d, 1, "i")).adopted_disk_blocks == 0

@@ -185,3 +185,17 @@ def test_a_metrics_directory_that_is_not_private_is_refused(tmp_path):
     os.chmod(open_dir, 0o777)
     assert _private_dir(str(open_dir)) is None
     assert _private_dir(str(tmp_path / "new")) == str(tmp_path / "new")
+
+
+def test_a_file_left_by_a_process_whose_pid_was_reused_is_ignored_and_removed(tmp_path):
+    import json as _json
+
+    from kvbm.metrics import read_published
+
+    d = tmp_path / "port"
+    d.mkdir(mode=0o700)
+    # This test's parent is alive, but it did not start at tick 1: the file is not its.
+    stale = d / f"rank0-{os.getppid()}.json"
+    stale.write_text(_json.dumps({"kvbm_offload_blocks_d2h": 5, "_pid_start": 1}))
+    assert read_published(str(d)) == []
+    assert not stale.exists()

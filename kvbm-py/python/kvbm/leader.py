@@ -88,7 +88,22 @@ class KvbmLeader:
             if why:
                 log.warning("kvbm leader: adopting no disk block: %s", why)
             elif found:
-                self.adopted_disk_blocks = self._native.adopt_disk(found)
+                outside = [e for e in found if e[0] >= int(disk_blocks)]
+                if outside:
+                    log.warning(
+                        "kvbm leader: adopting no disk block: %d recovered blocks lie outside the "
+                        "%d disk blocks configured now",
+                        len(outside),
+                        int(disk_blocks),
+                    )
+                    found = []
+                try:
+                    self.adopted_disk_blocks = self._native.adopt_disk(found) if found else 0
+                except _kvbm.KvbmError as e:
+                    # The tier starts empty (the slots are overwritten as it fills): a bad
+                    # recovery file never keeps vLLM from starting.
+                    log.warning("kvbm leader: adopting no disk block: %s", e)
+                    self.adopted_disk_blocks = 0
                 log.info(
                     "kvbm leader: adopted %d disk blocks that %d rank(s) recovered",
                     self.adopted_disk_blocks,

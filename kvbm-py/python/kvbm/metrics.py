@@ -171,6 +171,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _proc_start(pid: int) -> Optional[int]:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat field 22), so that a
+    file of a dead process whose pid was reused is not taken for the new process's; None where
+    /proc cannot say."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat_line = f.read(4096)
+        return int(stat_line.rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def read_published(directory: Optional[str]) -> List[Dict[str, float]]:
     """The snapshots other live processes published in ``directory`` (stale files removed)."""
     if not directory:
@@ -182,10 +194,11 @@ def read_published(directory: Optional[str]) -> List[Dict[str, float]]:
     except OSError:
         return []
     for name in names:
-        if not name.endswith(".json") or "-" not in name:
+        stem = name[:-5] if name.endswith(".json") else name[:-9] if name.endswith(".json.tmp") else None
+        if stem is None or "-" not in stem:
             continue
         try:
-            pid = int(name[:-5].rsplit("-", 1)[1])
+            pid = int(stem.rsplit("-", 1)[1])
         except ValueError:
             continue
         path = os.path.join(directory, name)
@@ -197,13 +210,25 @@ def read_published(directory: Optional[str]) -> List[Dict[str, float]]:
             except OSError:
                 pass
             continue
+        if name.endswith(".tmp"):
+            continue
         try:
-            with open(path, "rb") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
                 data = json.loads(f.read(1 << 16))
         except (OSError, ValueError):
             continue  # being replaced, or not ours to read
-        if isinstance(data, dict):
-            out.append(data)
+        if not isinstance(data, dict):
+            continue
+        started = data.get("_pid_start")
+        if started is not None and started != _proc_start(pid):
+            # Another process now has that pid: the file's writer is gone.
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
+        out.append(data)
     return out
 
 
@@ -215,6 +240,7 @@ class WorkerPublisher:
         self._path = os.path.join(directory, f"rank{int(rank)}-{os.getpid()}.json")
         self._last = 0.0
         self._lock = threading.Lock()
+        self._pid_start = _proc_start(os.getpid())
 
     @property
     def path(self) -> str:
@@ -227,6 +253,7 @@ class WorkerPublisher:
                 return
             self._last = now
             snap = {k: v for k, v in self._metrics.snapshot().items() if k not in LEADER_METRICS}
+            snap["_pid_start"] = self._pid_start
             tmp = self._path + ".tmp"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

@@ -22,6 +22,7 @@ import base64
 import json
 import logging
 import os
+import stat
 from typing import List, Optional, Sequence, Tuple
 
 log = logging.getLogger("kvbm")
@@ -49,7 +50,11 @@ def write_recovered(disk_dir: str, rank: int, instance: str, entries: Sequence[E
         }
     ).encode()
     tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.unlink(tmp)  # a leftover (or a planted link): never written through
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(body)
@@ -63,18 +68,24 @@ def write_recovered(disk_dir: str, rank: int, instance: str, entries: Sequence[E
     return path
 
 
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number here")
+
+
 def _read_rank(disk_dir: str, rank: int, instance: str) -> Tuple[Optional[List[Entry]], str]:
     path = recovered_path(disk_dir, rank)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         return None, f"rank {rank}: {path}: {e.strerror or e}"
     with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None, f"rank {rank}: {path} is not a regular file"
         raw = f.read(MAX_FILE_BYTES + 1)
     if len(raw) > MAX_FILE_BYTES:
         return None, f"rank {rank}: {path} is larger than {MAX_FILE_BYTES} bytes"
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, parse_constant=_refuse_constant)
         if doc.get("format") != FORMAT or int(doc.get("rank", -1)) != rank:
             return None, f"rank {rank}: {path} is not a kvbm recovery file of this rank"
         if doc.get("instance") != instance:
@@ -85,7 +96,7 @@ def _read_rank(disk_dir: str, rank: int, instance: str) -> Tuple[Optional[List[E
             if not (0 <= slot < 1 << 32 and 0 <= key < 1 << 64):
                 raise ValueError(f"slot {slot} or key {key} out of range")
             entries.append((slot, key, base64.b64decode(meta, validate=True)))
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
         return None, f"rank {rank}: {path} is malformed ({e})"
     return entries, ""
 

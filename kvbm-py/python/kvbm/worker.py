@@ -238,7 +238,7 @@ class KvbmWorker:
                 # The onboards' target blocks may still have writes queued on vLLM's stream
                 # (with asynchronous scheduling, e.g. zeroing of new blocks): the copies wait
                 # for them on the device, the host does not.
-                self.native.order_after_stream("h2d", self._stream())
+                self._order_after_engine("h2d")
             self.native.start_onboards()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -258,8 +258,25 @@ class KvbmWorker:
             # The forward pass writes the blocks on vLLM's stream: the offloads wait for it on
             # the device (an event recorded there, waited on by the copy stream), and the host
             # goes on to prepare the next step, as vLLM's own offloading does.
-            self.native.order_after_stream("d2h", self._stream())
+            self._order_after_engine("d2h")
         self.native.start_offloads()
+
+    def _order_after_engine(self, direction: str) -> None:
+        """Orders the step's copies after vLLM's stream on the device; should the driver refuse
+        that, the host waits for the stream instead (slower, never wrong), and the step's copies
+        still start, so that nothing planned is left unreported."""
+        try:
+            self.native.order_after_stream(direction, self._stream())
+        except Exception as e:  # a driver error: fall back to the host waiting
+            if not getattr(self, "_order_warned", False):
+                self._order_warned = True
+                log.warning("kvbm worker: cannot order copies after vLLM's stream (%s); synchronising instead", e)
+            try:
+                import torch  # type: ignore
+
+                torch.cuda.current_stream().synchronize()
+            except Exception:  # noqa: BLE001 - nothing more can be done here
+                pass
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         # One native report per step: vLLM asks for the load errors right after.
