@@ -83,3 +83,28 @@ def test_restore_refuses_caches_of_another_shape_and_needs_an_unregister_first()
     worker.restore_kv_caches(caches)
     assert not worker.native.suspended
     worker.shutdown()
+
+
+def test_an_async_load_refused_while_asleep_reports_its_staging_blocks_bad(tmp_path):
+    """A disk hit's staging host block joins the host tier when its load is reported finished
+    (kvbm-core's Leader::release); a load refused in sleep mode never read the disk, so its
+    staging block must be reported bad first (the leader drops it before releasing), or the
+    host tier would announce a block holding another sequence's bytes."""
+    caches = make_caches(KIND, **SHAPE)
+    config = kvbm.Config.from_env({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4", "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path)})
+    worker = KvbmWorker(host_blocks=4, disk_blocks=4, config=config)
+    worker.register_kv_caches(caches)
+    worker.unregister_kv_caches()
+    # Disk block 2 -> staging host block 3 -> GPU block 5, for request "a".
+    meta = KvbmConnectorMetadata.build(async_onboards=[("a", [(2, 3, 77)], [(3, 5)])])
+    worker.bind_connector_metadata(meta)
+    with pytest.raises(kvbm.KvbmError, match="sleep mode"):
+        worker.start_load_kv()
+    sending, recving = worker.get_finished(set())
+    assert recving == {"a"}  # finished, so that vLLM does not wait for it forever ...
+    assert worker.get_block_ids_with_load_errors() == {5}  # ... with its block recomputed
+    bad = worker.build_connector_worker_meta()
+    assert bad is not None and 3 in bad.bad_host_blocks
+    worker.clear_connector_metadata()
+    worker.restore_kv_caches()
+    worker.shutdown()
