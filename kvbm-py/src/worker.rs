@@ -419,15 +419,7 @@ impl Worker {
     /// wait. Nothing to do on the emulated device.
     fn order_after_stream(&self, direction: &str, stream: u64) -> PyResult<()> {
         guard(|| {
-            let direction = match direction {
-                "d2h" => kvbm_core::Direction::DeviceToHost,
-                "h2d" => kvbm_core::Direction::HostToDevice,
-                other => {
-                    return Err(crate::DeviceError::new_err(format!(
-                        "direction {other:?}: expected d2h or h2d"
-                    )))
-                }
-            };
+            let direction = direction_of(direction)?;
             self.w()
                 .order_after_stream(direction, stream)
                 .map_err(core_err)
@@ -678,15 +670,7 @@ impl Worker {
     /// need a copy in flight for as long as they look.
     fn _hold_stream(&self, direction: &str) -> PyResult<CopyHold> {
         guard(|| {
-            let direction = match direction {
-                "d2h" => kvbm_core::Direction::DeviceToHost,
-                "h2d" => kvbm_core::Direction::HostToDevice,
-                other => {
-                    return Err(crate::DeviceError::new_err(format!(
-                        "stream {other:?}: expected d2h or h2d"
-                    )))
-                }
-            };
+            let direction = direction_of(direction)?;
             let hold = self.w().hold_stream(direction).map_err(core_err)?;
             Ok(CopyHold {
                 hold: Mutex::new(Some(hold)),
@@ -696,6 +680,17 @@ impl Worker {
 
     fn __repr__(&self) -> String {
         format!("{self:?}")
+    }
+}
+
+/// `"d2h"` (offloads) or `"h2d"` (onboards) as a copy direction.
+fn direction_of(name: &str) -> PyResult<kvbm_core::Direction> {
+    match name {
+        "d2h" => Ok(kvbm_core::Direction::DeviceToHost),
+        "h2d" => Ok(kvbm_core::Direction::HostToDevice),
+        other => Err(crate::DeviceError::new_err(format!(
+            "direction {other:?}: expected d2h or h2d"
+        ))),
     }
 }
 
