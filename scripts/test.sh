@@ -79,7 +79,7 @@ done
   export KVBM_DEVICE=cuda KVBM_SIM_JITTER_US=50
   cargo test --quiet -p kvbm-cuda -p kvbm-core --tests
   echo "== the connector's worker on its CUDA path over the simulated driver: vLLM 0.33-shaped caches as cuda:0 tensors in the driver's device memory (kvbm.testing), strict, jittered"
-  (cd kvbm-py && KVBM_TEST_SIMULATED_GPU=1 ../.venv/bin/python -m pytest -q tests/test_api.py tests/test_driver.py)
+  (cd kvbm-py && KVBM_TEST_SIMULATED_GPU=1 ../.venv/bin/python -m pytest -q tests/test_api.py tests/test_driver.py tests/test_sleep_mode.py)
 )
 
 echo "== router front-end cost (kvbm-router example frontend_cost), a small run: index fed over ZMQ, tokenize and route"
