@@ -300,6 +300,24 @@ mod requests {
         assert!(req.tracked().is_empty());
     }
 
+    fn scheduled_new(request: &str, block_ids: Vec<u32>, computed: usize) -> Scheduled {
+        Scheduled::New {
+            request: request.into(),
+            block_ids,
+            computed,
+            lora: None,
+            salt: None,
+        }
+    }
+
+    fn hashes_of(tokens: &[u32]) -> Vec<u64> {
+        kvbm_events::BlockHasher::new(B, None, None)
+            .sequence_hashes(None, tokens)
+            .into_iter()
+            .map(|h| h.0)
+            .collect()
+    }
+
     /// A prompt whose blocks only disk holds: A computes and offloads 3 blocks (written to
     /// disk), they leave the host tier, B matches them on disk. Returns the leader, the
     /// requests, B's tokens and B's asynchronous onboard's disk reads.
@@ -310,13 +328,7 @@ mod requests {
         step(
             &mut req,
             &mut leader,
-            vec![Scheduled::New {
-                request: "a".into(),
-                block_ids: vec![0, 1, 2, 3],
-                computed: 0,
-                lora: None,
-                salt: None,
-            }],
+            vec![scheduled_new("a", vec![0, 1, 2, 3], 0)],
             &[("a".into(), 13, a.clone())],
         );
         for _ in 0..3 {
@@ -340,11 +352,7 @@ mod requests {
     #[test]
     fn a_disk_hit_becomes_a_host_block_and_is_not_offloaded_again() {
         let (mut leader, mut req, a, reads) = disk_hit();
-        let hashes: Vec<u64> = kvbm_events::BlockHasher::new(B, None, None)
-            .sequence_hashes(None, &a[..12])
-            .into_iter()
-            .map(|h| h.0)
-            .collect();
+        let hashes = hashes_of(&a[..12]);
         assert_eq!(leader.count_prefix_tiers(&hashes), (0, 3));
         leader.take_events();
         // The workers report B's onboard finished: its staging blocks join the host tier.
@@ -371,13 +379,7 @@ mod requests {
         let plan = step(
             &mut req,
             &mut leader,
-            vec![Scheduled::New {
-                request: "b".into(),
-                block_ids: vec![10, 11, 12, 13],
-                computed: 12,
-                lora: None,
-                salt: None,
-            }],
+            vec![scheduled_new("b", vec![10, 11, 12, 13], 12)],
             &[("b".into(), 1, a.clone())],
         );
         assert!(plan.offloads.is_empty(), "{:?}", plan.offloads);
@@ -386,11 +388,7 @@ mod requests {
     #[test]
     fn a_staging_block_whose_disk_read_failed_never_joins_the_host_tier() {
         let (mut leader, mut req, a, reads) = disk_hit();
-        let hashes: Vec<u64> = kvbm_events::BlockHasher::new(B, None, None)
-            .sequence_hashes(None, &a[..12])
-            .into_iter()
-            .map(|h| h.0)
-            .collect();
+        let hashes = hashes_of(&a[..12]);
         // The worker reports the second read's host block bad in the same output.
         leader.discard(&[reads[1].host], &[]);
         req.connector_output(&mut leader, &["b".to_string()], &[]);

@@ -490,6 +490,35 @@ fn sim_hooks() -> Option<SimHooks> {
     None
 }
 
+/// Holds the engine's stream (the simulator's hook), queues on it a write of `len` bytes from
+/// `src` to `dst`, and submits `transfer` on `stream` ordered after the engine's stream. Returns
+/// whether the transfer finished while the engine's write was still held; by then the hold is
+/// released and both the transfer and the engine's write are done.
+fn ordered_behind_held_write(
+    hooks: &SimHooks,
+    engine: &cudarc::driver::CudaStream,
+    (dst, src, len): (u64, u64, usize),
+    stream: &kvbm_cuda::CopyStream,
+    transfer: Transfer,
+) -> bool {
+    let handle = engine.cu_stream();
+    let mut hold = std::ptr::null_mut();
+    // SAFETY: the simulator's hook on a live stream of this context.
+    assert_eq!(unsafe { (hooks.hold)(handle.cast(), &mut hold) }, 0);
+    // SAFETY: both ranges are live device and pinned host memory of `len` bytes (the caller's).
+    unsafe { cudarc::driver::sys::cuMemcpyAsync(dst, src, len, handle) }
+        .result()
+        .unwrap();
+    stream.order_after_stream(handle as u64).unwrap();
+    let done = stream.submit(transfer).unwrap();
+    let early = done.wait_timeout(Duration::from_millis(300)).unwrap();
+    // SAFETY: the handle kvbmSimHoldStream wrote, released once.
+    assert_eq!(unsafe { (hooks.release)(hold) }, 0);
+    done.wait().unwrap();
+    engine.synchronize().unwrap();
+    early
+}
+
 #[test]
 fn copies_ordered_after_the_engines_stream_wait_for_its_queued_writes() {
     // vLLM writes the KV blocks on its own stream; a step's offloads are ordered after it on
@@ -518,38 +547,23 @@ fn copies_ordered_after_the_engines_stream_wait_for_its_queued_writes() {
     let engine = ctx.new_stream().unwrap();
     // Before the hold: creating a stream synchronises the context (cudarc's new_stream).
     let d2h = d2h_stream(&device, true);
-    let handle = engine.cu_stream();
-    let mut hold = std::ptr::null_mut();
-    // SAFETY: the simulator's hook on a live stream of this context.
-    assert_eq!(unsafe { (hooks.hold)(handle.cast(), &mut hold) }, 0);
-    // SAFETY: both ranges are live device and pinned host memory of `len` bytes.
-    unsafe { cudarc::driver::sys::cuMemcpyAsync(gpu.addr(), src.addr(), len, handle) }
-        .result()
-        .unwrap();
-
-    d2h.order_after_stream(handle as u64).unwrap();
     let mut t = Transfer::with_capacity(1);
     t.push(gpu.addr(), out.addr(), len);
     t.keep(gpu.clone());
     t.keep(out.clone());
-    let done = d2h.submit(t).unwrap();
+    let early = ordered_behind_held_write(&hooks, &engine, (gpu.addr(), src.addr(), len), &d2h, t);
     // Ordered after the held write: it cannot finish while the engine's stream is held
     // (without the wait it runs at once and copies the old bytes).
-    let early = done.wait_timeout(Duration::from_millis(300)).unwrap();
-    // SAFETY: the handle kvbmSimHoldStream wrote, released once.
-    assert_eq!(unsafe { (hooks.release)(hold) }, 0);
     assert!(
         !early,
         "the offload finished before the engine's write it was ordered after"
     );
-    done.wait().unwrap();
     let mut got = vec![0u8; len];
     out.read(0, &mut got).unwrap();
     assert!(
         got == pattern,
         "the offload did not copy the engine's write"
     );
-    engine.synchronize().unwrap();
 }
 
 #[test]
@@ -586,29 +600,16 @@ fn loads_ordered_after_the_engines_stream_land_after_its_queued_writes() {
             },
         )
         .unwrap();
-    let handle = engine.cu_stream();
-    let mut hold = std::ptr::null_mut();
-    // SAFETY: the simulator's hook on a live stream of this context.
-    assert_eq!(unsafe { (hooks.hold)(handle.cast(), &mut hold) }, 0);
-    // SAFETY: both ranges are live device and pinned host memory of `len` bytes.
-    unsafe { cudarc::driver::sys::cuMemcpyAsync(gpu.addr(), zeros.addr(), len, handle) }
-        .result()
-        .unwrap();
-    h2d.order_after_stream(handle as u64).unwrap();
     let mut t = Transfer::with_capacity(1);
     t.push(src.addr(), gpu.addr(), len);
     t.keep(gpu.clone());
     t.keep(src.clone());
-    let done = h2d.submit(t).unwrap();
-    let early = done.wait_timeout(Duration::from_millis(300)).unwrap();
-    // SAFETY: the handle kvbmSimHoldStream wrote, released once.
-    assert_eq!(unsafe { (hooks.release)(hold) }, 0);
+    let early =
+        ordered_behind_held_write(&hooks, &engine, (gpu.addr(), zeros.addr(), len), &h2d, t);
     assert!(
         !early,
         "the load finished before the engine's pending write to its block"
     );
-    done.wait().unwrap();
-    engine.synchronize().unwrap();
     let mut got = vec![0u8; len];
     gpu.read(0, &mut got).unwrap();
     assert!(

@@ -365,6 +365,16 @@ impl Worker {
         })
     }
 
+    /// Whether the bound plan loads anything into GPU blocks (onboards, asynchronous ones, or
+    /// the disk reads that feed them): only then are the step's loads ordered after vLLM's
+    /// stream.
+    #[getter]
+    fn plan_has_loads(&self) -> bool {
+        self.w().plan().is_some_and(|p| {
+            !p.onboards.is_empty() || !p.async_onboards.is_empty() || !p.disk_reads.is_empty()
+        })
+    }
+
     /// Drops the bound plan.
     fn clear(&mut self) {
         self.w_mut().clear();

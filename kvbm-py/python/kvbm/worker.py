@@ -234,7 +234,7 @@ class KvbmWorker:
 
     def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
         if self._meta is not None:
-            if self._stream is not None and self._meta.plan:
+            if self._stream is not None and self.native.plan_has_loads:
                 # The onboards' target blocks may still have writes queued on vLLM's stream
                 # (with asynchronous scheduling, e.g. zeroing of new blocks): the copies wait
                 # for them on the device, the host does not.
