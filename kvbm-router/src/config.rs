@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use kvbm_events::router::{SelectorConfig, BLOCKS_PER_WORKER_MAX_DEFAULT};
+use kvbm_events::router::{KvIndex, SelectorConfig, BLOCKS_PER_WORKER_MAX_DEFAULT};
 use kvbm_events::WorkerEndpoint;
 
 /// Largest request body accepted by default (a 128K-token prompt as JSON is about 1 MB).
@@ -20,6 +20,8 @@ pub const MAX_TRACKED_REQUESTS_DEFAULT: usize = 100_000;
 pub const MAX_WORKERS_DEFAULT: usize = 1024;
 /// Open HTTP connections at most by default.
 pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
+/// Longest --bootstrap-timeout-secs accepted (the sibling is a router answering from memory).
+pub const BOOTSTRAP_TIMEOUT_SECS_MAX: u64 = 3600;
 /// Seconds an HTTP connection may stay idle by default.
 pub const HTTP_IDLE_TIMEOUT_SECS_DEFAULT: u64 = 60;
 
@@ -173,6 +175,20 @@ pub struct Args {
     /// Seconds a worker that failed a request is not routed to (it still follows events).
     #[arg(long, default_value_t = 10.0)]
     pub worker_failure_cooldown_secs: f64,
+
+    /// Bytes of a --bootstrap-from dump read at most; a longer one is refused (the router starts
+    /// without it, counted in kv_router_bootstrap_refused_total{why="bytes"}).
+    #[arg(long, default_value_t = crate::dump::BOOTSTRAP_MAX_BYTES_DEFAULT)]
+    pub bootstrap_max_bytes: u64,
+
+    /// Holdings (and, separately, engine hashes) of all workers of a --bootstrap-from dump at
+    /// most; a dump with more is refused. Its workers are bounded by --max-workers.
+    #[arg(long, default_value_t = crate::dump::BOOTSTRAP_MAX_BLOCKS_DEFAULT)]
+    pub bootstrap_max_blocks: usize,
+
+    /// Seconds fetching and reading a --bootstrap-from dump may take; a slower one is refused.
+    #[arg(long, default_value_t = crate::dump::BOOTSTRAP_TIMEOUT_SECS_DEFAULT)]
+    pub bootstrap_timeout_secs: u64,
 }
 
 /// Why the configuration was refused.
@@ -229,6 +245,12 @@ pub struct RouterConfig {
     pub http_idle_timeout: Duration,
     /// The OpenAI front end's settings.
     pub frontend: FrontendConfig,
+    /// Bytes of a sibling's dump read at most.
+    pub bootstrap_max_bytes: u64,
+    /// Holdings (and engine hashes) of all workers of a sibling's dump at most.
+    pub bootstrap_max_blocks: usize,
+    /// How long fetching a sibling's dump may take.
+    pub bootstrap_timeout: Duration,
 }
 
 /// The OpenAI front end's settings.
@@ -284,6 +306,9 @@ impl Default for RouterConfig {
             max_connections: MAX_CONNECTIONS_DEFAULT,
             http_idle_timeout: Duration::from_secs(HTTP_IDLE_TIMEOUT_SECS_DEFAULT),
             frontend: FrontendConfig::default(),
+            bootstrap_max_bytes: crate::dump::BOOTSTRAP_MAX_BYTES_DEFAULT,
+            bootstrap_max_blocks: crate::dump::BOOTSTRAP_MAX_BLOCKS_DEFAULT,
+            bootstrap_timeout: Duration::from_secs(crate::dump::BOOTSTRAP_TIMEOUT_SECS_DEFAULT),
         }
     }
 }
@@ -315,6 +340,36 @@ fn seconds(flag: &'static str, value: f64) -> Result<Duration, ConfigError> {
             why: "must be a number of seconds above 0 and at most a week",
         })
     }
+}
+
+/// This machine's physical memory in bytes, if known.
+fn physical_memory() -> Option<u64> {
+    // SAFETY: sysconf reads a system value; it has no preconditions and touches no memory of ours.
+    let (pages, page) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    let (pages, page) = (u64::try_from(pages).ok()?, u64::try_from(page).ok()?);
+    pages.checked_mul(page).filter(|&b| b > 0)
+}
+
+/// `--index-capacity-blocks`: what the index can number (u32 node ids) and this machine can map.
+fn index_capacity(blocks: usize) -> Result<usize, ConfigError> {
+    let refuse = |why| ConfigError::Flag {
+        flag: "index-capacity-blocks",
+        value: blocks.to_string(),
+        why,
+    };
+    let bytes = KvIndex::capacity_bytes(blocks)
+        .ok_or_else(|| refuse("is above the most blocks the index can number (4294967294)"))?;
+    if physical_memory().is_some_and(|m| bytes as u64 > m) {
+        return Err(refuse(
+            "would reserve more index memory than this machine has (about 30 bytes a block)",
+        ));
+    }
+    Ok(blocks)
 }
 
 fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
@@ -407,7 +462,7 @@ impl Args {
             },
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
-            index_capacity_blocks: self.index_capacity_blocks,
+            index_capacity_blocks: index_capacity(self.index_capacity_blocks)?,
             max_body_bytes: self.max_body_bytes,
             admin_token: match &self.admin_token {
                 Some(t) if t.len() < 16 || t.contains(char::is_whitespace) => {
@@ -426,6 +481,17 @@ impl Args {
             max_connections,
             http_idle_timeout: Duration::from_secs(idle),
             frontend: self.frontend_config()?,
+            bootstrap_max_bytes: bounded("bootstrap-max-bytes", self.bootstrap_max_bytes, 1 << 40)?,
+            bootstrap_max_blocks: bounded(
+                "bootstrap-max-blocks",
+                self.bootstrap_max_blocks as u64,
+                1 << 32,
+            )? as usize,
+            bootstrap_timeout: Duration::from_secs(bounded(
+                "bootstrap-timeout-secs",
+                self.bootstrap_timeout_secs,
+                BOOTSTRAP_TIMEOUT_SECS_MAX,
+            )?),
         })
     }
 
@@ -595,6 +661,57 @@ pub fn parse_worker(entry: &str) -> Result<WorkerSpec, ConfigError> {
     })
 }
 
+/// A worker given over the network in parts (a sibling's dump): checked as `POST /register`
+/// checks its body (through [`parse_worker`], each part parsed back unchanged, so that a ',' in
+/// one cannot smuggle in an option), and more strictly where the parts came from another host:
+/// its endpoints must be `tcp://HOST:PORT` (an `ipc://` path or `inproc://` name would be one
+/// of this host's, not the worker's). Returns it with its HTTP URL normalized.
+pub fn remote_worker(
+    worker_id: u64,
+    dp_rank: u32,
+    endpoint: &str,
+    replay: Option<&str>,
+    http_url: Option<&str>,
+) -> Result<WorkerSpec, ConfigError> {
+    let mut spec = format!("{worker_id}:{dp_rank}={endpoint}");
+    if let Some(replay) = replay {
+        spec.push_str(",replay=");
+        spec.push_str(replay);
+    }
+    if let Some(url) = http_url {
+        spec.push_str(",http=");
+        spec.push_str(url);
+    }
+    let bad = |why: String| ConfigError::Worker {
+        entry: spec.clone(),
+        why,
+    };
+    let w = parse_worker(&spec)?;
+    if w.events.endpoint != endpoint
+        || w.events.replay.as_deref() != replay
+        || w.http.is_some() != http_url.is_some()
+    {
+        return Err(bad("a part holds a ',' or surrounding spaces".into()));
+    }
+    for e in std::iter::once(endpoint).chain(replay) {
+        let tcp = e.strip_prefix("tcp://").and_then(|a| {
+            let (host, port) = a.rsplit_once(':')?;
+            let ok = !host.is_empty()
+                && !host.contains(['/', '@', '?', '#', '=', ';'])
+                && !host.contains(char::is_whitespace)
+                && port.parse::<u16>().is_ok_and(|p| p > 0);
+            ok.then_some(())
+        });
+        if tcp.is_none() {
+            return Err(bad(format!(
+                "{e:?} is not a tcp://HOST:PORT endpoint (a worker from another host may not \
+                 name an ipc:// or inproc:// one)"
+            )));
+        }
+    }
+    Ok(w)
+}
+
 /// The `--workers` list; an id and rank may appear once.
 pub fn parse_workers(spec: &str) -> Result<Vec<WorkerSpec>, ConfigError> {
     let mut out: Vec<WorkerSpec> = Vec::new();
@@ -690,6 +807,23 @@ mod tests {
             args.router_config().unwrap().predicted_ttl,
             Duration::from_millis(2500)
         );
+        // An index capacity past what the index can number or the machine can map: a flag error,
+        // not a panic when the index maps it.
+        for bad in [10_000_000_000usize, usize::MAX, (1 << 32) - 1] {
+            args.index_capacity_blocks = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains(&format!("--index-capacity-blocks={bad}")), "{e}");
+        }
+        if let Some(memory) = physical_memory() {
+            args.index_capacity_blocks = usize::try_from(memory / 8)
+                .unwrap_or(usize::MAX)
+                .min(kvbm_events::router::INDEX_CAPACITY_BLOCKS_MAX);
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--index-capacity-blocks="), "{e}");
+        }
+        args.index_capacity_blocks = 1 << 20;
+        assert_eq!(args.router_config().unwrap().index_capacity_blocks, 1 << 20);
+        args.index_capacity_blocks = 0;
         args.max_workers = 0;
         assert!(args
             .router_config()

@@ -40,15 +40,58 @@ pub fn parse_workers_file(text: &str) -> Result<BTreeMap<WorkerKey, WorkerSpec>,
     Ok(out)
 }
 
-fn read(path: &Path) -> Result<String, String> {
-    let meta = std::fs::metadata(path).map_err(|e| e.to_string())?;
-    if meta.len() > WORKERS_FILE_BYTES_MAX {
+/// What kind of file `t` is, in words.
+fn kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_char_device() {
+        "a character device"
+    } else if t.is_block_device() {
+        "a block device"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    }
+}
+
+/// Reads the workers file at `path`: a regular file (a symbolic link to one is followed) of at
+/// most [`WORKERS_FILE_BYTES_MAX`] bytes. Opened without blocking (a FIFO with no writer would
+/// block an ordinary open forever) and checked on the opened descriptor, so that what is read is
+/// what was checked; a device or FIFO, whose size says nothing, is refused, and the read itself
+/// stops past the bound whatever the size said.
+pub fn read_workers_file(path: &Path) -> Result<String, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC | libc::O_NOCTTY)
+        .open(path)
+        .map_err(|e| format!("opening {}: {e}", path.display()))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.file_type().is_file() {
         return Err(format!(
-            "{} bytes; at most {WORKERS_FILE_BYTES_MAX} are read",
-            meta.len()
+            "{} is {}, not a regular file",
+            path.display(),
+            kind(meta.file_type())
         ));
     }
-    std::fs::read_to_string(path).map_err(|e| e.to_string())
+    let mut bytes = Vec::new();
+    file.take(WORKERS_FILE_BYTES_MAX + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("reading {}: {e}", path.display()))?;
+    if bytes.len() as u64 > WORKERS_FILE_BYTES_MAX {
+        return Err(format!(
+            "{} is longer than {WORKERS_FILE_BYTES_MAX} bytes",
+            path.display()
+        ));
+    }
+    String::from_utf8(bytes).map_err(|e| format!("{} is not UTF-8: {e}", path.display()))
 }
 
 /// Follows the workers file at `path`, checking it every `every`, until the router is dropped.
@@ -81,7 +124,7 @@ fn sync(
     known: &BTreeMap<WorkerKey, WorkerSpec>,
     last_text: Option<&str>,
 ) -> (BTreeMap<WorkerKey, WorkerSpec>, Option<String>) {
-    let text = match read(path) {
+    let text = match read_workers_file(path) {
         Ok(t) => t,
         Err(err) => {
             tracing::warn!(path = %path.display(), error = %err, "workers file unreadable; workers unchanged");
@@ -149,5 +192,43 @@ mod tests {
         assert!(parse_workers_file("1=tcp://h:1\nnope\n").is_err());
         assert!(parse_workers_file("1=tcp://h:1\n1=tcp://h:2\n").is_err());
         assert!(parse_workers_file("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn workers_files_that_are_not_regular_files_or_too_long_are_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        // A link to a device whose size reads 0 and whose contents never end.
+        let zero = dir.path().join("zero");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let started = std::time::Instant::now();
+        let e = read_workers_file(&zero).unwrap_err();
+        assert!(
+            e.contains("a character device") && e.contains("zero"),
+            "{e}"
+        );
+        // A FIFO with no writer: an ordinary open would wait for one forever.
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let e = read_workers_file(&fifo).unwrap_err();
+        assert!(e.contains("a FIFO") && e.contains("fifo"), "{e}");
+        let e = read_workers_file(dir.path()).unwrap_err();
+        assert!(e.contains("a directory"), "{e}");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        // Over the bound, and at it.
+        let long = dir.path().join("long");
+        std::fs::write(&long, vec![b'#'; WORKERS_FILE_BYTES_MAX as usize + 1]).unwrap();
+        let e = read_workers_file(&long).unwrap_err();
+        assert!(e.contains("longer than"), "{e}");
+        std::fs::write(&long, vec![b'#'; WORKERS_FILE_BYTES_MAX as usize]).unwrap();
+        assert_eq!(
+            read_workers_file(&long).unwrap().len(),
+            WORKERS_FILE_BYTES_MAX as usize
+        );
+        let e = read_workers_file(&dir.path().join("absent")).unwrap_err();
+        assert!(e.contains("absent"), "{e}");
     }
 }

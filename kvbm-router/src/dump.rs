@@ -22,9 +22,18 @@
 //! pump applies batches under); reading never trusts the input's sizes (lines are bounded, every
 //! worker's holdings are bounded by the reader's `--max-blocks-per-worker`), and a dump of another
 //! block size is refused.
+//!
+//! A sibling is not trusted either ([`DumpLimits`]): while the dump streams in, its bytes
+//! (`--bootstrap-max-bytes`), workers (`--max-workers`), holdings and engine hashes over all
+//! workers (`--bootstrap-max-blocks`) and the time taken (`--bootstrap-timeout-secs`) are
+//! bounded, a repeated worker is found in constant time, and every worker must pass the checks
+//! of a worker given to `POST /register` ([`crate::config::remote_worker`]), tcp:// only. A
+//! dump over any bound is refused whole: the router starts without it ([`start`]), logs why and
+//! counts it in `kv_router_bootstrap_refused_total{why}`.
 
-use std::io::{BufRead, Write};
-use std::time::Duration;
+use std::collections::HashSet;
+use std::io::{BufRead, Read, Write};
+use std::time::{Duration, Instant};
 
 use kvbm_events::router::{Holding, NameEntry, WorkerSnapshot};
 use kvbm_events::Tier;
@@ -45,6 +54,216 @@ pub const MSGPACK_RECORD_BYTES_MAX: usize = 1 << 20;
 pub const MSGPACK_MEDIA_TYPE: &str = "application/msgpack";
 /// The media type of the NDJSON form.
 pub const NDJSON_MEDIA_TYPE: &str = "application/x-ndjson";
+
+/// Bytes of a dump read at most by default (`--bootstrap-max-bytes`).
+pub const BOOTSTRAP_MAX_BYTES_DEFAULT: u64 = 1 << 30;
+/// Holdings, and engine hashes, of all workers of a dump read at most by default
+/// (`--bootstrap-max-blocks`).
+pub const BOOTSTRAP_MAX_BLOCKS_DEFAULT: usize = 1 << 24;
+/// Seconds a bootstrap may take by default (`--bootstrap-timeout-secs`).
+pub const BOOTSTRAP_TIMEOUT_SECS_DEFAULT: u64 = 120;
+
+/// What a dump read from elsewhere may hold and take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DumpLimits {
+    /// Holdings (and engine hashes) of one worker (`--max-blocks-per-worker`).
+    pub holdings_per_worker: usize,
+    /// Workers (`--max-workers`).
+    pub workers: usize,
+    /// Holdings, and engine hashes, of all workers together (`--bootstrap-max-blocks`).
+    pub blocks: usize,
+    /// Bytes read (`--bootstrap-max-bytes`).
+    pub bytes: u64,
+    /// When reading gives up (`--bootstrap-timeout-secs` after the start).
+    pub deadline: Option<Instant>,
+    /// Whether each worker must pass the checks of `POST /register` (tcp:// endpoints only).
+    pub check_workers: bool,
+}
+
+impl DumpLimits {
+    /// Only a per-worker bound (what [`read`] and [`read_msgpack`] apply).
+    pub fn per_worker(holdings_per_worker: usize) -> Self {
+        Self {
+            holdings_per_worker,
+            workers: usize::MAX,
+            blocks: usize::MAX,
+            bytes: u64::MAX,
+            deadline: None,
+            check_workers: false,
+        }
+    }
+
+    /// The limits a router of `config` reads a sibling's dump with, the deadline from now.
+    pub fn from_config(config: &crate::config::RouterConfig) -> Self {
+        Self {
+            holdings_per_worker: config.max_blocks_per_worker,
+            workers: config.max_workers,
+            blocks: config.bootstrap_max_blocks,
+            bytes: config.bootstrap_max_bytes,
+            deadline: Instant::now().checked_add(config.bootstrap_timeout),
+            check_workers: true,
+        }
+    }
+}
+
+/// Why a dump was refused: `why` is the metric's label (`bytes`, `workers`, `blocks`,
+/// `worker`, `duplicate`, `timeout`, `fetch`, `malformed`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct DumpError {
+    /// The kind of refusal.
+    pub why: &'static str,
+    /// What happened.
+    pub message: String,
+}
+
+impl DumpError {
+    fn new(why: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            why,
+            message: message.into(),
+        }
+    }
+
+    fn malformed(message: impl Into<String>) -> Self {
+        Self::new("malformed", message)
+    }
+
+    /// From an error of reading `what`: a bound the reader tripped, or a failed read.
+    fn io(what: &str, e: &std::io::Error) -> Self {
+        match e.get_ref().and_then(|e| e.downcast_ref::<Tripped>()) {
+            Some(t) => Self::new(t.why, format!("reading {what}: {t}")),
+            None if e.kind() == std::io::ErrorKind::TimedOut => {
+                Self::new("timeout", format!("reading {what}: {e}"))
+            }
+            None => Self::new("fetch", format!("reading {what}: {e}")),
+        }
+    }
+}
+
+/// A bound [`Bounded`] tripped.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+struct Tripped {
+    why: &'static str,
+    message: String,
+}
+
+/// A reader that fails once more than `max` bytes were read or past `deadline`.
+struct Bounded<R> {
+    inner: R,
+    read: u64,
+    max: u64,
+    deadline: Option<Instant>,
+}
+
+impl<R: Read> Read for Bounded<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(std::io::Error::other(Tripped {
+                why: "timeout",
+                message: "the dump took longer than --bootstrap-timeout-secs".into(),
+            }));
+        }
+        // One byte past the bound is enough to know it is exceeded.
+        let room = self.max.saturating_sub(self.read).saturating_add(1);
+        let n = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..n])?;
+        self.read += n as u64;
+        if self.read > self.max {
+            return Err(std::io::Error::other(Tripped {
+                why: "bytes",
+                message: format!(
+                    "the dump is longer than {} bytes (--bootstrap-max-bytes)",
+                    self.max
+                ),
+            }));
+        }
+        Ok(n)
+    }
+}
+
+/// The running totals of a dump being read, checked against its limits as each record arrives.
+struct Totals<'a> {
+    limits: &'a DumpLimits,
+    keys: HashSet<(u64, u32)>,
+    names: usize,
+    holdings: usize,
+}
+
+impl<'a> Totals<'a> {
+    fn new(limits: &'a DumpLimits) -> Self {
+        Self {
+            limits,
+            keys: HashSet::new(),
+            names: 0,
+            holdings: 0,
+        }
+    }
+
+    /// Checks a worker record and returns it as it is kept (its URL normalized).
+    fn worker(&mut self, mut w: DumpWorker, at: &str) -> Result<DumpWorker, DumpError> {
+        let key = (w.worker_id, w.dp_rank);
+        if self.keys.len() >= self.limits.workers && !self.keys.contains(&key) {
+            return Err(DumpError::new(
+                "workers",
+                format!(
+                    "{at}: more than {} workers (--max-workers)",
+                    self.limits.workers
+                ),
+            ));
+        }
+        if !self.keys.insert(key) {
+            return Err(DumpError::new(
+                "duplicate",
+                format!("{at}: worker {}:{} appears twice", key.0, key.1),
+            ));
+        }
+        if self.limits.check_workers {
+            let spec = crate::config::remote_worker(
+                w.worker_id,
+                w.dp_rank,
+                &w.endpoint,
+                w.replay_endpoint.as_deref(),
+                w.http_url.as_deref(),
+            )
+            .map_err(|e| DumpError::new("worker", format!("{at}: {e}")))?;
+            w.http_url = spec.http;
+        }
+        Ok(w)
+    }
+
+    /// Counts `n` more engine hashes (`names`) or holdings of the current worker, which has
+    /// `has` of them already.
+    fn add(&mut self, names: bool, has: usize, n: usize, at: &str) -> Result<(), DumpError> {
+        let what = if names { "engine hashes" } else { "holdings" };
+        if has.saturating_add(n) > self.limits.holdings_per_worker {
+            return Err(DumpError::new(
+                "blocks",
+                format!(
+                    "{at}: more than {} {what} for one worker (--max-blocks-per-worker)",
+                    self.limits.holdings_per_worker
+                ),
+            ));
+        }
+        let total = if names {
+            &mut self.names
+        } else {
+            &mut self.holdings
+        };
+        *total = total.saturating_add(n);
+        if *total > self.limits.blocks {
+            return Err(DumpError::new(
+                "blocks",
+                format!(
+                    "{at}: more than {} {what} over all workers (--bootstrap-max-blocks)",
+                    self.limits.blocks
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// A worker as a dump records it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,29 +367,49 @@ pub fn write(dump: &Dump, out: &mut impl Write) -> std::io::Result<()> {
 /// Reads a dump written by [`write`] for a router of `block_size`, allowing each worker at most
 /// `holdings_max` holdings and as many engine hashes.
 pub fn read(input: impl BufRead, block_size: usize, holdings_max: usize) -> Result<Dump, String> {
+    read_with(input, block_size, &DumpLimits::per_worker(holdings_max)).map_err(|e| e.message)
+}
+
+/// Reads a dump written by [`write`] for a router of `block_size` within `limits`, each checked
+/// as the dump streams in.
+pub fn read_with(
+    input: impl Read,
+    block_size: usize,
+    limits: &DumpLimits,
+) -> Result<Dump, DumpError> {
     let mut dump = Dump::default();
+    let mut totals = Totals::new(limits);
     let mut header = false;
     let mut ended = false;
     let mut buf = Vec::new();
-    let mut input = input;
+    let mut input = std::io::BufReader::new(Bounded {
+        inner: input,
+        read: 0,
+        max: limits.bytes,
+        deadline: limits.deadline,
+    });
     for number in 1.. {
         buf.clear();
         // Bounded read of one line.
-        let n = std::io::Read::take(&mut input, LINE_BYTES_MAX as u64 + 1)
+        let n = Read::take(&mut input, LINE_BYTES_MAX as u64 + 1)
             .read_until(b'\n', &mut buf)
-            .map_err(|e| format!("reading line {number}: {e}"))?;
+            .map_err(|e| DumpError::io(&format!("line {number}"), &e))?;
         if n == 0 {
             break;
         }
         if buf.len() > LINE_BYTES_MAX {
-            return Err(format!(
+            return Err(DumpError::malformed(format!(
                 "line {number} is longer than {LINE_BYTES_MAX} bytes"
-            ));
+            )));
         }
         if ended {
-            return Err(format!("line {number} follows the end line"));
+            return Err(DumpError::malformed(format!(
+                "line {number} follows the end line"
+            )));
         }
-        let l: Line = serde_json::from_slice(&buf).map_err(|e| format!("line {number}: {e}"))?;
+        let l: Line = serde_json::from_slice(&buf)
+            .map_err(|e| DumpError::malformed(format!("line {number}: {e}")))?;
+        let at = || format!("line {number}");
         match l {
             Line::Header {
                 format,
@@ -178,28 +417,26 @@ pub fn read(input: impl BufRead, block_size: usize, holdings_max: usize) -> Resu
                 block_size: bs,
             } => {
                 if header || format != FORMAT || version != VERSION {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "line {number}: not a {FORMAT} version {VERSION} header"
-                    ));
+                    )));
                 }
                 if bs != block_size {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "the dump is of blocks of {bs} tokens; this router's are {block_size}"
-                    ));
+                    )));
                 }
                 dump.block_size = bs;
                 header = true;
             }
-            _ if !header => return Err("the dump does not start with its header".into()),
+            _ if !header => {
+                return Err(DumpError::malformed(
+                    "the dump does not start with its header",
+                ))
+            }
             Line::Worker(w) => {
+                let w = totals.worker(w, &at())?;
                 let key = (w.worker_id, w.dp_rank);
-                if dump
-                    .workers
-                    .iter()
-                    .any(|(o, _)| (o.worker_id, o.dp_rank) == key)
-                {
-                    return Err(format!("worker {}:{} appears twice", key.0, key.1));
-                }
                 dump.workers.push((
                     w,
                     WorkerSnapshot {
@@ -214,13 +451,10 @@ pub fn read(input: impl BufRead, block_size: usize, holdings_max: usize) -> Resu
                 namespace,
                 refs,
             } => {
-                let (_, snap) = dump
-                    .workers
-                    .last_mut()
-                    .ok_or_else(|| format!("line {number}: a name before any worker"))?;
-                if snap.names.len() >= holdings_max {
-                    return Err(format!("line {number}: more than {holdings_max} names"));
-                }
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("line {number}: a name before any worker"))
+                })?;
+                totals.add(true, snap.names.len(), 1, &at())?;
                 snap.names.push(NameEntry {
                     engine,
                     ours,
@@ -229,30 +463,30 @@ pub fn read(input: impl BufRead, block_size: usize, holdings_max: usize) -> Resu
                 });
             }
             Line::Hold { tier, hash, count } => {
-                let (_, snap) = dump
-                    .workers
-                    .last_mut()
-                    .ok_or_else(|| format!("line {number}: a holding before any worker"))?;
-                if snap.holdings.len() >= holdings_max {
-                    return Err(format!("line {number}: more than {holdings_max} holdings"));
-                }
-                let tier = Tier::from_medium_name(&tier)
-                    .map_err(|_| format!("line {number}: unknown tier {tier:?}"))?;
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("line {number}: a holding before any worker"))
+                })?;
+                totals.add(false, snap.holdings.len(), 1, &at())?;
+                let tier = Tier::from_medium_name(&tier).map_err(|_| {
+                    DumpError::malformed(format!("line {number}: unknown tier {tier:?}"))
+                })?;
                 snap.holdings.push(Holding { tier, hash, count });
             }
             Line::End { workers } => {
                 if workers != dump.workers.len() {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "the end line counts {workers} workers; the dump has {}",
                         dump.workers.len()
-                    ));
+                    )));
                 }
                 ended = true;
             }
         }
     }
     if !ended {
-        return Err("the dump ends without its end line (incomplete)".into());
+        return Err(DumpError::malformed(
+            "the dump ends without its end line (incomplete)",
+        ));
     }
     Ok(dump)
 }
@@ -314,15 +548,32 @@ pub fn write_msgpack(dump: &Dump, out: &mut impl Write) -> std::io::Result<()> {
     )
 }
 
-/// Reads the msgpack form written by [`write_msgpack`], with the limits of [`read`]. Records are
-/// decoded from a bounded buffer, so a length the input claims never sizes an allocation beyond
-/// the bytes there.
+/// Reads the msgpack form written by [`write_msgpack`], with the limits of [`read`].
 pub fn read_msgpack(
-    mut input: impl std::io::Read,
+    input: impl Read,
     block_size: usize,
     holdings_max: usize,
 ) -> Result<Dump, String> {
+    read_msgpack_with(input, block_size, &DumpLimits::per_worker(holdings_max))
+        .map_err(|e| e.message)
+}
+
+/// Reads the msgpack form written by [`write_msgpack`] within `limits`, as [`read_with`].
+/// Records are decoded from a bounded buffer, so a length the input claims never sizes an
+/// allocation beyond the bytes there.
+pub fn read_msgpack_with(
+    input: impl Read,
+    block_size: usize,
+    limits: &DumpLimits,
+) -> Result<Dump, DumpError> {
+    let mut input = Bounded {
+        inner: input,
+        read: 0,
+        max: limits.bytes,
+        deadline: limits.deadline,
+    };
     let mut dump = Dump::default();
+    let mut totals = Totals::new(limits);
     let mut header = false;
     let mut ended = false;
     let mut buf: Vec<u8> = Vec::new();
@@ -343,13 +594,15 @@ pub fn read_msgpack(
                     break Some(r);
                 }
                 Err(e) if eof => {
-                    return Err(format!("record {number}: {e} (cut or malformed)"));
+                    return Err(DumpError::malformed(format!(
+                        "record {number}: {e} (cut or malformed)"
+                    )));
                 }
                 Err(e) if buf.len() - start > MSGPACK_RECORD_BYTES_MAX => {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "record {number} is malformed or longer than {MSGPACK_RECORD_BYTES_MAX} \
                          bytes: {e}"
-                    ));
+                    )));
                 }
                 Err(_) => {
                     buf.drain(..start);
@@ -362,7 +615,7 @@ pub fn read_msgpack(
                             other => break other,
                         }
                     }
-                    .map_err(|e| format!("reading record {number}: {e}"))?;
+                    .map_err(|e| DumpError::io(&format!("record {number}"), &e))?;
                     buf.truncate(had + n);
                     eof = n == 0;
                 }
@@ -370,8 +623,11 @@ pub fn read_msgpack(
         };
         let Some(r) = r else { break };
         if ended {
-            return Err(format!("record {number} follows the end record"));
+            return Err(DumpError::malformed(format!(
+                "record {number} follows the end record"
+            )));
         }
+        let at = || format!("record {number}");
         match r {
             Record::Header {
                 format,
@@ -379,28 +635,26 @@ pub fn read_msgpack(
                 block_size: bs,
             } => {
                 if header || format != FORMAT || version != VERSION {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "record {number}: not a {FORMAT} version {VERSION} header"
-                    ));
+                    )));
                 }
                 if bs != block_size {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "the dump is of blocks of {bs} tokens; this router's are {block_size}"
-                    ));
+                    )));
                 }
                 dump.block_size = bs;
                 header = true;
             }
-            _ if !header => return Err("the dump does not start with its header".into()),
+            _ if !header => {
+                return Err(DumpError::malformed(
+                    "the dump does not start with its header",
+                ))
+            }
             Record::Worker(w) => {
+                let w = totals.worker(w, &at())?;
                 let key = (w.worker_id, w.dp_rank);
-                if dump
-                    .workers
-                    .iter()
-                    .any(|(o, _)| (o.worker_id, o.dp_rank) == key)
-                {
-                    return Err(format!("worker {}:{} appears twice", key.0, key.1));
-                }
                 dump.workers.push((
                     w,
                     WorkerSnapshot {
@@ -410,13 +664,10 @@ pub fn read_msgpack(
                 ));
             }
             Record::Names(names) => {
-                let (_, snap) = dump
-                    .workers
-                    .last_mut()
-                    .ok_or_else(|| format!("record {number}: names before any worker"))?;
-                if snap.names.len() + names.len() > holdings_max {
-                    return Err(format!("record {number}: more than {holdings_max} names"));
-                }
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("record {number}: names before any worker"))
+                })?;
+                totals.add(true, snap.names.len(), names.len(), &at())?;
                 snap.names
                     .extend(
                         names
@@ -430,61 +681,93 @@ pub fn read_msgpack(
                     );
             }
             Record::Holds(holds) => {
-                let (_, snap) = dump
-                    .workers
-                    .last_mut()
-                    .ok_or_else(|| format!("record {number}: holdings before any worker"))?;
-                if snap.holdings.len() + holds.len() > holdings_max {
-                    return Err(format!(
-                        "record {number}: more than {holdings_max} holdings"
-                    ));
-                }
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("record {number}: holdings before any worker"))
+                })?;
+                totals.add(false, snap.holdings.len(), holds.len(), &at())?;
                 for (tier, hash, count) in holds {
-                    let tier = *Tier::ALL
-                        .get(usize::from(tier))
-                        .ok_or_else(|| format!("record {number}: unknown tier {tier}"))?;
+                    let tier = *Tier::ALL.get(usize::from(tier)).ok_or_else(|| {
+                        DumpError::malformed(format!("record {number}: unknown tier {tier}"))
+                    })?;
                     snap.holdings.push(Holding { tier, hash, count });
                 }
             }
             Record::End { workers } => {
                 if workers != dump.workers.len() {
-                    return Err(format!(
+                    return Err(DumpError::malformed(format!(
                         "the end record counts {workers} workers; the dump has {}",
                         dump.workers.len()
-                    ));
+                    )));
                 }
                 ended = true;
             }
         }
     }
     if !ended {
-        return Err("the dump ends without its end record (incomplete)".into());
+        return Err(DumpError::malformed(
+            "the dump ends without its end record (incomplete)",
+        ));
     }
     Ok(dump)
 }
 
-/// Fetches `url`'s dump (`URL/dump`), for a router of `block_size`: asks for msgpack and reads
-/// whichever form the sibling sends.
-pub fn fetch(
-    url: &str,
-    block_size: usize,
-    holdings_max: usize,
-    timeout: Duration,
-) -> Result<Dump, String> {
+/// Fetches `url`'s dump (`URL/dump`), for a router of `block_size`, within `limits`: asks for
+/// msgpack and reads whichever form the sibling sends.
+pub fn fetch(url: &str, block_size: usize, limits: &DumpLimits) -> Result<Dump, DumpError> {
     let url = format!("{}/dump", url.trim_end_matches('/'));
-    let response = ureq::get(&url)
-        .timeout(timeout)
-        .set("Accept", MSGPACK_MEDIA_TYPE)
-        .call()
-        .map_err(|e| format!("GET {url}: {e}"))?;
-    let msgpack = response.content_type() == MSGPACK_MEDIA_TYPE;
-    let body = std::io::BufReader::new(response.into_reader());
-    if msgpack {
-        read_msgpack(body, block_size, holdings_max)
-    } else {
-        read(body, block_size, holdings_max)
+    let mut request = ureq::get(&url).set("Accept", MSGPACK_MEDIA_TYPE);
+    if let Some(deadline) = limits.deadline {
+        // ureq's timeout covers the whole exchange, body included.
+        let left = deadline.saturating_duration_since(Instant::now());
+        request = request.timeout(left.max(Duration::from_millis(1)));
     }
-    .map_err(|e| format!("{url}: {e}"))
+    let response = request
+        .call()
+        .map_err(|e| DumpError::new("fetch", format!("GET {url}: {e}")))?;
+    let msgpack = response.content_type() == MSGPACK_MEDIA_TYPE;
+    let body = response.into_reader();
+    if msgpack {
+        read_msgpack_with(body, block_size, limits)
+    } else {
+        read_with(body, block_size, limits)
+    }
+    .map_err(|e| DumpError::new(e.why, format!("{url}: {}", e.message)))
+}
+
+/// Starts a router of `config` following `workers`, first restoring the dump of the sibling at
+/// `bootstrap` if one is given. A dump that cannot be fetched or is refused is left out: the
+/// router starts without it, logs why, and counts it in `kv_router_bootstrap_refused_total{why}`.
+pub fn start(
+    config: crate::config::RouterConfig,
+    workers: Vec<crate::config::WorkerSpec>,
+    bootstrap: Option<&str>,
+) -> Result<crate::state::Router, kvbm_events::TransportError> {
+    let mut refused = None;
+    let mut read = 0;
+    let dump = bootstrap.and_then(|url| {
+        let limits = DumpLimits::from_config(&config);
+        let started = Instant::now();
+        match fetch(url, config.block_size, &limits) {
+            Ok(dump) => {
+                let blocks: usize = dump.workers.iter().map(|(_, s)| s.holdings.len()).sum();
+                read = blocks;
+                tracing::info!(%url, workers = dump.workers.len(), blocks, secs = started.elapsed().as_secs_f64(), "bootstrapped from a sibling");
+                Some(dump)
+            }
+            Err(e) => {
+                tracing::error!(%url, why = e.why, error = %e, "--bootstrap-from: the sibling's dump is refused; starting without it (workers follow from --workers, --workers-file and /register)");
+                refused = Some(e.why);
+                None
+            }
+        }
+    });
+    let router = crate::state::Router::start_from(config, workers, dump)?;
+    let metrics = router.metrics();
+    if let Some(why) = refused {
+        metrics.bootstrap_refused.with_label_values(&[why]).inc();
+    }
+    metrics.bootstrap_blocks.set(read as i64);
+    Ok(router)
 }
 
 #[cfg(test)]

@@ -35,21 +35,9 @@ fn main() -> anyhow::Result<()> {
         let bound = listener.local_addr()?;
         let bootstrap = args.bootstrap_from.clone();
         let router = tokio::task::spawn_blocking(move || -> anyhow::Result<Router> {
-            let dump = match &bootstrap {
-                None => None,
-                Some(url) => {
-                    let dump = kvbm_router::dump::fetch(
-                        url,
-                        config.block_size,
-                        config.max_blocks_per_worker,
-                        std::time::Duration::from_secs(300),
-                    )
-                    .map_err(|e| anyhow::anyhow!("--bootstrap-from {url}: {e}"))?;
-                    tracing::info!(%url, workers = dump.workers.len(), "bootstrapped from a sibling");
-                    Some(dump)
-                }
-            };
-            Router::start_from(config, workers, dump).context("subscribing to the workers")
+            // A dump that cannot be fetched or is over a bound is left out (logged, counted).
+            kvbm_router::dump::start(config, workers, bootstrap.as_deref())
+                .context("subscribing to the workers")
         })
         .await??;
         let router = Arc::new(router);

@@ -18,7 +18,8 @@
 //!   `kv_router_connections` (open HTTP connections), `kv_router_connections_refused_total`
 //!   (beyond --max-connections), `kv_router_connections_timed_out_total` (idle),
 //!   `kv_router_workers_refused_total` (registrations beyond --max-workers),
-//!   `kv_router_workers_file_errors_total`.
+//!   `kv_router_workers_file_errors_total`, `kv_router_bootstrap_refused_total{why}` (a
+//!   --bootstrap-from dump over a bound or otherwise refused), `kv_router_bootstrap_blocks`.
 //! - `kv_router_subscriber_total{what}`: the ZMQ subscriber's counters (sequence anomalies,
 //!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
 //!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
@@ -87,6 +88,11 @@ pub struct RouterMetrics {
     pub worker_failures: IntCounter,
     /// The OpenAI front end's metrics.
     pub frontend: FrontendMetrics,
+    /// `kv_router_bootstrap_refused_total{why}`: --bootstrap-from dumps refused (bytes,
+    /// workers, blocks, worker, duplicate, timeout, fetch, malformed).
+    pub bootstrap_refused: IntCounterVec,
+    /// `kv_router_bootstrap_blocks`: holdings restored from a --bootstrap-from dump.
+    pub bootstrap_blocks: IntGauge,
 }
 
 /// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
@@ -264,6 +270,22 @@ impl RouterMetrics {
                  routing for --worker-failure-cooldown-secs",
             ),
             frontend: FrontendMetrics::new(&registry),
+            bootstrap_refused: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kv_router_bootstrap_refused_total",
+                        "--bootstrap-from dumps refused (the router started without them), by \
+                         why: bytes, workers, blocks, worker, duplicate, timeout, fetch, malformed",
+                    ),
+                    &["why"],
+                )
+                .expect("valid metric"),
+            ),
+            bootstrap_blocks: gauge(
+                "kv_router_bootstrap_blocks",
+                "Holdings restored from the --bootstrap-from dump at start",
+            ),
             registry,
         }
     }

@@ -39,6 +39,10 @@ use crate::Tier;
 /// Default limit of (block, tier) holdings per worker.
 pub const BLOCKS_PER_WORKER_MAX_DEFAULT: usize = 1 << 24;
 
+/// Most distinct blocks an index can make room for: its node ids are u32, u32::MAX kept as a
+/// marker.
+pub const INDEX_CAPACITY_BLOCKS_MAX: usize = u32::MAX as usize - 1;
+
 /// How many blocks ahead an event's table buckets are prefetched.
 const PREFETCH_DISTANCE: usize = 16;
 
@@ -402,6 +406,20 @@ impl KvIndex {
         self.hashes = MappedVec::with_capacity(blocks);
         self.node_sets = MappedVec::with_capacity(blocks);
         self
+    }
+
+    /// Bytes [`Self::with_capacity`] maps for `blocks`; None beyond
+    /// [`INDEX_CAPACITY_BLOCKS_MAX`] (node ids are u32) or when the size overflows. A caller
+    /// taking the capacity from its user checks it here first: a mapping the system refuses
+    /// panics.
+    pub fn capacity_bytes(blocks: usize) -> Option<usize> {
+        if blocks > INDEX_CAPACITY_BLOCKS_MAX {
+            return None;
+        }
+        let per_block = std::mem::size_of::<u64>() + std::mem::size_of::<u32>();
+        blocks
+            .checked_mul(per_block)?
+            .checked_add(BlockTable::bytes_for(blocks)?)
     }
 
     /// Sets how many tombstones (nodes of blocks no worker holds any more) are tolerated before

@@ -58,6 +58,16 @@ impl BlockTable {
         }
     }
 
+    /// Bytes [`Self::with_capacity`] maps for `entries` (None when that overflows).
+    pub(crate) fn bytes_for(entries: usize) -> Option<usize> {
+        entries
+            .checked_mul(8)?
+            .div_ceil(SLOTS * 7)
+            .max(1)
+            .checked_next_power_of_two()?
+            .checked_mul(SLOTS * std::mem::size_of::<u64>())
+    }
+
     /// Buckets (a power of two) that hold `entries` at most 7/8 full.
     fn buckets_for(entries: usize) -> usize {
         (entries * 8).div_ceil(SLOTS * 7).max(1).next_power_of_two()
