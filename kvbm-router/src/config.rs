@@ -42,7 +42,11 @@ pub struct Args {
     pub workers: String,
 
     /// A sibling router's URL (http://HOST:PORT): its index is read from GET /dump at start,
-    /// with its workers, and each is followed from the sequence number after the dump's.
+    /// with its workers, and each is followed from the sequence number after the dump's. The dump
+    /// is bounded (--bootstrap-max-bytes, --max-workers, --bootstrap-max-blocks,
+    /// --bootstrap-timeout-secs) and its workers checked as POST /register checks them (tcp://
+    /// endpoints only); one that fails is left out: the router starts without it, logs why and
+    /// counts it (kv_router_bootstrap_refused_total{why}).
     #[arg(long)]
     pub bootstrap_from: Option<String>,
 

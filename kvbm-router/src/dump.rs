@@ -202,13 +202,18 @@ impl<'a> Totals<'a> {
     }
 
     /// Checks a worker record and returns it as it is kept (its URL normalized).
-    fn worker(&mut self, mut w: DumpWorker, at: &str) -> Result<DumpWorker, DumpError> {
+    fn worker(
+        &mut self,
+        mut w: DumpWorker,
+        at: impl Fn() -> String,
+    ) -> Result<DumpWorker, DumpError> {
         let key = (w.worker_id, w.dp_rank);
         if self.keys.len() >= self.limits.workers && !self.keys.contains(&key) {
             return Err(DumpError::new(
                 "workers",
                 format!(
-                    "{at}: more than {} workers (--max-workers)",
+                    "{}: more than {} workers (--max-workers)",
+                    at(),
                     self.limits.workers
                 ),
             ));
@@ -216,7 +221,7 @@ impl<'a> Totals<'a> {
         if !self.keys.insert(key) {
             return Err(DumpError::new(
                 "duplicate",
-                format!("{at}: worker {}:{} appears twice", key.0, key.1),
+                format!("{}: worker {}:{} appears twice", at(), key.0, key.1),
             ));
         }
         if self.limits.check_workers {
@@ -227,7 +232,7 @@ impl<'a> Totals<'a> {
                 w.replay_endpoint.as_deref(),
                 w.http_url.as_deref(),
             )
-            .map_err(|e| DumpError::new("worker", format!("{at}: {e}")))?;
+            .map_err(|e| DumpError::new("worker", format!("{}: {e}", at())))?;
             w.http_url = spec.http;
         }
         Ok(w)
@@ -235,13 +240,20 @@ impl<'a> Totals<'a> {
 
     /// Counts `n` more engine hashes (`names`) or holdings of the current worker, which has
     /// `has` of them already.
-    fn add(&mut self, names: bool, has: usize, n: usize, at: &str) -> Result<(), DumpError> {
+    fn add(
+        &mut self,
+        names: bool,
+        has: usize,
+        n: usize,
+        at: impl Fn() -> String,
+    ) -> Result<(), DumpError> {
         let what = if names { "engine hashes" } else { "holdings" };
         if has.saturating_add(n) > self.limits.holdings_per_worker {
             return Err(DumpError::new(
                 "blocks",
                 format!(
-                    "{at}: more than {} {what} for one worker (--max-blocks-per-worker)",
+                    "{}: more than {} {what} for one worker (--max-blocks-per-worker)",
+                    at(),
                     self.limits.holdings_per_worker
                 ),
             ));
@@ -256,7 +268,8 @@ impl<'a> Totals<'a> {
             return Err(DumpError::new(
                 "blocks",
                 format!(
-                    "{at}: more than {} {what} over all workers (--bootstrap-max-blocks)",
+                    "{}: more than {} {what} over all workers (--bootstrap-max-blocks)",
+                    at(),
                     self.limits.blocks
                 ),
             ));
@@ -435,7 +448,7 @@ pub fn read_with(
                 ))
             }
             Line::Worker(w) => {
-                let w = totals.worker(w, &at())?;
+                let w = totals.worker(w, at)?;
                 let key = (w.worker_id, w.dp_rank);
                 dump.workers.push((
                     w,
@@ -454,7 +467,7 @@ pub fn read_with(
                 let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
                     DumpError::malformed(format!("line {number}: a name before any worker"))
                 })?;
-                totals.add(true, snap.names.len(), 1, &at())?;
+                totals.add(true, snap.names.len(), 1, at)?;
                 snap.names.push(NameEntry {
                     engine,
                     ours,
@@ -466,7 +479,7 @@ pub fn read_with(
                 let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
                     DumpError::malformed(format!("line {number}: a holding before any worker"))
                 })?;
-                totals.add(false, snap.holdings.len(), 1, &at())?;
+                totals.add(false, snap.holdings.len(), 1, at)?;
                 let tier = Tier::from_medium_name(&tier).map_err(|_| {
                     DumpError::malformed(format!("line {number}: unknown tier {tier:?}"))
                 })?;
@@ -653,7 +666,7 @@ pub fn read_msgpack_with(
                 ))
             }
             Record::Worker(w) => {
-                let w = totals.worker(w, &at())?;
+                let w = totals.worker(w, at)?;
                 let key = (w.worker_id, w.dp_rank);
                 dump.workers.push((
                     w,
@@ -667,7 +680,7 @@ pub fn read_msgpack_with(
                 let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
                     DumpError::malformed(format!("record {number}: names before any worker"))
                 })?;
-                totals.add(true, snap.names.len(), names.len(), &at())?;
+                totals.add(true, snap.names.len(), names.len(), at)?;
                 snap.names
                     .extend(
                         names
@@ -684,7 +697,7 @@ pub fn read_msgpack_with(
                 let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
                     DumpError::malformed(format!("record {number}: holdings before any worker"))
                 })?;
-                totals.add(false, snap.holdings.len(), holds.len(), &at())?;
+                totals.add(false, snap.holdings.len(), holds.len(), at)?;
                 for (tier, hash, count) in holds {
                     let tier = *Tier::ALL.get(usize::from(tier)).ok_or_else(|| {
                         DumpError::malformed(format!("record {number}: unknown tier {tier}"))

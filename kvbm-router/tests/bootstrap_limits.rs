@@ -26,11 +26,7 @@ struct Sibling {
 }
 
 impl Sibling {
-    fn start(
-        head: String,
-        pause: Duration,
-        line: impl Fn(u64) -> String + Send + 'static,
-    ) -> Self {
+    fn start(head: String, pause: Duration, line: impl Fn(u64) -> String + Send + 'static) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let sent = Arc::new(AtomicU64::new(0));
@@ -292,7 +288,10 @@ fn endless_workers_or_blocks_are_refused_as_they_stream_in() {
         l.bytes = bytes.len() as u64;
         let d = read(msgpack, &bytes, &l).unwrap();
         assert_eq!(d.workers.len(), 6);
-        assert_eq!(d.workers[0].0.http_url.as_deref(), Some("http://10.0.0.0:8000"));
+        assert_eq!(
+            d.workers[0].0.http_url.as_deref(),
+            Some("http://10.0.0.0:8000")
+        );
     }
 }
 
@@ -399,7 +398,10 @@ fn replace_with(path: &Path, make: impl FnOnce(&Path)) {
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
     while !done() {
-        assert!(start.elapsed() < Duration::from_secs(10), "waiting for {what}");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -416,7 +418,9 @@ fn a_workers_file_that_is_a_device_a_fifo_or_too_long_keeps_the_workers_and_is_c
     wait_until("worker 1", || ids(&router) == vec![1]);
     let errors = |r: &Router| r.metrics().workers_file_errors.get();
     let started = Instant::now();
-    replace_with(&path, |p| std::os::unix::fs::symlink("/dev/zero", p).unwrap());
+    replace_with(&path, |p| {
+        std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+    });
     wait_until("the link to /dev/zero counted", || errors(&router) >= 1);
     assert_eq!(ids(&router), vec![1]);
     replace_with(&path, |p| {
