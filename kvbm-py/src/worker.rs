@@ -285,6 +285,12 @@ impl Worker {
     /// a multiple of it holds kernel blocks). `outer_dim` (2 for K and V, 1 for MLA) names what
     /// the content axis holds, for the KV shape; the bytes moved do not depend on it. A layout
     /// that cannot be addressed raises `LayoutError` naming the tensor, its shape and strides.
+    /// A tensor kvbm must not write raises `TypeError`: read-only or immutable memory (as the
+    /// buffer protocol or `__array_interface__` says, or, on the emulated device, outside the
+    /// process's writable mappings) or elements holding Python objects. Sizes that do not fit
+    /// (`host_blocks` beyond the machine's memory, `disk_blocks` beyond 32-bit ids,
+    /// `async_onboards_max`, `batch_blocks_max`, `inflight_max` beyond their bounds) raise
+    /// `ValueError` naming the argument.
     ///
     /// With `disk_blocks` above 0 the worker opens its disk cache file `disk_file` in `disk_dir`
     /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk

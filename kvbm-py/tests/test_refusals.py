@@ -4,6 +4,7 @@ timeouts that are not a number of seconds; calls from several threads are serial
 
 import math
 import mmap
+import os
 import threading
 
 import numpy as np
@@ -225,3 +226,53 @@ def test_threads_on_one_leader_are_serialized():
             leader.counts()
 
     hammer(run)
+
+
+# -- the default disk cache directory -----------------------------------------------------------
+
+
+def default_dir_worker(tmp_path, monkeypatch):
+    """A worker with a disk tier in kvbm's default directory, `$TMPDIR/kvbm-<uid>`."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.delenv("DYN_KVBM_DISK_CACHE_DIR", raising=False)
+    return worker(disk_blocks=4, disk_disable_o_direct=True)
+
+
+def test_a_default_directory_planted_as_a_link_is_refused(tmp_path, monkeypatch):
+    """Another user's `$TMPDIR/kvbm-<uid>` symlink to a directory of theirs was followed."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / f"kvbm-{os.geteuid()}").symlink_to(elsewhere)
+    with pytest.raises(kvbm.DiskError, match="symbolic link"):
+        default_dir_worker(tmp_path, monkeypatch)
+    assert list(elsewhere.iterdir()) == [], "nothing was created through the link"
+
+
+def test_a_default_directory_open_to_others_or_of_another_user_is_refused(tmp_path, monkeypatch):
+    planted = tmp_path / f"kvbm-{os.geteuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    with pytest.raises(kvbm.DiskError, match="mode 777"):
+        default_dir_worker(tmp_path, monkeypatch)
+    # Private means no group or other bits at all, not only none that write.
+    planted.chmod(0o750)
+    with pytest.raises(kvbm.DiskError, match="mode 750"):
+        default_dir_worker(tmp_path, monkeypatch)
+    planted.chmod(0o1777)
+    with pytest.raises(kvbm.DiskError, match="mode 1777"):
+        default_dir_worker(tmp_path, monkeypatch)
+    if os.geteuid() == 0:
+        planted.chmod(0o700)
+        os.chown(planted, 4242424, -1)
+        with pytest.raises(kvbm.DiskError, match="owned by uid 4242424"):
+            default_dir_worker(tmp_path, monkeypatch)
+
+
+def test_the_default_directory_is_created_private_and_reused(tmp_path, monkeypatch):
+    w = default_dir_worker(tmp_path, monkeypatch)
+    assert w.disk_blocks == 4
+    del w
+    made = tmp_path / f"kvbm-{os.geteuid()}"
+    assert made.is_dir() and not made.is_symlink()
+    assert made.stat().st_mode & 0o7777 == 0o700
+    assert default_dir_worker(tmp_path, monkeypatch).disk_blocks == 4
