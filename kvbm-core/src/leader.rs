@@ -165,6 +165,47 @@ fn hashes(v: &[u64]) -> Vec<SequenceHash> {
     v.iter().copied().map(SequenceHash).collect()
 }
 
+/// Most tokens per block a leader takes (events carry the block size in 32 bits; vLLM's blocks
+/// are far smaller).
+pub const BLOCK_SIZE_MAX: usize = 1 << 20;
+/// Bytes the leader spends per block of a tier on bookkeeping (its slot, eviction node, free
+/// list and index entries), rounded up: what [`check_sizes`] charges against the memory.
+pub const BOOKKEEPING_BYTES_PER_BLOCK: u64 = 128;
+
+/// Refuses a leader whose sizes do not fit before anything is allocated: `block_size` above
+/// [`BLOCK_SIZE_MAX`], or tiers whose bookkeeping ([`BOOKKEEPING_BYTES_PER_BLOCK`] per block)
+/// would take more than half of `memory_bytes`. The error names the argument and its value.
+pub fn check_sizes(
+    block_size: usize,
+    host_blocks: usize,
+    disk_blocks: usize,
+    memory_bytes: u64,
+) -> Result<(), CoreError> {
+    if block_size == 0 || block_size > BLOCK_SIZE_MAX {
+        return Err(CoreError::InvalidArgument(format!(
+            "block_size={block_size}: must be between 1 and {BLOCK_SIZE_MAX} tokens"
+        )));
+    }
+    let budget = memory_bytes / 2;
+    let cost = |blocks: usize| (blocks as u64).saturating_mul(BOOKKEEPING_BYTES_PER_BLOCK);
+    for (name, blocks) in [("host_blocks", host_blocks), ("disk_blocks", disk_blocks)] {
+        if cost(blocks) > budget || blocks >= u32::MAX as usize {
+            return Err(CoreError::InvalidArgument(format!(
+                "{name}={blocks}: the leader's bookkeeping of {BOOKKEEPING_BYTES_PER_BLOCK} bytes \
+                 per block would take more than half of this machine's memory ({memory_bytes} \
+                 bytes), and block ids are 32-bit"
+            )));
+        }
+    }
+    if cost(host_blocks).saturating_add(cost(disk_blocks)) > budget {
+        return Err(CoreError::InvalidArgument(format!(
+            "host_blocks={host_blocks} and disk_blocks={disk_blocks}: the leader's bookkeeping \
+             would take more than half of this machine's memory ({memory_bytes} bytes)"
+        )));
+    }
+    Ok(())
+}
+
 impl Leader {
     /// A host tier of `host_blocks` blocks of `block_size` tokens, and a disk tier of
     /// `disk_blocks` (0: none). Host blocks go to disk when seen twice (registered, then matched
@@ -214,6 +255,12 @@ impl Leader {
                 "{host_blocks} host / {disk_blocks} disk blocks: block ids are 32-bit"
             )));
         }
+        check_sizes(
+            block_size,
+            host_blocks,
+            disk_blocks,
+            crate::config::machine_memory_bytes(),
+        )?;
         let host = BlockPool::new(Tier::Host, host_blocks, block_size, Some(publisher.clone()));
         let disk = (disk_blocks > 0)
             .then(|| BlockPool::new(Tier::Disk, disk_blocks, block_size, Some(publisher.clone())));

@@ -254,11 +254,12 @@ impl Requests {
             let Some(r) = self.by_id.get_mut(request) else {
                 continue;
             };
-            let mut full = ((r.computed + scheduled) / b)
+            // Saturating: counts from the engine are not trusted not to overflow.
+            let mut full = (r.computed.saturating_add(*scheduled) / b)
                 .min(r.block_ids.len())
                 .min(num_tokens / b);
             if let Some(from) = r.unbacked_from {
-                if r.computed > from * b {
+                if r.computed > from.saturating_mul(b) {
                     full = full.min(from); // vLLM has not rolled back yet
                 } else {
                     r.unbacked_from = None; // recomputed from there on: offloaded as it fills

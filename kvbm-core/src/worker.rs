@@ -83,6 +83,45 @@ impl Default for WorkerOptions {
     }
 }
 
+/// Whether every byte of `[addr, addr + len)` lies in mappings of this process that are
+/// writable (per `/proc/self/maps`): host memory the emulated device is to load blocks into
+/// must be, or the load faults. An address range outside every mapping is not writable.
+pub fn host_range_writable(addr: u64, len: u64) -> Result<bool, CoreError> {
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| CoreError::InvalidArgument(format!("/proc/self/maps: {e}")))?;
+    Ok(range_writable_in(&maps, addr, len))
+}
+
+/// [`host_range_writable`] over the text of a `maps` file.
+fn range_writable_in(maps: &str, addr: u64, len: u64) -> bool {
+    let Some(end) = addr.checked_add(len) else {
+        return false;
+    };
+    let mut writable: Vec<(u64, u64)> = maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (range, perms) = (fields.next()?, fields.next()?);
+            let (start, stop) = range.split_once('-')?;
+            let start = u64::from_str_radix(start, 16).ok()?;
+            let stop = u64::from_str_radix(stop, 16).ok()?;
+            (perms.as_bytes().get(1) == Some(&b'w')).then_some((start, stop))
+        })
+        .collect();
+    writable.sort_unstable();
+    // Walk the writable mappings in order, extending the covered prefix of the range.
+    let mut at = addr;
+    for (start, stop) in writable {
+        if at >= end {
+            break;
+        }
+        if start <= at && stop > at {
+            at = stop;
+        }
+    }
+    at >= end
+}
+
 /// Checks that every byte `view` addresses lies inside `[base, base + bytes)`, the memory the
 /// tensor owns (its storage), so that no address or size from the engine is used unchecked.
 pub fn check_view_within(view: &TensorView, base: u64, bytes: u64) -> Result<(), CoreError> {

@@ -7,17 +7,25 @@
 //!   to [`CacheFileOptions::lock_wait`] (a process that just died may still hold it while the
 //!   kernel tears down its io_uring), then reported with the time waited.
 //! - Nothing here follows a planted link or uses someone else's file: the name is one plain path
-//!   component (no `/`, no `..`), the file is opened with `O_NOFOLLOW`, and it must be a regular
-//!   file owned by this user with a single link; a directory that other users may write into
-//!   without the sticky bit is refused (they could swap the file).
+//!   component (no `/`, no `..`), the file is opened with `O_NOFOLLOW` relative to the checked
+//!   directory's descriptor, and it must be a regular file owned by this user with a single
+//!   link; a directory that other users may write into without the sticky bit is refused (they
+//!   could swap the file).
+//! - The directory: every component kvbm creates is made with `mkdir` 0700 and then opened with
+//!   `O_NOFOLLOW | O_DIRECTORY` and checked with `fstat` (owned by this user, no group or other
+//!   bits), so a link or directory planted in its place is refused, never followed. The last
+//!   component is opened `O_NOFOLLOW`: with [`CacheFileOptions::private_dir`] (kvbm's default
+//!   directory in the shared temporary directory) it must be a real directory of this user with
+//!   no group or other bits; a directory the user named may be a link only when the link itself
+//!   belongs to this user or root, and must then pass the sticky/ownership check above.
 //! - The file is preallocated with `fallocate`; where the file system refuses it, the file is sized
 //!   with `set_len` instead (sparse), with one warning.
 //! - O_DIRECT unless disabled; when the file system refuses it (EINVAL), the file is opened
 //!   buffered with one warning, and [`CacheFile::io_mode`] says so.
 
 use std::fs::{File, OpenOptions, Permissions};
-use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -52,6 +60,9 @@ pub struct CacheFileOptions {
     /// How long to wait for a lock another process holds before reporting
     /// [`DiskError::Locked`]. Default [`LOCK_WAIT_DEFAULT`].
     pub lock_wait: std::time::Duration,
+    /// The directory must be private to this user (kvbm's default one, in the shared temporary
+    /// directory): not a symbolic link, owned by this user, no group or other mode bits.
+    pub private_dir: bool,
 }
 
 impl Default for CacheFileOptions {
@@ -59,6 +70,7 @@ impl Default for CacheFileOptions {
         Self {
             disable_o_direct: false,
             lock_wait: LOCK_WAIT_DEFAULT,
+            private_dir: false,
         }
     }
 }
@@ -101,34 +113,174 @@ pub(crate) fn check_private(file: &File, path: &Path) -> Result<(), DiskError> {
     Ok(())
 }
 
-/// Checks that other users cannot replace files in `dir`: owned by this user or root, and not
-/// writable by group or others unless the sticky bit keeps them from touching our files (as in
-/// `/tmp`).
-fn check_dir(dir: &Path) -> Result<(), DiskError> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(dir).map_err(|source| DiskError::Directory {
+fn invalid_dir(dir: &Path, why: String) -> DiskError {
+    DiskError::Invalid(format!(
+        "cache directory {}: {why}; refusing to use it",
+        dir.display()
+    ))
+}
+
+fn dir_error(dir: &Path, source: std::io::Error) -> DiskError {
+    DiskError::Directory {
         path: dir.to_owned(),
         source,
-    })?;
-    let euid = nix::unistd::geteuid().as_raw();
-    if meta.uid() != euid && meta.uid() != 0 {
-        return Err(DiskError::Invalid(format!(
-            "cache directory {}: owned by uid {}, not this user (uid {euid}) or root, who could \
-             replace the cache file",
-            dir.display(),
-            meta.uid()
-        )));
     }
-    let mode = meta.mode();
+}
+
+/// Opens `dir` as a directory without following a link on its last component.
+fn open_dir(dir: &Path, follow: bool) -> std::io::Result<OwnedFd> {
+    let mut flags = libc::O_DIRECTORY | libc::O_CLOEXEC;
+    if !follow {
+        flags |= libc::O_NOFOLLOW;
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(dir)?;
+    Ok(OwnedFd::from(file))
+}
+
+/// Checks an open directory: with `private`, owned by this user with no group or other mode
+/// bits; else owned by this user or root, and not writable by group or others unless the sticky
+/// bit keeps them from touching our files (as in `/tmp`).
+fn check_dir_fd(fd: &OwnedFd, dir: &Path, private: bool) -> Result<(), DiskError> {
+    let meta = nix::sys::stat::fstat(fd.as_raw_fd()).map_err(|e| dir_error(dir, e.into()))?;
+    let euid = nix::unistd::geteuid().as_raw();
+    let mode = meta.st_mode & 0o7777;
+    if private {
+        if meta.st_uid != euid {
+            return Err(invalid_dir(
+                dir,
+                format!(
+                    "owned by uid {}, not this user (uid {euid}); kvbm's own directory must be \
+                     private",
+                    meta.st_uid
+                ),
+            ));
+        }
+        if mode & 0o077 != 0 {
+            return Err(invalid_dir(
+                dir,
+                format!(
+                    "mode {mode:o} gives group or others access; kvbm's own directory must be \
+                     0700"
+                ),
+            ));
+        }
+        return Ok(());
+    }
+    if meta.st_uid != euid && meta.st_uid != 0 {
+        return Err(invalid_dir(
+            dir,
+            format!(
+                "owned by uid {}, not this user (uid {euid}) or root, who could replace the \
+                 cache file",
+                meta.st_uid
+            ),
+        ));
+    }
     if mode & 0o022 != 0 && mode & 0o1000 == 0 {
-        return Err(DiskError::Invalid(format!(
-            "cache directory {}: mode {:o} lets other users replace the cache file; use a \
-             directory only this user can write to (kvbm creates its own 0700)",
-            dir.display(),
-            mode & 0o7777
-        )));
+        return Err(invalid_dir(
+            dir,
+            format!(
+                "mode {mode:o} lets other users replace the cache file; use a directory only \
+                 this user can write to (kvbm creates its own 0700)"
+            ),
+        ));
     }
     Ok(())
+}
+
+/// Opens the existing directory `dir` and checks it (see the module's invariants): a link on
+/// its last component is refused when `private`, else followed only when the link belongs to
+/// this user or root.
+fn open_checked_dir(dir: &Path, private: bool) -> Result<OwnedFd, DiskError> {
+    use std::os::unix::fs::MetadataExt;
+    let fd = match open_dir(dir, false) {
+        Ok(fd) => fd,
+        Err(e) => {
+            let link = std::fs::symlink_metadata(dir).map_err(|_| dir_error(dir, e))?;
+            if !link.file_type().is_symlink() {
+                return Err(dir_error(
+                    dir,
+                    std::io::Error::from_raw_os_error(libc::ENOTDIR),
+                ));
+            }
+            let target = std::fs::read_link(dir).unwrap_or_default();
+            let euid = nix::unistd::geteuid().as_raw();
+            if private {
+                return Err(invalid_dir(
+                    dir,
+                    format!(
+                        "is a symbolic link (to {}); kvbm's own directory must be a directory \
+                         of this user, never a link",
+                        target.display()
+                    ),
+                ));
+            }
+            if link.uid() != euid && link.uid() != 0 {
+                return Err(invalid_dir(
+                    dir,
+                    format!(
+                        "is a symbolic link (to {}) owned by uid {}, not this user (uid {euid}) \
+                         or root",
+                        target.display(),
+                        link.uid()
+                    ),
+                ));
+            }
+            open_dir(dir, true).map_err(|e| dir_error(dir, e))?
+        }
+    };
+    check_dir_fd(&fd, dir, private)?;
+    Ok(fd)
+}
+
+/// Creates the components of `dir` that do not exist yet, each with `mkdir` 0700, and checks
+/// each through `O_NOFOLLOW` (a link planted in its place after the `mkdir` is refused); a
+/// component that appears meanwhile is checked as an existing directory. Returns whether `dir`
+/// itself was created here.
+fn create_missing(dir: &Path, private: bool) -> Result<bool, DiskError> {
+    let mut missing = Vec::new();
+    let mut at = dir;
+    loop {
+        match std::fs::symlink_metadata(at) {
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                missing.push(at);
+                match at.parent() {
+                    Some(parent) if !parent.as_os_str().is_empty() => at = parent,
+                    _ => break,
+                }
+            }
+            Err(e) => return Err(dir_error(at, e)),
+        }
+    }
+    let mut created = false;
+    for component in missing.into_iter().rev() {
+        let last = component == dir;
+        match nix::unistd::mkdir(
+            component,
+            nix::sys::stat::Mode::from_bits_truncate(CACHE_DIR_MODE),
+        ) {
+            Ok(()) => {
+                let fd = open_dir(component, false).map_err(|e| {
+                    invalid_dir(
+                        component,
+                        format!("replaced right after kvbm created it ({e})"),
+                    )
+                })?;
+                check_dir_fd(&fd, component, true)?;
+                created = last;
+            }
+            Err(nix::errno::Errno::EEXIST) => {
+                open_checked_dir(component, private || !last)?;
+                created = false;
+            }
+            Err(errno) => return Err(dir_error(component, errno.into())),
+        }
+    }
+    Ok(created)
 }
 
 /// An open, locked, sized cache file.
@@ -191,27 +343,36 @@ fn lock_waiting(
     }
 }
 
-/// Opens `path` (created 0600 when `write`) without following a link, with O_DIRECT unless
-/// refused or disabled, and checks it is a private file of this user.
+/// Opens `name` in the directory `dir` (its path `path`, for messages), created 0600 when
+/// `write`, without following a link, with O_DIRECT unless refused or disabled, and checks it
+/// is a private file of this user.
 fn open_private(
+    dir: &OwnedFd,
+    name: &str,
     path: &Path,
     options: CacheFileOptions,
     write: bool,
 ) -> Result<(File, IoMode), DiskError> {
-    let open = |direct: bool| {
-        let mut flags = libc::O_CLOEXEC | libc::O_NOFOLLOW;
+    use nix::fcntl::OFlag;
+    let open = |direct: bool| -> std::io::Result<File> {
+        let mut flags = OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
         if direct {
-            flags |= libc::O_DIRECT;
+            flags |= OFlag::O_DIRECT;
         }
-        let mut o = OpenOptions::new();
-        o.read(true).custom_flags(flags);
-        if write {
-            o.write(true)
-                .create(true)
-                .truncate(false)
-                .mode(CACHE_FILE_MODE);
-        }
-        o.open(path)
+        flags |= if write {
+            OFlag::O_RDWR | OFlag::O_CREAT
+        } else {
+            OFlag::O_RDONLY
+        };
+        let fd = nix::fcntl::openat(
+            Some(dir.as_raw_fd()),
+            name,
+            flags,
+            nix::sys::stat::Mode::from_bits_truncate(CACHE_FILE_MODE),
+        )?;
+        // SAFETY: `openat` just returned this descriptor, owned by nobody else.
+        #[allow(unsafe_code)]
+        Ok(unsafe { File::from_raw_fd(fd) })
     };
     let (file, mode) = open_direct_or_buffered(options, open).map_err(|e| {
         if e.raw_os_error() == Some(libc::ELOOP) {
@@ -268,21 +429,13 @@ impl CacheFile {
         options: CacheFileOptions,
     ) -> Result<Self, DiskError> {
         check_file_name(name)?;
-        let dir_error = |source| DiskError::Directory {
-            path: dir.to_owned(),
-            source,
-        };
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(CACHE_DIR_MODE)
-            .create(dir)
-            .map_err(dir_error)?;
+        let created = create_missing(dir, options.private_dir)?;
+        let dir_fd = open_checked_dir(dir, options.private_dir || created)?;
         nix::unistd::access(
             dir,
             nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
         )
-        .map_err(|errno| dir_error(errno.into()))?;
-        check_dir(dir)?;
+        .map_err(|errno| dir_error(dir, errno.into()))?;
 
         let path = dir.join(name);
         let file_error = |call, source| DiskError::File {
@@ -290,7 +443,7 @@ impl CacheFile {
             call,
             source,
         };
-        let (file, mode) = open_private(&path, options, true)?;
+        let (file, mode) = open_private(&dir_fd, name, &path, options, true)?;
         if mode == IoMode::Buffered
             && !options.disable_o_direct
             && !O_DIRECT_REFUSED_WARNED.swap(true, Ordering::Relaxed)
@@ -347,14 +500,14 @@ impl CacheFile {
         options: CacheFileOptions,
     ) -> Result<Self, DiskError> {
         check_file_name(name)?;
-        check_dir(dir)?;
+        let dir_fd = open_checked_dir(dir, options.private_dir)?;
         let path = dir.join(name);
         let file_error = |call, source| DiskError::File {
             path: path.clone(),
             call,
             source,
         };
-        let (file, mode) = open_private(&path, options, false)?;
+        let (file, mode) = open_private(&dir_fd, name, &path, options, false)?;
         let file = lock_waiting(file, FlockArg::LockSharedNonblock, options.lock_wait, &path)?;
         let len = file.metadata().map_err(|e| file_error("fstat", e))?.len();
         Ok(Self {

@@ -32,5 +32,5 @@ pub use file::{
 };
 pub use store::{
     DiskStore, Lookup, Miss, ReadRequest, Recovered, RecoveredBlock, StoreOptions, StoreStats,
-    WriteOutcome, WriteRequest, CHECKPOINT_SUFFIX, SCAN_SLOTS_PER_JOB,
+    WriteOutcome, WriteRequest, CHECKPOINT_SUFFIX, SCAN_SLOTS_PER_JOB, SLOT_PAYLOAD_BYTES_MAX,
 };

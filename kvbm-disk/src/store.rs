@@ -37,6 +37,9 @@ pub const CHECKPOINT_SUFFIX: &str = ".index";
 /// Slots whose headers are read in one job during a recovery scan.
 pub const SCAN_SLOTS_PER_JOB: usize = 256;
 const CHECKPOINT_MAGIC: [u8; 8] = *b"KVBMIDX1";
+/// The most payload bytes one slot holds: a slot's payload moves in one I/O (and one registered
+/// buffer of at most 1 GiB), so a larger block cannot be stored.
+pub const SLOT_PAYLOAD_BYTES_MAX: usize = 1 << 30;
 
 /// How a store is laid out and run.
 #[derive(Debug, Clone)]
@@ -221,6 +224,12 @@ fn file_geometry(options: &StoreOptions) -> Result<(usize, u64), DiskError> {
         return Err(DiskError::Invalid(format!(
             "a store of {} slots of {} bytes",
             options.slots, options.payload_bytes
+        )));
+    }
+    if options.payload_bytes > SLOT_PAYLOAD_BYTES_MAX {
+        return Err(DiskError::Invalid(format!(
+            "payload of {} bytes per slot: at most {SLOT_PAYLOAD_BYTES_MAX} (one I/O per slot)",
+            options.payload_bytes
         )));
     }
     let payload_area = options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES;

@@ -148,3 +148,49 @@ fn inspecting_a_cache_changes_nothing() {
     assert!(recovered.from_checkpoint);
     assert_eq!(recovered.blocks.len(), 3);
 }
+
+#[test]
+fn inspect_refuses_a_payload_size_beyond_the_format() {
+    let dir = tempfile::tempdir().unwrap();
+    for (payload, slots) in [
+        ("18446744073709551615", "8"),
+        ("1073741825", "8"),
+        ("0", "8"),
+        ("4096", "4294967296"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvbm-disk-inspect"))
+            .args([
+                dir.path().to_str().unwrap(),
+                "cache.kvbm",
+                "1",
+                payload,
+                slots,
+                "--write",
+            ])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{payload} {slots}: {stderr}");
+        let what = if slots == "8" {
+            "PAYLOAD_BYTES"
+        } else {
+            "SLOTS"
+        };
+        assert!(stderr.contains(what), "{stderr}");
+    }
+    // Nothing was created.
+    assert!(!dir.path().join("cache.kvbm").exists());
+}
+
+#[test]
+fn a_store_refuses_a_slot_payload_beyond_one_io() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = StoreOptions {
+        payload_bytes: usize::MAX,
+        ..options()
+    };
+    match DiskStore::open(dir.path(), "cache.kvbm", options) {
+        Err(DiskError::Invalid(message)) => assert!(message.contains("payload"), "{message}"),
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+}

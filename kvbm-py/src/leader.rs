@@ -5,6 +5,8 @@
 use kvbm_core::leader::{self as core, OffloadBlock};
 use kvbm_core::requests::{Requests, Scheduled};
 use kvbm_core::{KvEvent, Tier};
+use parking_lot::{Mutex, MutexGuard};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -33,17 +35,29 @@ type NewTuple = (String, Vec<u32>, usize, Option<String>, Option<String>);
 /// A cached request: (id, new GPU block ids or None, resumed, computed tokens).
 type CachedTuple = (String, Option<Vec<u32>>, bool, usize);
 
-/// The scheduler side's host and disk tiers (kvbm-core's leader).
-#[pyclass(module = "kvbm._kvbm")]
+/// The scheduler side's host and disk tiers (kvbm-core's leader). Calls from several threads
+/// are serialized: each waits, without the GIL, for the one before it.
+#[pyclass(module = "kvbm._kvbm", frozen)]
+#[derive(Debug)]
 pub struct Leader {
+    state: Mutex<LeaderState>,
+}
+
+struct LeaderState {
     inner: core::Leader,
     /// The per-request bookkeeping of vLLM's scheduler side.
     requests: Requests,
 }
 
-impl std::fmt::Debug for Leader {
+impl std::fmt::Debug for LeaderState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.inner.fmt(f)
+    }
+}
+
+impl Leader {
+    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, LeaderState> {
+        crate::lock_serialized(py, &self.state)
     }
 }
 
@@ -61,10 +75,20 @@ impl Leader {
         disk_filter_disabled: bool,
     ) -> PyResult<Self> {
         guard(|| {
+            // Sizes that do not fit are the caller's values: a ValueError naming the argument.
+            core::check_sizes(
+                block_size,
+                host_blocks,
+                disk_blocks,
+                kvbm_core::config::machine_memory_bytes(),
+            )
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
             core::Leader::new(block_size, host_blocks, disk_blocks, disk_filter_disabled)
                 .map(|inner| Self {
-                    inner,
-                    requests: Requests::new(block_size),
+                    state: Mutex::new(LeaderState {
+                        inner,
+                        requests: Requests::new(block_size),
+                    }),
                 })
                 .map_err(core_err)
         })
@@ -72,25 +96,33 @@ impl Leader {
 
     /// Tokens per block.
     #[getter]
-    fn block_size(&self) -> usize {
-        self.inner.block_size()
+    fn block_size(&self, py: Python<'_>) -> usize {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.inner.block_size()
     }
 
     /// The current step (incremented by `end_step`).
     #[getter]
-    fn step(&self) -> u64 {
-        self.inner.step()
+    fn step(&self, py: Python<'_>) -> u64 {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.inner.step()
     }
 
     /// How many of `hashes`, from the first, the host tier holds (no side effects).
-    fn count_prefix(&self, hashes: Vec<u64>) -> PyResult<usize> {
-        guard(|| Ok(self.inner.count_prefix(&hashes)))
+    fn count_prefix(&self, py: Python<'_>, hashes: Vec<u64>) -> PyResult<usize> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| Ok(s.inner.count_prefix(&hashes)))
     }
 
     /// (host, disk): how many of `hashes`, from the first, the host tier holds, then how many
     /// more continue on disk and can be onboarded now. No side effects.
-    fn count_prefix_tiers(&self, hashes: Vec<u64>) -> PyResult<(usize, usize)> {
-        guard(|| Ok(self.inner.count_prefix_tiers(&hashes)))
+    fn count_prefix_tiers(&self, py: Python<'_>, hashes: Vec<u64>) -> PyResult<(usize, usize)> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| Ok(s.inner.count_prefix_tiers(&hashes)))
     }
 
     /// Holds what an onboard of `hashes` needs: (host blocks of the held prefix, disk reads of
@@ -98,12 +130,15 @@ impl Leader {
     /// steps, or, with `request_id` (an asynchronous onboard), until `release(request_id)`.
     #[pyo3(signature = (hashes, request_id=None))]
     fn hold_onboard(
-        &mut self,
+        &self,
+        py: Python<'_>,
         hashes: Vec<u64>,
         request_id: Option<String>,
     ) -> PyResult<(Vec<u32>, Vec<DiskRead>)> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            let plan = self.inner.hold_onboard(&hashes, request_id.as_deref());
+            let plan = s.inner.hold_onboard(&hashes, request_id.as_deref());
             let reads = plan
                 .disk_reads
                 .iter()
@@ -115,28 +150,36 @@ impl Leader {
 
     /// Drops host and disk blocks the workers reported bad (their offload or disk write failed,
     /// or a disk block failed verification); returns how many were registered.
-    fn discard(&mut self, host: Vec<u32>, disk: Vec<u32>) -> PyResult<usize> {
-        guard(|| Ok(self.inner.discard(&host, &disk)))
+    fn discard(&self, py: Python<'_>, host: Vec<u32>, disk: Vec<u32>) -> PyResult<usize> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| Ok(s.inner.discard(&host, &disk)))
     }
 
     /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished).
-    fn release(&mut self, request_id: &str) -> PyResult<bool> {
-        guard(|| Ok(self.inner.release(request_id)))
+    fn release(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| Ok(s.inner.release(request_id)))
     }
 
     /// Adopts what the workers' disk files held when they opened ((disk block, key, identity
     /// bytes), as `Worker.take_recovered_disk` gives them, agreed by every rank): each block
     /// with a readable identity joins the disk tier and is announced. Only while the disk tier
     /// is empty. Returns how many were adopted.
-    fn adopt_disk(&mut self, found: Vec<(u32, u64, Vec<u8>)>) -> PyResult<usize> {
-        guard(|| self.inner.adopt_disk(found).map_err(core_err))
+    fn adopt_disk(&self, py: Python<'_>, found: Vec<(u32, u64, Vec<u8>)>) -> PyResult<usize> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| s.inner.adopt_disk(found).map_err(core_err))
     }
 
     /// The disk writes of the blocks admitted since the last call, as (host block, disk block,
     /// key, identity bytes).
-    fn take_disk_writes(&mut self) -> PyResult<Vec<DiskWrite>> {
+    fn take_disk_writes(&self, py: Python<'_>) -> PyResult<Vec<DiskWrite>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            let writes = self.inner.take_disk_writes().map_err(core_err)?;
+            let writes = s.inner.take_disk_writes().map_err(core_err)?;
             Ok(writes
                 .into_iter()
                 .map(|w| (w.host, w.disk, w.key, w.identity))
@@ -148,10 +191,13 @@ impl Leader {
     /// returns, per block, the host block id to offload it into, or None.
     #[pyo3(signature = (blocks, lora_name=None))]
     fn offload(
-        &mut self,
+        &self,
+        py: Python<'_>,
         blocks: Vec<(u64, Option<u64>, Vec<u32>)>,
         lora_name: Option<String>,
     ) -> PyResult<Vec<Option<u32>>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
             let blocks = blocks
                 .into_iter()
@@ -161,7 +207,7 @@ impl Leader {
                     tokens,
                 })
                 .collect();
-            self.inner
+            s.inner
                 .offload(blocks, lora_name.as_deref())
                 .map_err(core_err)
         })
@@ -170,12 +216,14 @@ impl Leader {
     /// Closes the step: its plan as MessagePack bytes (for the workers' `bind`), with the disk
     /// writes admitted meanwhile and the requests vLLM preempted; then ends the step.
     fn take_plan<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         preempted: Vec<String>,
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            let plan = self.inner.take_plan(preempted).map_err(core_err)?;
+            let plan = s.inner.take_plan(preempted).map_err(core_err)?;
             Ok(crate::worker::plan_bytes(py, &plan))
         })
     }
@@ -183,16 +231,20 @@ impl Leader {
     // -- vLLM's scheduler side, per request ---------------------------------------------------
 
     /// Blocks of `request` already hashed: `match_request` takes the tokens after them.
-    fn hashed_blocks(&self, request: &str) -> usize {
-        self.requests.hashed_blocks(request)
+    fn hashed_blocks(&self, py: Python<'_>, request: &str) -> usize {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.requests.hashed_blocks(request)
     }
 
     /// `get_num_new_matched_tokens`: `new_tokens` are the request's tokens after its hashed
     /// blocks (whole blocks, up to the block of its last token). Returns (tokens found on host
     /// and disk after `num_computed`, asynchronous).
     #[pyo3(signature = (request, new_tokens, num_computed, num_tokens, lora_name=None, cache_salt=None))]
+    #[allow(clippy::too_many_arguments)]
     fn match_request(
-        &mut self,
+        &self,
+        py: Python<'_>,
         request: &str,
         new_tokens: Vec<u32>,
         num_computed: usize,
@@ -200,10 +252,12 @@ impl Leader {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<(usize, bool)> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            self.requests
+            s.requests
                 .match_prefix(
-                    &self.inner,
+                    &s.inner,
                     request,
                     &new_tokens,
                     num_computed,
@@ -217,21 +271,26 @@ impl Leader {
 
     /// `get_external_cache_hit_sources`: the `tokens` of the request's last onboard split into
     /// (from the host tier, from disk), or None when none was planned.
-    fn hit_sources(&self, request: &str, tokens: usize) -> Option<(usize, usize)> {
-        self.requests.hit_sources(request, tokens)
+    fn hit_sources(&self, py: Python<'_>, request: &str, tokens: usize) -> Option<(usize, usize)> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.requests.hit_sources(request, tokens)
     }
 
     /// `update_state_after_alloc`: the request's GPU block ids and the external tokens vLLM
     /// granted; plans the onboard of its match. Returns whether it is asynchronous.
     fn allocated(
-        &mut self,
+        &self,
+        py: Python<'_>,
         request: &str,
         block_ids: Vec<u32>,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            self.requests
-                .allocated(&mut self.inner, request, block_ids, num_external_tokens)
+            s.requests
+                .allocated(&mut s.inner, request, block_ids, num_external_tokens)
                 .map_err(core_err)
         })
     }
@@ -242,11 +301,14 @@ impl Leader {
     /// Returns the spans (index into `work`, first token, end token) whose tokens
     /// `offload_spans` takes, in that order.
     fn schedule(
-        &mut self,
+        &self,
+        py: Python<'_>,
         new: Vec<NewTuple>,
         cached: Vec<CachedTuple>,
         work: Vec<(String, usize, usize)>,
     ) -> PyResult<Vec<(usize, usize, usize)>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
             let mut scheduled: Vec<Scheduled> = new
                 .into_iter()
@@ -268,8 +330,7 @@ impl Leader {
                     computed,
                 },
             ));
-            Ok(self
-                .requests
+            Ok(s.requests
                 .schedule(scheduled, &work)
                 .into_iter()
                 .map(|s| (s.index, s.first_token, s.end_token))
@@ -279,9 +340,11 @@ impl Leader {
 
     /// `build_connector_meta`, second half: the tokens of each span `schedule` returned.
     /// Hashing and registration run without the GIL.
-    fn offload_spans(&mut self, py: Python<'_>, tokens: Vec<Vec<u32>>) -> PyResult<()> {
+    fn offload_spans(&self, py: Python<'_>, tokens: Vec<Vec<u32>>) -> PyResult<()> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            let (requests, inner) = (&mut self.requests, &mut self.inner);
+            let (requests, inner) = (&mut s.requests, &mut s.inner);
             py.allow_threads(|| requests.offload_spans(inner, tokens))
                 .map_err(core_err)
         })
@@ -289,45 +352,63 @@ impl Leader {
 
     /// `request_finished`: True when vLLM must keep the request's blocks until the workers
     /// report it.
-    fn request_finished(&mut self, request: &str) -> bool {
-        self.requests.finished(request)
+    fn request_finished(&self, py: Python<'_>, request: &str) -> bool {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.requests.finished(request)
     }
 
     /// `update_connector_output`: asynchronous onboards that ended, finished offloads.
-    fn connector_output(&mut self, finished_recving: Vec<String>, finished_sending: Vec<String>) {
-        self.requests
-            .connector_output(&mut self.inner, &finished_recving, &finished_sending);
+    fn connector_output(
+        &self,
+        py: Python<'_>,
+        finished_recving: Vec<String>,
+        finished_sending: Vec<String>,
+    ) {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.requests
+            .connector_output(&mut s.inner, &finished_recving, &finished_sending);
     }
 
     /// The requests tracked (finished ones wait for their workers).
-    fn tracked_requests(&self) -> Vec<String> {
-        self.requests.tracked()
+    fn tracked_requests(&self, py: Python<'_>) -> Vec<String> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        s.requests.tracked()
     }
 
     /// kvbm-core's counters of this leader, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| crate::leader_metrics(py, &self.inner.metrics().snapshot()))
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| crate::leader_metrics(py, &s.inner.metrics().snapshot()))
     }
 
     /// Ends a step: blocks handed out two steps ago become evictable again.
-    fn end_step(&mut self) -> PyResult<()> {
+    fn end_step(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            self.inner.end_step();
+            s.inner.end_step();
             Ok(())
         })
     }
 
     /// Drops every held block and clears the tiers' registries (one `AllBlocksCleared`).
-    fn reset(&mut self) -> PyResult<()> {
-        guard(|| self.inner.reset().map_err(core_err))
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        guard(|| s.inner.reset().map_err(core_err))
     }
 
     /// The events since the last call, as (kind, medium, hashes, parent, tokens, block size,
     /// lora name) with kind "stored", "removed" or "cleared".
-    fn take_events(&mut self) -> PyResult<Vec<EventTuple>> {
+    fn take_events(&self, py: Python<'_>) -> PyResult<Vec<EventTuple>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            Ok(self
-                .inner
+            Ok(s.inner
                 .take_events()
                 .into_iter()
                 .map(|event| match event {
@@ -360,8 +441,10 @@ impl Leader {
     /// The host tier's counts (capacity, free, registered, idle, held, evictions,
     /// deduplicated), the disk tier's (`disk_`-prefixed) and `events_lost`.
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
-            let counts = self.inner.counts();
+            let counts = s.inner.counts();
             let (c, d) = (counts.host, PyDict::new(py));
             if let Some(k) = counts.disk {
                 d.set_item("disk_capacity", k.capacity)?;
@@ -383,7 +466,9 @@ impl Leader {
 
     /// The hashes a tier ("host" or "disk") holds (for checks).
     #[pyo3(signature = (tier="host"))]
-    fn registered_hashes(&self, tier: &str) -> PyResult<Vec<u64>> {
+    fn registered_hashes(&self, py: Python<'_>, tier: &str) -> PyResult<Vec<u64>> {
+        let mut g = self.lock(py);
+        let s = &mut *g;
         guard(|| {
             let tier = match tier {
                 "host" => Tier::Host,
@@ -394,11 +479,13 @@ impl Leader {
                     )))
                 }
             };
-            Ok(self.inner.registered_hashes(tier))
+            Ok(s.inner.registered_hashes(tier))
         })
     }
 
-    fn __repr__(&self) -> String {
-        format!("{self:?}")
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let mut g = self.lock(py);
+        let s = &mut *g;
+        format!("{s:?}")
     }
 }

@@ -92,6 +92,73 @@ pub(crate) fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
+/// Locks `mutex` for a call from Python: at once when it is free, else waiting without the GIL
+/// (so that the holder, which may need the GIL to finish, is never blocked by the waiter), then
+/// trying again with the GIL held. Calls from several Python threads on one object are thereby
+/// serialized instead of failing PyO3's borrow check. Never called while the same thread holds
+/// the lock (no Python code runs under it).
+pub(crate) fn lock_serialized<'a, T: Send>(
+    py: Python<'_>,
+    mutex: &'a parking_lot::Mutex<T>,
+) -> parking_lot::MutexGuard<'a, T> {
+    loop {
+        if let Some(guard) = mutex.try_lock() {
+            return guard;
+        }
+        py.allow_threads(|| drop(mutex.lock()));
+    }
+}
+
+/// As [`lock_serialized`], shared (several readers at once).
+pub(crate) fn read_serialized<'a, T: Send + Sync>(
+    py: Python<'_>,
+    lock: &'a parking_lot::RwLock<T>,
+) -> parking_lot::RwLockReadGuard<'a, T> {
+    loop {
+        if let Some(guard) = lock.try_read() {
+            return guard;
+        }
+        py.allow_threads(|| drop(lock.read()));
+    }
+}
+
+/// As [`lock_serialized`], exclusive.
+pub(crate) fn write_serialized<'a, T: Send + Sync>(
+    py: Python<'_>,
+    lock: &'a parking_lot::RwLock<T>,
+) -> parking_lot::RwLockWriteGuard<'a, T> {
+    loop {
+        if let Some(guard) = lock.try_write() {
+            return guard;
+        }
+        py.allow_threads(|| drop(lock.write()));
+    }
+}
+
+/// Refuses a size argument above `max` with a `ValueError` naming it and its value.
+pub(crate) fn check_size(name: &str, value: usize, max: usize, why: &str) -> PyResult<()> {
+    if value > max {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{name}={value}: at most {max} ({why})"
+        )));
+    }
+    Ok(())
+}
+
+/// The longest timeout a wait takes, in seconds (a day): longer ones are refused.
+pub(crate) const TIMEOUT_S_MAX: f64 = 86_400.0;
+
+/// A timeout in seconds from Python: finite, not negative, at most [`TIMEOUT_S_MAX`]; anything
+/// else (NaN, infinities, negative or huge values) is a `ValueError` naming `name`.
+pub(crate) fn timeout_of(name: &str, seconds: f64) -> PyResult<std::time::Duration> {
+    if !(0.0..=TIMEOUT_S_MAX).contains(&seconds) {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "{name}={seconds}: must be a number of seconds from 0 to {TIMEOUT_S_MAX}"
+        )));
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
+}
+
 /// Sequence hashes of every full block of `tokens` (a partial tail is ignored), continuing from
 /// `parent` (the sequence hash of the block before `tokens[0]`). `lora_name` and `cache_salt`
 /// seed the hash as Dynamo's router does.
@@ -109,6 +176,12 @@ fn sequence_hashes(
         if block_size == 0 {
             return Err(LayoutError::new_err("block_size must be at least 1"));
         }
+        check_size(
+            "block_size",
+            block_size,
+            kvbm_core::leader::BLOCK_SIZE_MAX,
+            "tokens per block",
+        )?;
         let hasher = BlockHasher::new(block_size, lora_name, cache_salt);
         Ok(py.allow_threads(|| {
             hasher

@@ -13,11 +13,15 @@ use std::time::Duration;
 use kvbm_core::layout::{BlockLayout, KvLayout, TensorView};
 use kvbm_core::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan};
 use kvbm_core::{check_view_within, DiskOptions, Metrics, TransferLimits, WorkerOptions};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::{core_err, guard, LayoutError};
+use crate::{check_size, core_err, guard, LayoutError};
+use pyo3::exceptions::PyValueError;
+
+/// Most asynchronous onboards a worker runs at once (`async_onboards_max`).
+pub const ASYNC_ONBOARDS_MAX: usize = 1024;
 
 /// Reads one tensor's view (`data_ptr()`, `shape`, `stride()`, `element_size()`) and has core
 /// check that every byte it addresses lies inside the memory it owns (`untyped_storage()`:
@@ -67,6 +71,86 @@ fn view_of(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<TensorView> {
     Ok(view)
 }
 
+/// Refuses a tensor whose memory kvbm must not write or copy, as far as the tensor says through
+/// the standard interfaces (on itself and on its storage): the buffer protocol (read-only
+/// buffers, `bytes`), `__array_interface__` / `__cuda_array_interface__` (the read-only flag,
+/// object type codes), and a `dtype` holding Python objects (numpy's `hasobject`): kvbm would
+/// copy object pointers without their reference counts. torch tensors expose none of these
+/// flags and are writable.
+fn check_plain_writable(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
+    let refuse = |why: String| {
+        pyo3::exceptions::PyTypeError::new_err(format!(
+            "KV cache tensor {name:?}: {why}; kvbm loads blocks into the KV caches, which must \
+             be writable memory of plain (numeric) elements"
+        ))
+    };
+    let storage = tensor.call_method0("untyped_storage").ok();
+    let mut objects = vec![("the tensor", tensor.clone())];
+    if let Some(storage) = storage {
+        objects.push(("its storage", storage));
+    }
+    for (what, obj) in objects {
+        if let Ok(dtype) = obj.getattr("dtype") {
+            if dtype
+                .getattr("hasobject")
+                .and_then(|v| v.extract::<bool>())
+                .unwrap_or(false)
+            {
+                return Err(refuse(format!(
+                    "{what} has dtype {dtype}, which holds Python objects"
+                )));
+            }
+        }
+        if obj.is_instance_of::<PyBytes>() {
+            return Err(refuse(format!("{what} is an immutable bytes object")));
+        }
+        if let Ok(view) = pyo3::types::PyMemoryView::from(&obj) {
+            if view.getattr("readonly")?.extract::<bool>()? {
+                return Err(refuse(format!("{what} is a read-only buffer")));
+            }
+        }
+        for interface in ["__array_interface__", "__cuda_array_interface__"] {
+            let Ok(desc) = obj.getattr(interface) else {
+                continue;
+            };
+            let Ok(desc) = desc.downcast_into::<PyDict>() else {
+                continue;
+            };
+            if let Some(data) = desc.get_item("data")? {
+                let readonly = data
+                    .get_item(1)
+                    .and_then(|v| v.extract::<bool>())
+                    .unwrap_or(false);
+                if readonly {
+                    return Err(refuse(format!("{what} is read-only ({interface})")));
+                }
+            }
+            if let Some(typestr) = desc.get_item("typestr")? {
+                if typestr.extract::<String>().is_ok_and(|t| t.contains('O')) {
+                    return Err(refuse(format!(
+                        "{what} holds Python objects ({interface} typestr {typestr})"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses spans (of host memory, on the emulated device) that lie outside this process's
+/// writable mappings: a load into them would fault.
+fn check_writable(spans: &[(u64, usize)]) -> PyResult<()> {
+    for &(addr, len) in spans {
+        if !kvbm_core::host_range_writable(addr, len as u64).map_err(core_err)? {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "KV cache memory at {addr:#x} ({len} bytes) is not writable; kvbm loads blocks \
+                 into the KV caches"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// The views of `kv_caches` (layer name -> tensor), in order, each checked by `view_of`.
 fn views_of(kv_caches: &Bound<'_, PyDict>) -> PyResult<(Vec<PyObject>, Vec<TensorView>)> {
     let mut tensors = Vec::with_capacity(kv_caches.len());
@@ -74,6 +158,7 @@ fn views_of(kv_caches: &Bound<'_, PyDict>) -> PyResult<(Vec<PyObject>, Vec<Tenso
     for (name, tensor) in kv_caches.iter() {
         let name = name.str()?.to_string();
         views.push(view_of(&name, &tensor)?);
+        check_plain_writable(&name, &tensor)?;
         tensors.push(tensor.unbind());
     }
     Ok((tensors, views))
@@ -113,13 +198,20 @@ type ReportTuple = (Vec<String>, Vec<String>, Vec<u32>, Vec<u32>, Vec<u32>);
 /// One disk write as Python passes it: (host, disk, key, identity bytes).
 type DiskWriteTuple = (u32, u32, u64, Vec<u8>);
 
-/// A GPU worker's side of kvbm: kvbm-core's worker over vLLM's tensors.
-#[pyclass(module = "kvbm._kvbm")]
+/// A GPU worker's side of kvbm: kvbm-core's worker over vLLM's tensors. Calls from several
+/// threads are serialized: those that change the worker wait, without the GIL, for every other
+/// call; those that only read or wait run beside each other.
+#[pyclass(module = "kvbm._kvbm", frozen)]
+#[derive(Debug)]
 pub struct Worker {
-    /// Declared before `_tensors`; taken and dropped (its copies finished, its threads joined)
+    state: RwLock<WorkerState>,
+}
+
+struct WorkerState {
+    /// Declared before `tensors`; taken and dropped (its copies finished, its threads joined)
     /// first, without the GIL, in `Drop`.
     inner: Option<kvbm_core::Worker>,
-    _tensors: Vec<PyObject>,
+    tensors: Vec<PyObject>,
     /// vLLM's layout name the tensors follow ("BLNHC", ...), or "per-layer tensors".
     layout_name: String,
     device_index: usize,
@@ -172,7 +264,7 @@ fn gpu_side(
     Ok((tensors, placed, kv, gpu, layout_name))
 }
 
-impl std::fmt::Debug for Worker {
+impl std::fmt::Debug for WorkerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
             .field("inner", &self.inner)
@@ -193,6 +285,12 @@ impl Worker {
     /// a multiple of it holds kernel blocks). `outer_dim` (2 for K and V, 1 for MLA) names what
     /// the content axis holds, for the KV shape; the bytes moved do not depend on it. A layout
     /// that cannot be addressed raises `LayoutError` naming the tensor, its shape and strides.
+    /// A tensor kvbm must not write raises `TypeError`: read-only or immutable memory (as the
+    /// buffer protocol or `__array_interface__` says, or, on the emulated device, outside the
+    /// process's writable mappings) or elements holding Python objects. Sizes that do not fit
+    /// (`host_blocks` beyond the machine's memory, `disk_blocks` beyond 32-bit ids,
+    /// `async_onboards_max`, `batch_blocks_max`, `inflight_max` beyond their bounds) raise
+    /// `ValueError` naming the argument.
     ///
     /// With `disk_blocks` above 0 the worker opens its disk cache file `disk_file` in `disk_dir`
     /// (created 0700, the file 0600; one file per rank, locked while open). The connector's disk
@@ -228,9 +326,46 @@ impl Worker {
                     "{num_blocks} GPU blocks and {host_blocks} host blocks: both must be above 0"
                 )));
             }
+            check_size(
+                "async_onboards_max",
+                async_onboards_max,
+                ASYNC_ONBOARDS_MAX,
+                "asynchronous onboards at once",
+            )?;
+            check_size(
+                "batch_blocks_max",
+                batch_blocks_max.unwrap_or(0),
+                kvbm_core::config::TRANSFER_BATCH_BLOCKS_MAX,
+                "as DYN_KVBM_MAX_TRANSFER_BATCH_SIZE",
+            )?;
+            check_size(
+                "inflight_max",
+                inflight_max.unwrap_or(0),
+                kvbm_core::config::CONCURRENT_TRANSFERS_MAX,
+                "as DYN_KVBM_MAX_CONCURRENT_TRANSFERS",
+            )?;
+            check_size(
+                "disk_blocks",
+                disk_blocks,
+                u32::MAX as usize - 1,
+                "block ids are 32-bit",
+            )?;
             let (tensors, placed, kv, gpu, layout_name) =
                 gpu_side(kv_caches, num_blocks, outer_dim)?;
+            // The pinned host pool must fit this machine's memory.
+            let memory = kvbm_core::config::machine_memory_bytes();
+            let host_bytes = (host_blocks as u64).saturating_mul(kv.host_stride_bytes() as u64);
+            if host_blocks >= u32::MAX as usize || host_bytes > memory {
+                return Err(PyValueError::new_err(format!(
+                    "host_blocks={host_blocks}: {host_blocks} host blocks of {} bytes do not fit \
+                     this machine's memory ({memory} bytes), or exceed 32-bit block ids",
+                    kv.host_stride_bytes()
+                )));
+            }
             let dev = kvbm_core::open_device(device, device_index).map_err(core_err)?;
+            if dev.kind() == kvbm_core::DeviceKind::Emulated {
+                check_writable(&placed.spans)?;
+            }
             #[allow(unsafe_code)]
             // SAFETY: each span is the memory one or more of `tensors` address with their
             // shapes and strides (computed from them by `from_views`), and `view_of` had core
@@ -289,78 +424,100 @@ impl Worker {
                 .allow_threads(|| kvbm_core::Worker::new(dev, kv, gpu, regions, options, metrics))
                 .map_err(core_err)?;
             Ok(Self {
-                inner: Some(inner),
-                _tensors: tensors,
-                layout_name,
-                device_index,
-                outer_dim,
+                state: RwLock::new(WorkerState {
+                    inner: Some(inner),
+                    tensors,
+                    layout_name,
+                    device_index,
+                    outer_dim,
+                }),
             })
         })
     }
 
     /// vLLM's name of the layout the tensors follow ("BLNHC", ...), or "per-layer tensors".
     #[getter]
-    fn layout_name(&self) -> &str {
-        &self.layout_name
+    fn layout_name(&self, py: Python<'_>) -> String {
+        let g = self.read(py);
+        let s = &*g;
+        s.layout_name.clone()
     }
 
     /// Contiguous runs per block on the GPU side: the copies (DMAs) one block takes.
     #[getter]
-    fn runs_per_block(&self) -> usize {
-        self.w().gpu_layout().runs_per_block()
+    fn runs_per_block(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().gpu_layout().runs_per_block()
     }
 
     /// Distinct layer pages per block (tensors addressing the same bytes count once).
     #[getter]
-    fn distinct_layers(&self) -> usize {
-        self.w().kv().num_layers
+    fn distinct_layers(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().kv().num_layers
     }
 
     /// Tensors (layers) registered.
     #[getter]
-    fn num_layers(&self) -> usize {
-        self.w().num_tensors()
+    fn num_layers(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().num_tensors()
     }
 
     /// GPU blocks per layer tensor.
     #[getter]
-    fn num_blocks(&self) -> usize {
-        self.w().gpu_layout().num_blocks()
+    fn num_blocks(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().gpu_layout().num_blocks()
     }
 
     /// Host blocks of this worker's shard.
     #[getter]
-    fn host_blocks(&self) -> usize {
-        self.w().host_blocks()
+    fn host_blocks(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().host_blocks()
     }
 
     /// Bytes of one block on this worker (all layers, K and V).
     #[getter]
-    fn bytes_per_block(&self) -> usize {
-        self.w().kv().bytes_per_block()
+    fn bytes_per_block(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().kv().bytes_per_block()
     }
 
     /// "cuda" or "emulated".
     #[getter]
-    fn device_kind(&self) -> &'static str {
-        self.w().device().kind().as_str()
+    fn device_kind(&self, py: Python<'_>) -> &'static str {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().device().kind().as_str()
     }
 
     /// Disk blocks of this worker's file (0 without a disk tier).
     #[getter]
-    fn disk_blocks(&self) -> usize {
-        self.w().disk_blocks()
+    fn disk_blocks(&self, py: Python<'_>) -> usize {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().disk_blocks()
     }
 
     // -- vLLM's step ------------------------------------------------------------------------
 
     /// Binds a step's plan (the leader's `take_plan` bytes); returns whether it offloads
     /// anything (the caller then syncs its compute stream before `start_offloads`).
-    fn bind(&mut self, plan: &[u8]) -> PyResult<bool> {
+    fn bind(&self, py: Python<'_>, plan: &[u8]) -> PyResult<bool> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
             let plan = StepPlan::from_bytes(plan).map_err(core_err)?;
             let offloads = !plan.offloads.is_empty();
-            self.w_mut().bind(plan);
+            s.w_mut().bind(plan);
             Ok(offloads)
         })
     }
@@ -369,39 +526,49 @@ impl Worker {
     /// the disk reads that feed them): only then are the step's loads ordered after vLLM's
     /// stream.
     #[getter]
-    fn plan_has_loads(&self) -> bool {
-        self.w().plan().is_some_and(|p| {
+    fn plan_has_loads(&self, py: Python<'_>) -> bool {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().plan().is_some_and(|p| {
             !p.onboards.is_empty() || !p.async_onboards.is_empty() || !p.disk_reads.is_empty()
         })
     }
 
     /// Drops the bound plan.
-    fn clear(&mut self) {
-        self.w_mut().clear();
+    fn clear(&self, py: Python<'_>) {
+        let mut g = self.write(py);
+        let s = &mut *g;
+        s.w_mut().clear();
     }
 
     /// Waits for the offloads of the bound plan's preempted requests; returns how many offload
     /// jobs it waited for.
-    fn handle_preemptions(&mut self, py: Python<'_>) -> PyResult<usize> {
+    fn handle_preemptions(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             Ok(py.allow_threads(|| inner.handle_preemptions()))
         })
     }
 
     /// Starts the bound plan's onboards (disk reads, synchronous and asynchronous onboards).
-    fn start_onboards(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn start_onboards(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.start_onboards())
                 .map_err(core_err)
         })
     }
 
     /// Starts the bound plan's offloads and queues its disk writes.
-    fn start_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn start_offloads(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.start_offloads())
                 .map_err(core_err)
         })
@@ -410,9 +577,11 @@ impl Worker {
     /// What finished since the last report: (finished requests whose offloads all completed,
     /// requests whose asynchronous onboards completed, GPU blocks whose onboards failed, host
     /// blocks and disk blocks that went bad, for the leader to drop).
-    fn report(&mut self, finished: Vec<String>) -> PyResult<ReportTuple> {
+    fn report(&self, py: Python<'_>, finished: Vec<String>) -> PyResult<ReportTuple> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let r = self.w_mut().report(&finished);
+            let r = s.w_mut().report(&finished);
             Ok((
                 r.finished_offloading,
                 r.finished_onboarding,
@@ -427,10 +596,12 @@ impl Worker {
     /// onboards) after everything queued so far on the CUDA stream `stream` (vLLM's current
     /// stream, `torch.cuda.current_stream().cuda_stream`), on the device; the host does not
     /// wait. Nothing to do on the emulated device.
-    fn order_after_stream(&self, direction: &str, stream: u64) -> PyResult<()> {
+    fn order_after_stream(&self, py: Python<'_>, direction: &str, stream: u64) -> PyResult<()> {
+        let g = self.read(py);
+        let s = &*g;
         guard(|| {
             let direction = direction_of(direction)?;
-            self.w()
+            s.w()
                 .order_after_stream(direction, stream)
                 .map_err(core_err)
         })
@@ -438,9 +609,11 @@ impl Worker {
 
     /// vLLM's sleep mode (`unregister_kv_caches`): waits for every copy touching the KV caches,
     /// then refuses any other until `restore`. Idempotent.
-    fn suspend(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn suspend(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.suspend());
             Ok(())
         })
@@ -448,24 +621,39 @@ impl Worker {
 
     /// Whether the KV caches are unregistered (`suspend` without `restore` since).
     #[getter]
-    fn suspended(&self) -> bool {
-        self.w().is_suspended()
+    fn suspended(&self, py: Python<'_>) -> bool {
+        let g = self.read(py);
+        let s = &*g;
+        s.w().is_suspended()
     }
 
     /// vLLM's `restore_kv_caches`: registers the KV caches again (the same layout, possibly
     /// at other addresses). Only after `suspend`.
-    fn restore(&mut self, py: Python<'_>, kv_caches: &Bound<'_, PyDict>) -> PyResult<()> {
+    fn restore(&self, py: Python<'_>, kv_caches: &Bound<'_, PyDict>) -> PyResult<()> {
         guard(|| {
-            if !self.w().is_suspended() {
-                return Err(LayoutError::new_err(
-                    "restore: the KV caches are registered (call suspend first)",
-                ));
-            }
-            let num_blocks = self.w().gpu_layout().num_blocks();
+            let suspended_error = || {
+                LayoutError::new_err("restore: the KV caches are registered (call suspend first)")
+            };
+            // The tensors are read (Python code) without the lock held, then checked again.
+            let (num_blocks, outer_dim) = {
+                let s = self.read(py);
+                if !s.w().is_suspended() {
+                    return Err(suspended_error());
+                }
+                (s.w().gpu_layout().num_blocks(), s.outer_dim)
+            };
             let (tensors, placed, kv, gpu, layout_name) =
-                gpu_side(kv_caches, num_blocks, self.outer_dim)?;
-            let device_index = self.device_index;
-            let inner = self.w_mut();
+                gpu_side(kv_caches, num_blocks, outer_dim)?;
+            let mut g = self.write(py);
+            let s = &mut *g;
+            if !s.w().is_suspended() {
+                return Err(suspended_error());
+            }
+            if s.w().device().kind() == kvbm_core::DeviceKind::Emulated {
+                check_writable(&placed.spans)?;
+            }
+            let device_index = s.device_index;
+            let inner = s.w_mut();
             #[allow(unsafe_code)]
             // SAFETY: as in `new`: the spans are the tensors' own memory, checked against their
             // storages; `tensors` replaces the kept references only once the core worker uses
@@ -476,22 +664,26 @@ impl Worker {
             .map_err(core_err)?;
             py.allow_threads(|| inner.remap_gpu(kv, gpu, regions))
                 .map_err(core_err)?;
-            self._tensors = tensors;
-            self.layout_name = layout_name;
+            s.tensors = tensors;
+            s.layout_name = layout_name;
             Ok(())
         })
     }
 
     /// What this rank's disk file held when it opened, as (disk block, key, identity bytes),
     /// for the leader's `adopt_disk` (once: later calls return nothing).
-    fn take_recovered_disk(&mut self) -> PyResult<Vec<(u32, u64, Vec<u8>)>> {
-        guard(|| Ok(self.w_mut().take_recovered_disk()))
+    fn take_recovered_disk(&self, py: Python<'_>) -> PyResult<Vec<(u32, u64, Vec<u8>)>> {
+        let mut g = self.write(py);
+        let s = &mut *g;
+        guard(|| Ok(s.w_mut().take_recovered_disk()))
     }
 
     /// Waits for everything in flight.
-    fn shutdown(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.shutdown());
             Ok(())
         })
@@ -502,13 +694,15 @@ impl Worker {
     /// Starts offloading GPU blocks into host blocks (`pairs` of (gpu, host)) on behalf of
     /// `requests`.
     fn offload(
-        &mut self,
+        &self,
         py: Python<'_>,
         pairs: Vec<(u32, u32)>,
         requests: Vec<String>,
     ) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.offload(&pairs, &requests))
                 .map_err(core_err)
         })
@@ -516,61 +710,77 @@ impl Worker {
 
     /// Waits for the offloads started on behalf of any of `requests`; returns how many offload
     /// jobs it waited for.
-    fn wait_offloads_of(&mut self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
+    fn wait_offloads_of(&self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             Ok(py.allow_threads(|| inner.wait_offloads_of(&requests)))
         })
     }
 
     /// Waits for every offload started so far.
-    fn wait_offloads(&mut self, py: Python<'_>) -> PyResult<()> {
+    fn wait_offloads(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.wait_offloads());
             Ok(())
         })
     }
 
     /// Requests whose offloads have all completed since the last call (without waiting).
-    fn poll_offloads(&mut self) -> PyResult<Vec<String>> {
-        guard(|| Ok(self.w_mut().poll_offloads()))
+    fn poll_offloads(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let mut g = self.write(py);
+        let s = &mut *g;
+        guard(|| Ok(s.w_mut().poll_offloads()))
     }
 
     /// Starts onboarding host blocks into GPU blocks (`pairs` of (host, gpu)), one job per
     /// onboard stage, after the offloads into those host blocks completed.
-    fn onboard(&mut self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
+    fn onboard(&self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.onboard(&pairs)).map_err(core_err)
         })
     }
 
     /// Waits until layer `layer`'s onboards are in place; False if any failed.
-    fn wait_layer(&mut self, py: Python<'_>, layer: usize) -> PyResult<bool> {
+    fn wait_layer(&self, py: Python<'_>, layer: usize) -> PyResult<bool> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.wait_layer(layer))
                 .map_err(core_err)
         })
     }
 
     /// Waits for every layer's onboards; False if any failed.
-    fn wait_onboards(&mut self, py: Python<'_>) -> PyResult<bool> {
+    fn wait_onboards(&self, py: Python<'_>) -> PyResult<bool> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.wait_onboards()).map_err(core_err)
         })
     }
 
     /// GPU blocks whose onboards failed since the last call, sorted, without repeats.
-    fn take_failed(&mut self) -> PyResult<Vec<u32>> {
-        guard(|| Ok(self.w_mut().take_failed()))
+    fn take_failed(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
+        let mut g = self.write(py);
+        let s = &mut *g;
+        guard(|| Ok(s.w_mut().take_failed()))
     }
 
     /// Queues disk writes (`writes` of (host, disk, key, identity bytes)) after the offloads
     /// into those host blocks completed.
-    fn disk_write(&mut self, py: Python<'_>, writes: Vec<DiskWriteTuple>) -> PyResult<()> {
+    fn disk_write(&self, py: Python<'_>, writes: Vec<DiskWriteTuple>) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
             let writes = writes
                 .into_iter()
@@ -581,7 +791,7 @@ impl Worker {
                     identity,
                 })
                 .collect();
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.disk_write(writes))
                 .map_err(core_err)
         })
@@ -589,10 +799,12 @@ impl Worker {
 
     /// Reads disk blocks into host blocks now (`reads` of (disk, host, key)); returns the host
     /// blocks that missed.
-    fn disk_read(&mut self, py: Python<'_>, reads: Vec<(u32, u32, u64)>) -> PyResult<Vec<u32>> {
+    fn disk_read(&self, py: Python<'_>, reads: Vec<(u32, u32, u64)>) -> PyResult<Vec<u32>> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
             let reads = disk_reads(reads);
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.disk_read(&reads))
                 .map_err(core_err)
         })
@@ -601,19 +813,21 @@ impl Worker {
     /// Queues an asynchronous onboard for `request`: disk reads (of (disk, staging host, key))
     /// then host blocks into GPU blocks (`pairs` of (host, gpu)).
     fn onboard_async(
-        &mut self,
+        &self,
         py: Python<'_>,
         request: String,
         reads: Vec<(u32, u32, u64)>,
         pairs: Vec<(u32, u32)>,
     ) -> PyResult<()> {
+        let mut g = self.write(py);
+        let s = &mut *g;
         guard(|| {
             let job = AsyncOnboard {
                 request,
                 disk_reads: disk_reads(reads),
                 pairs,
             };
-            let inner = self.w_mut();
+            let inner = s.w_mut();
             py.allow_threads(|| inner.onboard_async(job))
                 .map_err(core_err)
         })
@@ -621,33 +835,43 @@ impl Worker {
 
     /// Waits until every asynchronous onboard queued so far finished.
     fn wait_async(&self, py: Python<'_>) -> PyResult<()> {
+        let g = self.read(py);
+        let s = &*g;
         guard(|| {
-            let inner = self.w();
+            let inner = s.w();
             py.allow_threads(|| inner.wait_async());
             Ok(())
         })
     }
 
     /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).
-    fn poll_async(&mut self) -> PyResult<Vec<(String, Vec<u32>)>> {
-        guard(|| Ok(self.w_mut().poll_async()))
+    fn poll_async(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<u32>)>> {
+        let mut g = self.write(py);
+        let s = &mut *g;
+        guard(|| Ok(s.w_mut().poll_async()))
     }
 
     /// Waits until every queued disk write finished.
     fn wait_disk(&self, py: Python<'_>) -> PyResult<()> {
+        let g = self.read(py);
+        let s = &*g;
         guard(|| {
-            let inner = self.w();
+            let inner = s.w();
             py.allow_threads(|| inner.wait_disk());
             Ok(())
         })
     }
 
     /// Waits until the whole host pool is pinned (or `timeout_s` passed); returns whether it is.
+    /// `timeout_s` is seconds from 0 to a day (86400); NaN, infinities, negative or longer values
+    /// raise `ValueError`.
     #[pyo3(signature = (timeout_s=300.0))]
     fn wait_host_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        let timeout = crate::timeout_of("timeout_s", timeout_s)?;
+        let g = self.read(py);
+        let s = &*g;
         guard(|| {
-            let inner = self.w();
-            let timeout = Duration::from_secs_f64(timeout_s.max(0.0));
+            let inner = s.w();
             Ok(py.allow_threads(|| inner.wait_host_ready(timeout)))
         })
     }
@@ -655,41 +879,48 @@ impl Worker {
     /// Copy counters: bytes_offloaded, bytes_onboarded, offloads_in_flight, offload_waits,
     /// bad_host_blocks, host_ready_bytes, disk_writes_pending, disk_registered.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = self.read(py);
+        let s = &*g;
         guard(|| {
-            let s = self.w().stats();
+            let st = s.w().stats();
             let d = PyDict::new(py);
-            d.set_item("bytes_offloaded", s.bytes_offloaded)?;
-            d.set_item("bytes_onboarded", s.bytes_onboarded)?;
-            d.set_item("offloads_in_flight", s.offloads_in_flight)?;
-            d.set_item("offload_waits", s.offload_waits)?;
-            d.set_item("bad_host_blocks", s.bad_host_blocks)?;
-            d.set_item("host_ready_bytes", s.host_ready_bytes)?;
-            d.set_item("disk_writes_pending", s.disk_writes_pending)?;
-            d.set_item("disk_registered", self.w().disk_registered())?;
+            d.set_item("bytes_offloaded", st.bytes_offloaded)?;
+            d.set_item("bytes_onboarded", st.bytes_onboarded)?;
+            d.set_item("offloads_in_flight", st.offloads_in_flight)?;
+            d.set_item("offload_waits", st.offload_waits)?;
+            d.set_item("bad_host_blocks", st.bad_host_blocks)?;
+            d.set_item("host_ready_bytes", st.host_ready_bytes)?;
+            d.set_item("disk_writes_pending", st.disk_writes_pending)?;
+            d.set_item("disk_registered", s.w().disk_registered())?;
             Ok(d)
         })
     }
 
     /// kvbm-core's counters of this worker, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        guard(|| crate::worker_metrics(py, &self.w().metrics().snapshot()))
+        let g = self.read(py);
+        let s = &*g;
+        guard(|| crate::worker_metrics(py, &s.w().metrics().snapshot()))
     }
 
     /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies
     /// until `release()` is called on the returned hold. Emulated device only; for tests that
     /// need a copy in flight for as long as they look.
-    fn _hold_stream(&self, direction: &str) -> PyResult<CopyHold> {
+    fn _hold_stream(&self, py: Python<'_>, direction: &str) -> PyResult<CopyHold> {
+        let g = self.read(py);
+        let s = &*g;
         guard(|| {
             let direction = direction_of(direction)?;
-            let hold = self.w().hold_stream(direction).map_err(core_err)?;
+            let hold = s.w().hold_stream(direction).map_err(core_err)?;
             Ok(CopyHold {
                 hold: Mutex::new(Some(hold)),
             })
         })
     }
 
-    fn __repr__(&self) -> String {
-        format!("{self:?}")
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let g = self.read(py);
+        format!("Worker{:?}", &*g)
     }
 }
 
@@ -712,6 +943,16 @@ fn disk_reads(reads: Vec<(u32, u32, u64)>) -> Vec<DiskRead> {
 }
 
 impl Worker {
+    fn read(&self, py: Python<'_>) -> RwLockReadGuard<'_, WorkerState> {
+        crate::read_serialized(py, &self.state)
+    }
+
+    fn write(&self, py: Python<'_>) -> RwLockWriteGuard<'_, WorkerState> {
+        crate::write_serialized(py, &self.state)
+    }
+}
+
+impl WorkerState {
     fn w(&self) -> &kvbm_core::Worker {
         self.inner.as_ref().expect("present until dropped")
     }
@@ -724,7 +965,7 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         // Joining the loaders and the disk writer may wait for copies: not with the GIL held.
-        if let Some(inner) = self.inner.take() {
+        if let Some(inner) = self.state.get_mut().inner.take() {
             Python::with_gil(|py| py.allow_threads(move || drop(inner)));
         }
     }

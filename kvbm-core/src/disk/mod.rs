@@ -196,6 +196,9 @@ pub(crate) fn store_options(options: &DiskOptions, kv: KvLayout, geometry_id: u6
         engine: options.engine,
         file: CacheFileOptions {
             disable_o_direct: options.disable_o_direct,
+            // kvbm's default directory lives in the shared temporary directory: it must be
+            // this user's own (no link, no group or other bits).
+            private_dir: options.dir == crate::config::default_disk_dir(),
             ..Default::default()
         },
         write_failures_max: 8,

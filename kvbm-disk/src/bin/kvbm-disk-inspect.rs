@@ -12,7 +12,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 
-use kvbm_disk::{DiskStore, EngineChoice, StoreOptions};
+use kvbm_disk::{DiskStore, EngineChoice, StoreOptions, SLOT_PAYLOAD_BYTES_MAX};
 
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -30,12 +30,20 @@ fn main() -> std::process::ExitCode {
             v.parse::<u64>()
                 .map_err(|_| format!("{what} {v:?} is not a number"))
         };
+        // Bounded by the format: a slot's payload moves in one I/O, block ids are 32-bit.
+        let bounded = |what: &str, v: &str, max: usize| {
+            let n = number(what, v)?;
+            usize::try_from(n)
+                .ok()
+                .filter(|&n| (1..=max).contains(&n))
+                .ok_or_else(|| format!("{what} {v:?}: must be between 1 and {max}"))
+        };
         Ok((
             PathBuf::from(dir),
             name.to_string(),
             number("FINGERPRINT", fingerprint)?,
-            number("PAYLOAD_BYTES", payload)? as usize,
-            number("SLOTS", slots)? as usize,
+            bounded("PAYLOAD_BYTES", payload, SLOT_PAYLOAD_BYTES_MAX)?,
+            bounded("SLOTS", slots, u32::MAX as usize)?,
         ))
     })();
     let (dir, name, fingerprint, payload_bytes, slots) = match parsed {

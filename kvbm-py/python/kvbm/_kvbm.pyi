@@ -65,6 +65,8 @@ def encode_plan(
 ) -> bytes: ...
 def decode_plan(plan: bytes) -> Dict[str, Any]: ...
 
+# Leader and Worker: calls from several threads are serialized (each waits without the GIL);
+# sizes that do not fit raise ValueError naming the argument.
 class Leader:
     def __init__(
         self, block_size: int, host_blocks: int, disk_blocks: int = 0, disk_filter_disabled: bool = False
@@ -124,6 +126,7 @@ def required_kv_cache_layout(overrides: Optional[Dict[str, str]] = None) -> Opti
 class CopyHold:
     def release(self) -> None: ...
 
+# KV caches over read-only or immutable memory, or holding Python objects, raise TypeError.
 class Worker:
     def __init__(
         self,

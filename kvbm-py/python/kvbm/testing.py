@@ -47,6 +47,11 @@ class HostStorage:
     def nbytes(self) -> int:
         return int(self.array.nbytes)
 
+    @property
+    def __array_interface__(self):
+        """The array's (its read-only flag and type code tell kvbm what it may write)."""
+        return self.array.__array_interface__
+
 
 def _owner(array):
     """The outermost numpy array that ``array`` views (through slices and ``as_strided``)."""
@@ -99,6 +104,11 @@ class HostTensor:
 
     def element_size(self) -> int:
         return self.array.itemsize
+
+    @property
+    def __array_interface__(self):
+        """The array's (its read-only flag and type code tell kvbm what it may write)."""
+        return self.array.__array_interface__
 
 
 class _SimulatedDriver:
