@@ -22,6 +22,11 @@ pub const MAX_WORKERS_DEFAULT: usize = 1024;
 pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
 /// Seconds an HTTP connection may stay idle by default.
 pub const HTTP_IDLE_TIMEOUT_SECS_DEFAULT: u64 = 60;
+/// Seconds a client has by default to send a request's headers (from its connection, or from the
+/// first byte of a later request on it).
+pub const HTTP_HEADER_TIMEOUT_SECS_DEFAULT: f64 = 10.0;
+/// Seconds a client has by default to send a request's body once its headers arrived.
+pub const HTTP_BODY_TIMEOUT_SECS_DEFAULT: f64 = 60.0;
 
 /// kvbm-router: follows workers' KV cache events (vLLM's ZMQ format, with kvbm's host and disk
 /// tiers) and sends each request to the worker that holds most of its prefix, weighed against
@@ -173,6 +178,18 @@ pub struct Args {
     /// Seconds a worker that failed a request is not routed to (it still follows events).
     #[arg(long, default_value_t = 10.0)]
     pub worker_failure_cooldown_secs: f64,
+
+    /// Seconds a client has to send a request's headers, counted from its connection (or from
+    /// the first byte of a later request on it); traffic does not extend it. Past it the
+    /// connection is closed (kv_router_connections_deadline_total{phase="headers"}).
+    #[arg(long, default_value_t = HTTP_HEADER_TIMEOUT_SECS_DEFAULT)]
+    pub http_header_timeout_secs: f64,
+
+    /// Seconds a client has to send a request's body once its headers arrived; traffic does not
+    /// extend it. Past it the connection is closed
+    /// (kv_router_connections_deadline_total{phase="body"}).
+    #[arg(long, default_value_t = HTTP_BODY_TIMEOUT_SECS_DEFAULT)]
+    pub http_body_timeout_secs: f64,
 }
 
 /// Why the configuration was refused.
@@ -229,6 +246,10 @@ pub struct RouterConfig {
     pub http_idle_timeout: Duration,
     /// The OpenAI front end's settings.
     pub frontend: FrontendConfig,
+    /// Time a client has to send a request's headers.
+    pub http_header_timeout: Duration,
+    /// Time a client has to send a request's body once its headers arrived.
+    pub http_body_timeout: Duration,
 }
 
 /// The OpenAI front end's settings.
@@ -284,6 +305,8 @@ impl Default for RouterConfig {
             max_connections: MAX_CONNECTIONS_DEFAULT,
             http_idle_timeout: Duration::from_secs(HTTP_IDLE_TIMEOUT_SECS_DEFAULT),
             frontend: FrontendConfig::default(),
+            http_header_timeout: Duration::from_secs_f64(HTTP_HEADER_TIMEOUT_SECS_DEFAULT),
+            http_body_timeout: Duration::from_secs_f64(HTTP_BODY_TIMEOUT_SECS_DEFAULT),
         }
     }
 }
@@ -426,6 +449,11 @@ impl Args {
             max_connections,
             http_idle_timeout: Duration::from_secs(idle),
             frontend: self.frontend_config()?,
+            http_header_timeout: seconds(
+                "http-header-timeout-secs",
+                self.http_header_timeout_secs,
+            )?,
+            http_body_timeout: seconds("http-body-timeout-secs", self.http_body_timeout_secs)?,
         })
     }
 
@@ -696,5 +724,33 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--max-workers=0"));
+    }
+
+    #[test]
+    fn http_deadlines_are_validated_with_their_flag_named() {
+        let mut args = Args::parse_from(["kvbm-router"]);
+        let config = args.router_config().unwrap();
+        assert_eq!(config.http_header_timeout, Duration::from_secs(10));
+        assert_eq!(config.http_body_timeout, Duration::from_secs(60));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e30] {
+            args.http_header_timeout_secs = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--http-header-timeout-secs="), "{e}");
+            args.http_header_timeout_secs = 10.0;
+            args.http_body_timeout_secs = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--http-body-timeout-secs="), "{e}");
+            args.http_body_timeout_secs = 60.0;
+        }
+        let args = Args::parse_from([
+            "kvbm-router",
+            "--http-header-timeout-secs",
+            "0.5",
+            "--http-body-timeout-secs",
+            "2",
+        ]);
+        let config = args.router_config().unwrap();
+        assert_eq!(config.http_header_timeout, Duration::from_millis(500));
+        assert_eq!(config.http_body_timeout, Duration::from_secs(2));
     }
 }
