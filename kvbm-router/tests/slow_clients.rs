@@ -207,19 +207,27 @@ async fn slow_headers_hold_no_slot_past_the_header_deadline_and_healthz_answers(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_reconnecting_slow_clients_cannot_keep_healthz_from_answering() {
-    // Three times as many slow clients as slots, each reconnecting as soon as it is cut.
+    // Three times as many slow clients as slots, each reconnecting as soon as it is cut: half
+    // trickle their headers, half their body (whose 10 s deadline outlasts the test).
     let served = Served::router(8, DEADLINE, Duration::from_secs(10), 5).await;
     let addr = served.addr;
     let flooding = Arc::new(AtomicBool::new(true));
+    let body_head = b"POST /query HTTP/1.1\r\nHost: router\r\nContent-Length: 200\r\n\r\n";
     let flood: Vec<_> = (0..24)
-        .map(|_| {
+        .map(|i| {
             let flooding = flooding.clone();
             tokio::spawn(async move {
                 let mut lives = Vec::new();
                 while flooding.load(Ordering::Relaxed) {
-                    match trickle(addr, b"", &slow_headers()).await {
-                        Some(lived) => lives.push(lived),
-                        None => panic!("a slow client sent its 20 s of headers uncut"),
+                    let cut = if i % 2 == 0 {
+                        trickle(addr, b"", &slow_headers()).await
+                    } else {
+                        trickle(addr, body_head, &[b' '; 200]).await
+                    };
+                    match cut {
+                        Some(lived) if i % 2 == 0 => lives.push(lived),
+                        Some(_) => {}
+                        None => panic!("a slow client sent its 20 s of request uncut"),
                     }
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
@@ -398,4 +406,45 @@ async fn a_long_answer_outlives_the_header_body_and_idle_deadlines() {
         .expect("the server stopped on shutdown")
         .unwrap()
         .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_being_answered_is_never_evicted_a_newcomer_is_refused_instead() {
+    let app = axum::Router::new().route(
+        "/wait",
+        get(|| async {
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            "waited"
+        }),
+    );
+    let metrics = RouterMetrics::new();
+    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let limits = ConnLimits {
+        idle: Duration::from_secs(5),
+        header: DEADLINE,
+        body: DEADLINE,
+    };
+    let server = tokio::spawn(kvbm_router::serve_app(
+        app,
+        listener,
+        1,
+        limits,
+        metrics.clone(),
+        std::future::pending(),
+    ));
+    let request = "GET /wait HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let answered = tokio::spawn(call(addr, request, Duration::from_secs(10)));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The only slot is answering: the newcomer is closed, not served and not let in.
+    let refused = call(addr, request, Duration::from_secs(10)).await;
+    assert!(refused.is_err(), "{refused:?}");
+    let (code, text) = answered.await.unwrap().unwrap();
+    assert_eq!(code, 200, "{text}");
+    assert!(text.ends_with("waited"), "{text}");
+    assert_eq!(metrics.connections_refused.get(), 1);
+    assert_eq!(metrics.connections_evicted.get(), 0);
+    server.abort();
 }
