@@ -5,8 +5,11 @@
 //!   room by closing the oldest one that is not being answered (still sending its request's
 //!   headers or body, or idle between requests; counted in `kv_router_connections_evicted_total`);
 //!   only when every open connection is being answered is the new one closed at once (counted
-//!   in `kv_router_connections_refused_total`). A flood of slow clients thus cannot hold every
-//!   slot: each newcomer, a health check included, takes the slot of the oldest of them.
+//!   in `kv_router_connections_refused_total`). A connection is safe from eviction for
+//!   [`EVICTION_GRACE`] after it opens (time to send its request and have it read), and
+//!   newcomers are let in in turn, each waiting until the oldest candidate is that old. A flood
+//!   of slow clients thus cannot hold every slot: each newcomer, a health check included, takes
+//!   the slot of the oldest of them within about (newcomers ahead / max) x the grace.
 //! - a request's headers must arrive within `--http-header-timeout-secs` of the connection (or
 //!   of the first byte of a later request on it), and its body within `--http-body-timeout-secs`
 //!   of its headers. Traffic does not extend these deadlines: a client trickling a byte at a
