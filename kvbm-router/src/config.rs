@@ -24,6 +24,11 @@ pub const MAX_CONNECTIONS_DEFAULT: usize = 1024;
 pub const BOOTSTRAP_TIMEOUT_SECS_MAX: u64 = 3600;
 /// Seconds an HTTP connection may stay idle by default.
 pub const HTTP_IDLE_TIMEOUT_SECS_DEFAULT: u64 = 60;
+/// Seconds a client has by default to send a request's headers (from its connection, or from the
+/// first byte of a later request on it).
+pub const HTTP_HEADER_TIMEOUT_SECS_DEFAULT: f64 = 10.0;
+/// Seconds a client has by default to send a request's body once its headers arrived.
+pub const HTTP_BODY_TIMEOUT_SECS_DEFAULT: f64 = 60.0;
 
 /// kvbm-router: follows workers' KV cache events (vLLM's ZMQ format, with kvbm's host and disk
 /// tiers) and sends each request to the worker that holds most of its prefix, weighed against
@@ -193,6 +198,17 @@ pub struct Args {
     /// Seconds fetching and reading a --bootstrap-from dump may take; a slower one is refused.
     #[arg(long, default_value_t = crate::dump::BOOTSTRAP_TIMEOUT_SECS_DEFAULT)]
     pub bootstrap_timeout_secs: u64,
+    /// Seconds a client has to send a request's headers, counted from its connection (or from
+    /// the first byte of a later request on it); traffic does not extend it. Past it the
+    /// connection is closed (kv_router_connections_deadline_total{phase="headers"}).
+    #[arg(long, default_value_t = HTTP_HEADER_TIMEOUT_SECS_DEFAULT)]
+    pub http_header_timeout_secs: f64,
+
+    /// Seconds a client has to send a request's body once its headers arrived; traffic does not
+    /// extend it. Past it the connection is closed
+    /// (kv_router_connections_deadline_total{phase="body"}).
+    #[arg(long, default_value_t = HTTP_BODY_TIMEOUT_SECS_DEFAULT)]
+    pub http_body_timeout_secs: f64,
 }
 
 /// Why the configuration was refused.
@@ -255,6 +271,10 @@ pub struct RouterConfig {
     pub bootstrap_max_blocks: usize,
     /// How long fetching a sibling's dump may take.
     pub bootstrap_timeout: Duration,
+    /// Time a client has to send a request's headers.
+    pub http_header_timeout: Duration,
+    /// Time a client has to send a request's body once its headers arrived.
+    pub http_body_timeout: Duration,
 }
 
 /// The OpenAI front end's settings.
@@ -313,6 +333,8 @@ impl Default for RouterConfig {
             bootstrap_max_bytes: crate::dump::BOOTSTRAP_MAX_BYTES_DEFAULT,
             bootstrap_max_blocks: crate::dump::BOOTSTRAP_MAX_BLOCKS_DEFAULT,
             bootstrap_timeout: Duration::from_secs(crate::dump::BOOTSTRAP_TIMEOUT_SECS_DEFAULT),
+            http_header_timeout: Duration::from_secs_f64(HTTP_HEADER_TIMEOUT_SECS_DEFAULT),
+            http_body_timeout: Duration::from_secs_f64(HTTP_BODY_TIMEOUT_SECS_DEFAULT),
         }
     }
 }
@@ -496,6 +518,11 @@ impl Args {
                 self.bootstrap_timeout_secs,
                 BOOTSTRAP_TIMEOUT_SECS_MAX,
             )?),
+            http_header_timeout: seconds(
+                "http-header-timeout-secs",
+                self.http_header_timeout_secs,
+            )?,
+            http_body_timeout: seconds("http-body-timeout-secs", self.http_body_timeout_secs)?,
         })
     }
 
@@ -834,5 +861,33 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--max-workers=0"));
+    }
+
+    #[test]
+    fn http_deadlines_are_validated_with_their_flag_named() {
+        let mut args = Args::parse_from(["kvbm-router"]);
+        let config = args.router_config().unwrap();
+        assert_eq!(config.http_header_timeout, Duration::from_secs(10));
+        assert_eq!(config.http_body_timeout, Duration::from_secs(60));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e30] {
+            args.http_header_timeout_secs = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--http-header-timeout-secs="), "{e}");
+            args.http_header_timeout_secs = 10.0;
+            args.http_body_timeout_secs = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--http-body-timeout-secs="), "{e}");
+            args.http_body_timeout_secs = 60.0;
+        }
+        let args = Args::parse_from([
+            "kvbm-router",
+            "--http-header-timeout-secs",
+            "0.5",
+            "--http-body-timeout-secs",
+            "2",
+        ]);
+        let config = args.router_config().unwrap();
+        assert_eq!(config.http_header_timeout, Duration::from_millis(500));
+        assert_eq!(config.http_body_timeout, Duration::from_secs(2));
     }
 }

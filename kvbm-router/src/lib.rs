@@ -30,7 +30,7 @@ pub use state::{QueryAnswer, RouteAnswer, Router};
 
 /// Serves the API of `router` (and the OpenAI front end, if on) on `listener` until `shutdown`
 /// completes, with the connection limits of its configuration (`--max-connections`,
-/// `--http-idle-timeout-secs`).
+/// `--http-idle-timeout-secs`, `--http-header-timeout-secs`, `--http-body-timeout-secs`).
 pub async fn serve(
     router: Arc<Router>,
     frontend: Option<Arc<frontend::Frontend>>,
@@ -38,15 +38,40 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let config = router.config();
-    let limited = listener::LimitedListener::new(
+    let max = config.max_connections;
+    let limits = listener::ConnLimits {
+        idle: config.http_idle_timeout,
+        header: config.http_header_timeout,
+        body: config.http_body_timeout,
+    };
+    let metrics = router.metrics().clone();
+    serve_app(
+        http::app(router, frontend),
         listener,
-        config.max_connections,
-        config.http_idle_timeout,
-        router.metrics().clone(),
-    );
+        max,
+        limits,
+        metrics,
+        shutdown,
+    )
+    .await
+}
+
+/// Serves `app` on `listener` until `shutdown` completes, at most `max` connections at once, each
+/// with `limits` (see [`listener`]), counted in `metrics`. Handlers find the connection's
+/// [`listener::ConnBusy`] in `ConnectInfo`.
+pub async fn serve_app(
+    app: axum::Router,
+    listener: tokio::net::TcpListener,
+    max: usize,
+    limits: listener::ConnLimits,
+    metrics: metrics::RouterMetrics,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let limited = listener::LimitedListener::new(listener, max, limits, metrics);
+    let app = app.layer(axum::middleware::from_fn(listener::track_request));
     axum::serve(
         limited,
-        http::app(router, frontend).into_make_service_with_connect_info::<listener::ConnBusy>(),
+        app.into_make_service_with_connect_info::<listener::ConnBusy>(),
     )
     .with_graceful_shutdown(shutdown)
     .await

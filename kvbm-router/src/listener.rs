@@ -1,18 +1,45 @@
-//! The HTTP listener's limits: at most `--max-connections` connections open (one more is closed
-//! at once, counted), and a connection without traffic for `--http-idle-timeout-secs` is closed
-//! (counted), so that idle or slow clients cannot exhaust file descriptors and keep `/healthz`
-//! from answering. A connection whose request is still being served (an OpenAI request waiting
-//! for its worker, a long generation) is not idle: handlers mark it busy through [`ConnBusy`].
+//! The HTTP listener's limits, so that idle, slow or many clients cannot exhaust file descriptors
+//! and keep `/healthz` from answering:
+//!
+//! - at most `--max-connections` connections are open. When all are, a new connection makes
+//!   room by closing the oldest one that is not being answered (still sending its request's
+//!   headers or body, or idle between requests; counted in `kv_router_connections_evicted_total`);
+//!   only when every open connection is being answered is the new one closed at once (counted
+//!   in `kv_router_connections_refused_total`). A connection is safe from eviction for
+//!   [`EVICTION_GRACE`] after it opens (time to send its request and have it read), and
+//!   newcomers are let in in turn, each waiting until the oldest candidate is that old. A flood
+//!   of slow clients thus cannot hold every slot: each newcomer, a health check included, takes
+//!   the slot of the oldest of them within about (newcomers ahead / max) x the grace.
+//! - a request's headers must arrive within `--http-header-timeout-secs` of the connection (or
+//!   of the first byte of a later request on it), and its body within `--http-body-timeout-secs`
+//!   of its headers. Traffic does not extend these deadlines: a client trickling a byte at a
+//!   time is closed at them (`kv_router_connections_deadline_total{phase}`).
+//! - a connection without traffic for `--http-idle-timeout-secs` is closed (counted). A
+//!   connection whose request is still being served (an OpenAI request waiting for its worker, a
+//!   long generation) is not idle: handlers mark it busy through [`ConnBusy`]. A client that
+//!   reads nothing of its answer is closed after the same time, busy or not.
+//!
+//! Where a request is (headers, body, being answered, done) is told to the connection by
+//! [`track_request`], a middleware [`crate::serve_app`] puts around every route.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::body::{Body, Bytes};
+use axum::extract::connect_info::ConnectInfo;
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::Response;
+use futures_util::task::AtomicWaker;
+use http_body::{Frame, SizeHint};
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -20,24 +47,100 @@ use tokio::time::{Instant, Sleep};
 
 use crate::metrics::RouterMetrics;
 
-/// A TCP listener that hands out at most `max` connections at once, each closed when idle.
+/// How long a new connection waits, at most, for the connection it evicted to give its slot
+/// back; past it the new one is refused (counted).
+pub const EVICTION_WAIT: Duration = Duration::from_secs(1);
+
+/// How long a connection is safe from eviction after it opened, finished an answer, or started
+/// sending a request's body: time enough for a health check to send its request and be read.
+pub const EVICTION_GRACE: Duration = Duration::from_millis(250);
+
+/// The time limits of each connection.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    /// Without traffic (and not busy) this long, a connection is closed.
+    pub idle: Duration,
+    /// A request's headers must arrive within this.
+    pub header: Duration,
+    /// A request's body must arrive within this once its headers did.
+    pub body: Duration,
+}
+
+/// Open connections by accept order, for eviction.
+type Registry = Arc<Mutex<BTreeMap<u64, Arc<ConnShared>>>>;
+
+/// A TCP listener that hands out at most `max` connections at once, each with the deadlines of
+/// [`ConnLimits`].
 #[derive(Debug)]
 pub struct LimitedListener {
     inner: TcpListener,
     permits: Arc<Semaphore>,
-    idle: Duration,
+    limits: ConnLimits,
     metrics: RouterMetrics,
+    open: Registry,
+    next_id: u64,
 }
 
 impl LimitedListener {
-    /// Limits `inner` to `max` open connections, each closed after `idle` without traffic.
-    pub fn new(inner: TcpListener, max: usize, idle: Duration, metrics: RouterMetrics) -> Self {
+    /// Limits `inner` to `max` open connections, each with `limits`.
+    pub fn new(inner: TcpListener, max: usize, limits: ConnLimits, metrics: RouterMetrics) -> Self {
         Self {
             inner,
             permits: Arc::new(Semaphore::new(max)),
-            idle,
+            limits,
             metrics,
+            open: Arc::default(),
+            next_id: 0,
         }
+    }
+
+    /// All slots are taken: closes the oldest connection not being answered and waits for its
+    /// slot. None if there is none such, or it did not give its slot back in time.
+    ///
+    /// A connection is not evicted within [`EVICTION_GRACE`] of entering its phase: a newcomer
+    /// (a health check) has that long to send its request before a flood's later newcomers may
+    /// take its slot. Newcomers are taken in turn, each waiting until the oldest candidate is
+    /// that old (or a slot frees), so slots change hands at most `max` per grace period.
+    async fn evict_for_room(&self) -> Option<OwnedSemaphorePermit> {
+        loop {
+            let (since, victim) = self.oldest_evictable()?;
+            let ripe = since + EVICTION_GRACE;
+            if ripe > Instant::now() {
+                tokio::select! {
+                    permit = self.permits.clone().acquire_owned() => return permit.ok(),
+                    () = tokio::time::sleep_until(ripe) => continue,
+                }
+            }
+            victim.evicted.store(true, Ordering::Relaxed);
+            victim.waker.wake();
+            self.metrics.connections_evicted.inc();
+            return match tokio::time::timeout(EVICTION_WAIT, self.permits.clone().acquire_owned())
+                .await
+            {
+                Ok(Ok(permit)) => Some(permit),
+                _ => None,
+            };
+        }
+    }
+
+    /// The open connection not being answered that entered its phase first (one still sending
+    /// a request's body after all others), and when it did.
+    fn oldest_evictable(&self) -> Option<(Instant, Arc<ConnShared>)> {
+        let open = self.open.lock();
+        open.values()
+            .filter(|c| !c.evicted.load(Ordering::Relaxed) && !c.is_busy())
+            .filter_map(|c| {
+                let state = c.state.lock();
+                match state.phase {
+                    // Still sending a request's body ranks after the others: it is further along,
+                    // and bounded by the body deadline anyway.
+                    Phase::Idle | Phase::Headers => Some(((false, state.since), c.clone())),
+                    Phase::Body => Some(((true, state.since), c.clone())),
+                    Phase::Service => None,
+                }
+            })
+            .min_by_key(|(key, _)| *key)
+            .map(|((_, since), c)| (since, c))
     }
 }
 
@@ -48,29 +151,44 @@ impl axum::serve::Listener for LimitedListener {
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         loop {
             match self.inner.accept().await {
-                Ok((stream, addr)) => match self.permits.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        self.metrics.connections.inc();
-                        return (
-                            IdleIo {
-                                stream,
-                                idle: self.idle,
-                                deadline: Box::pin(tokio::time::sleep(self.idle)),
-                                busy: ConnBusy::default(),
-                                write_deadline: Box::pin(tokio::time::sleep(self.idle)),
-                                write_stalled: false,
-                                _permit: permit,
-                                metrics: self.metrics.clone(),
-                            },
-                            addr,
-                        );
-                    }
-                    Err(_) => {
-                        // Full: close it now rather than let it wait in the backlog.
+                Ok((stream, addr)) => {
+                    let permit = match self.permits.clone().try_acquire_owned() {
+                        Ok(permit) => Some(permit),
+                        Err(_) => self.evict_for_room().await,
+                    };
+                    let Some(permit) = permit else {
+                        // Full of connections being answered: close it now rather than let it
+                        // wait in the backlog.
                         self.metrics.connections_refused.inc();
                         drop(stream);
-                    }
-                },
+                        continue;
+                    };
+                    self.metrics.connections.inc();
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    let shared = Arc::new(ConnShared::new());
+                    self.open.lock().insert(id, shared.clone());
+                    let idle = self.limits.idle;
+                    return (
+                        IdleIo {
+                            stream,
+                            limits: self.limits,
+                            deadline: Box::pin(tokio::time::sleep(idle)),
+                            busy: ConnBusy(shared),
+                            write_deadline: Box::pin(tokio::time::sleep(idle)),
+                            write_stalled: false,
+                            phase_deadline: Box::pin(tokio::time::sleep(idle)),
+                            phase_seen: u64::MAX,
+                            phase_armed: None,
+                            _permit: permit,
+                            metrics: self.metrics.clone(),
+                            unflushed: false,
+                            open: self.open.clone(),
+                            id,
+                        },
+                        addr,
+                    );
+                }
                 Err(err) => {
                     // Out of descriptors or a transient error: back off, never spin.
                     tracing::warn!(error = %err, "accepting an HTTP connection failed");
@@ -85,46 +203,137 @@ impl axum::serve::Listener for LimitedListener {
     }
 }
 
-/// A connection that fails its next read or write once it has been idle too long.
+/// Where a connection's current request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Between requests: nothing of the next one read yet.
+    Idle,
+    /// Reading a request's headers (the header deadline runs).
+    Headers,
+    /// Reading a request's body (the body deadline runs).
+    Body,
+    /// The request is read; it is being answered.
+    Service,
+}
+
 #[derive(Debug)]
-pub struct IdleIo {
-    stream: TcpStream,
-    idle: Duration,
-    deadline: Pin<Box<Sleep>>,
-    _permit: OwnedSemaphorePermit,
-    metrics: RouterMetrics,
-    busy: ConnBusy,
-    /// When a write that cannot proceed (the client reads nothing) fails the connection: busy or
-    /// not, a client that stops reading does not hold its slot, its worker and its load forever.
-    write_deadline: Pin<Box<Sleep>>,
-    /// Whether the last write was refused for want of room (the deadline above is running).
-    write_stalled: bool,
+struct PhaseState {
+    phase: Phase,
+    /// When the phase began.
+    since: Instant,
+    /// Requests whose answer is not yet sent whole.
+    requests: usize,
+}
+
+/// What a connection shares with its handlers and its listener.
+#[derive(Debug)]
+struct ConnShared {
+    busy: AtomicUsize,
+    state: Mutex<PhaseState>,
+    /// Bumped at each change of `state`, so the connection looks at it only then.
+    generation: AtomicU64,
+    /// Set by the listener to close the connection for room.
+    evicted: AtomicBool,
+    /// The connection's task, woken on eviction.
+    waker: AtomicWaker,
+}
+
+impl ConnShared {
+    fn new() -> Self {
+        Self {
+            busy: AtomicUsize::new(0),
+            // A client connects to send a request: the header deadline runs from the start.
+            state: Mutex::new(PhaseState {
+                phase: Phase::Headers,
+                since: Instant::now(),
+                requests: 0,
+            }),
+            generation: AtomicU64::new(0),
+            evicted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+        }
+    }
+
+    fn is_busy(&self) -> bool {
+        self.busy.load(Ordering::Relaxed) > 0
+    }
+
+    fn set_phase(&self, state: &mut PhaseState, phase: Phase) {
+        state.phase = phase;
+        state.since = Instant::now();
+        // The connection re-arms its deadline on its next read (a request's body is read when
+        // its handler polls it; the next request's headers, right after the answer).
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// The first bytes of a request after an idle spell: its header deadline starts.
+    fn bytes_read(&self) {
+        let mut state = self.state.lock();
+        if state.phase == Phase::Idle {
+            self.set_phase(&mut state, Phase::Headers);
+        }
+    }
+
+    /// A request's headers arrived.
+    fn request_started(&self, body_done: bool) {
+        let mut state = self.state.lock();
+        state.requests += 1;
+        let phase = if body_done {
+            Phase::Service
+        } else {
+            Phase::Body
+        };
+        self.set_phase(&mut state, phase);
+    }
+
+    /// A request's body was read whole, or its handler dropped it.
+    fn body_done(&self) {
+        let mut state = self.state.lock();
+        if state.phase == Phase::Body {
+            self.set_phase(&mut state, Phase::Service);
+        }
+    }
+
+    /// A request's answer was sent whole (or dropped).
+    fn request_finished(&self) {
+        let mut state = self.state.lock();
+        state.requests = state.requests.saturating_sub(1);
+        if state.requests == 0 {
+            self.set_phase(&mut state, Phase::Idle);
+        }
+    }
 }
 
 /// Whether a connection has a request in service: while one [`BusyGuard`] lives, the connection
 /// is not closed for idleness. Handlers get it through `ConnectInfo<ConnBusy>`.
-#[derive(Debug, Clone, Default)]
-pub struct ConnBusy(Arc<AtomicUsize>);
+#[derive(Debug, Clone)]
+pub struct ConnBusy(Arc<ConnShared>);
+
+impl Default for ConnBusy {
+    fn default() -> Self {
+        Self(Arc::new(ConnShared::new()))
+    }
+}
 
 impl ConnBusy {
     /// Marks the connection busy until the guard is dropped.
     pub fn hold(&self) -> BusyGuard {
-        self.0.fetch_add(1, Ordering::Relaxed);
+        self.0.busy.fetch_add(1, Ordering::Relaxed);
         BusyGuard(self.0.clone())
     }
 
     fn is_busy(&self) -> bool {
-        self.0.load(Ordering::Relaxed) > 0
+        self.0.is_busy()
     }
 }
 
 /// Keeps a connection from being closed as idle (see [`ConnBusy`]).
 #[derive(Debug)]
-pub struct BusyGuard(Arc<AtomicUsize>);
+pub struct BusyGuard(Arc<ConnShared>);
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        self.0.busy.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -136,9 +345,125 @@ impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, Limi
     }
 }
 
+/// Middleware telling the connection where each request is: its headers are read (the header
+/// deadline stops, the body deadline starts), its body is read (the body deadline stops), its
+/// answer is sent (the connection is idle until the next request's first byte).
+pub async fn track_request(request: Request, next: Next) -> Response {
+    let Some(conn) = request
+        .extensions()
+        .get::<ConnectInfo<ConnBusy>>()
+        .map(|c| c.0 .0.clone())
+    else {
+        return next.run(request).await;
+    };
+    conn.request_started(http_body::Body::is_end_stream(request.body()));
+    let answered = Answered(conn.clone());
+    let request = request.map(|body| {
+        Body::new(TrackedBody {
+            inner: body,
+            on_end: Some(conn),
+            _answered: None,
+        })
+    });
+    let response = next.run(request).await;
+    response.map(|body| {
+        Body::new(TrackedBody {
+            inner: body,
+            on_end: None,
+            _answered: Some(answered),
+        })
+    })
+}
+
+/// Tells its connection that a request was answered when dropped.
+struct Answered(Arc<ConnShared>);
+
+impl Drop for Answered {
+    fn drop(&mut self) {
+        self.0.request_finished();
+    }
+}
+
+/// A body that tells its connection when it ends (a request's) or is dropped (an answer's).
+struct TrackedBody {
+    inner: Body,
+    /// Told when the body ends or is dropped, whichever comes first.
+    on_end: Option<Arc<ConnShared>>,
+    _answered: Option<Answered>,
+}
+
+impl TrackedBody {
+    fn ended(&mut self) {
+        if let Some(conn) = self.on_end.take() {
+            conn.body_done();
+        }
+    }
+}
+
+impl Drop for TrackedBody {
+    fn drop(&mut self) {
+        self.ended();
+    }
+}
+
+impl http_body::Body for TrackedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None | Some(Err(_))) => self.ended(),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.ended(),
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// A connection that fails its next read or write once it has been idle too long, once its
+/// request's headers or body are late, or once it is evicted.
+#[derive(Debug)]
+pub struct IdleIo {
+    stream: TcpStream,
+    limits: ConnLimits,
+    deadline: Pin<Box<Sleep>>,
+    _permit: OwnedSemaphorePermit,
+    metrics: RouterMetrics,
+    busy: ConnBusy,
+    /// When a write that cannot proceed (the client reads nothing) fails the connection: busy or
+    /// not, a client that stops reading does not hold its slot, its worker and its load forever.
+    write_deadline: Pin<Box<Sleep>>,
+    /// Whether the last write was refused for want of room (the deadline above is running).
+    write_stalled: bool,
+    /// The deadline of the request's headers or body, when one runs (`phase_armed`).
+    phase_deadline: Pin<Box<Sleep>>,
+    /// The phase generation `phase_deadline` was set for.
+    phase_seen: u64,
+    /// The phase whose deadline runs, if any ("headers" or "body").
+    phase_armed: Option<&'static str>,
+    /// Whether bytes were written and not yet flushed: an evicted connection first sends them.
+    unflushed: bool,
+    open: Registry,
+    id: u64,
+}
+
 impl IdleIo {
     fn progress(&mut self) {
-        self.deadline.as_mut().reset(Instant::now() + self.idle);
+        self.deadline
+            .as_mut()
+            .reset(Instant::now() + self.limits.idle);
     }
 
     /// Fails the connection (counted).
@@ -158,10 +483,59 @@ impl IdleIo {
             Poll::Pending => Poll::Pending,
         }
     }
+
+    /// An error if the connection was evicted or its request's headers or body are late.
+    fn check_cut<T>(&mut self, cx: &mut Context<'_>) -> Option<Poll<io::Result<T>>> {
+        let shared = &self.busy.0;
+        shared.waker.register(cx.waker());
+        if shared.evicted.load(Ordering::Relaxed) && !self.unflushed {
+            return Some(Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "HTTP connection closed to make room for another",
+            ))));
+        }
+        let generation = shared.generation.load(Ordering::Acquire);
+        if generation != self.phase_seen {
+            self.phase_seen = generation;
+            let state = shared.state.lock();
+            self.phase_armed = match state.phase {
+                Phase::Headers => {
+                    let at = state.since + self.limits.header;
+                    self.phase_deadline.as_mut().reset(at);
+                    Some("headers")
+                }
+                Phase::Body => {
+                    let at = state.since + self.limits.body;
+                    self.phase_deadline.as_mut().reset(at);
+                    Some("body")
+                }
+                Phase::Idle | Phase::Service => None,
+            };
+        }
+        let phase = self.phase_armed?;
+        match self.phase_deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.metrics
+                    .connections_deadline
+                    .with_label_values(&[phase])
+                    .inc();
+                Some(Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    if phase == "headers" {
+                        "HTTP request headers not received in time"
+                    } else {
+                        "HTTP request body not received in time"
+                    },
+                ))))
+            }
+            Poll::Pending => None,
+        }
+    }
 }
 
 impl Drop for IdleIo {
     fn drop(&mut self) {
+        self.open.lock().remove(&self.id);
         self.metrics.connections.dec();
     }
 }
@@ -172,8 +546,15 @@ impl AsyncRead for IdleIo {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if let Some(cut) = self.check_cut(cx) {
+            return cut;
+        }
+        let before = buf.filled().len();
         match Pin::new(&mut self.stream).poll_read(cx, buf) {
             Poll::Ready(r) => {
+                if r.is_ok() && buf.filled().len() > before {
+                    self.busy.0.bytes_read();
+                }
                 self.progress();
                 Poll::Ready(r)
             }
@@ -188,6 +569,9 @@ impl AsyncWrite for IdleIo {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        // An evicted connection still sends what it was writing (the end of an answer whose
+        // body was done): it is cut at its next read once that is flushed.
+        self.unflushed = true;
         match Pin::new(&mut self.stream).poll_write(cx, buf) {
             Poll::Ready(r) => {
                 self.write_stalled = false;
@@ -197,7 +581,7 @@ impl AsyncWrite for IdleIo {
             Poll::Pending => {
                 if !self.write_stalled {
                     self.write_stalled = true;
-                    let at = Instant::now() + self.idle;
+                    let at = Instant::now() + self.limits.idle;
                     self.write_deadline.as_mut().reset(at);
                 }
                 match self.write_deadline.as_mut().poll(cx) {
@@ -209,7 +593,11 @@ impl AsyncWrite for IdleIo {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+        let flushed = Pin::new(&mut self.stream).poll_flush(cx);
+        if flushed.is_ready() {
+            self.unflushed = false;
+        }
+        flushed
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -228,7 +616,12 @@ mod tests {
     async fn pair() -> (IdleIo, TcpStream) {
         let inner = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = inner.local_addr().unwrap();
-        let mut listener = LimitedListener::new(inner, 4, IDLE, RouterMetrics::new());
+        let limits = ConnLimits {
+            idle: IDLE,
+            header: Duration::from_secs(3600),
+            body: Duration::from_secs(3600),
+        };
+        let mut listener = LimitedListener::new(inner, 4, limits, RouterMetrics::new());
         let client = TcpStream::connect(addr).await.unwrap();
         let (io, _) = listener.accept().await;
         (io, client)

@@ -19,7 +19,9 @@
 //!   (beyond --max-connections), `kv_router_connections_timed_out_total` (idle),
 //!   `kv_router_workers_refused_total` (registrations beyond --max-workers),
 //!   `kv_router_workers_file_errors_total`, `kv_router_bootstrap_refused_total{why}` (a
-//!   --bootstrap-from dump over a bound or otherwise refused), `kv_router_bootstrap_blocks`.
+//!   --bootstrap-from dump over a bound or otherwise refused), `kv_router_bootstrap_blocks`,
+//!   `kv_router_connections_deadline_total{phase}` (headers or body not in time),
+//!   `kv_router_connections_evicted_total` (closed to make room at --max-connections).
 //! - `kv_router_subscriber_total{what}`: the ZMQ subscriber's counters (sequence anomalies,
 //!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
 //!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
@@ -93,6 +95,12 @@ pub struct RouterMetrics {
     pub bootstrap_refused: IntCounterVec,
     /// `kv_router_bootstrap_blocks`: holdings restored from a --bootstrap-from dump.
     pub bootstrap_blocks: IntGauge,
+    /// HTTP connections closed because a request's headers or body did not arrive in time:
+    /// `kv_router_connections_deadline_total{phase}` (`headers`, `body`).
+    pub connections_deadline: IntCounterVec,
+    /// HTTP connections closed to make room for a new one while --max-connections were open (the
+    /// oldest that was not being answered: still sending its request, or idle between requests).
+    pub connections_evicted: IntCounter,
 }
 
 /// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
@@ -285,6 +293,17 @@ impl RouterMetrics {
             bootstrap_blocks: gauge(
                 "kv_router_bootstrap_blocks",
                 "Holdings restored from the --bootstrap-from dump at start",
+            ),
+            connections_deadline: counter_vec(
+                "kv_router_connections_deadline_total",
+                "HTTP connections closed because a request's headers (--http-header-timeout-secs) \
+                 or body (--http-body-timeout-secs) did not arrive in time, by phase",
+                &["phase"],
+            ),
+            connections_evicted: counter(
+                "kv_router_connections_evicted_total",
+                "HTTP connections closed to make room for a new one while --max-connections were \
+                 open (the oldest still sending its request or idle between requests)",
             ),
             registry,
         }
