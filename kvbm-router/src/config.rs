@@ -49,9 +49,12 @@ pub struct Args {
     /// A sibling router's URL (http://HOST:PORT): its index is read from GET /dump at start,
     /// with its workers, and each is followed from the sequence number after the dump's. The dump
     /// is bounded (--bootstrap-max-bytes, --max-workers, --bootstrap-max-blocks,
-    /// --bootstrap-timeout-secs) and its workers checked as POST /register checks them (tcp://
-    /// endpoints only); one that fails is left out: the router starts without it, logs why and
-    /// counts it (kv_router_bootstrap_refused_total{why}).
+    /// --bootstrap-timeout-secs); a dump over a bound, or that cannot be fetched, is refused whole:
+    /// the router starts without it, logs why and counts it
+    /// (kv_router_bootstrap_refused_total{why}), or with --bootstrap-required does not start. Its
+    /// workers are checked as POST /register checks them (tcp:// endpoints only) unless --workers
+    /// gives them (then followed at the local endpoints); one that fails is left out with its
+    /// holdings (kv_router_bootstrap_workers_skipped_total).
     #[arg(long)]
     pub bootstrap_from: Option<String>,
 
@@ -185,15 +188,18 @@ pub struct Args {
     #[arg(long, default_value_t = 10.0)]
     pub worker_failure_cooldown_secs: f64,
 
-    /// Bytes of a --bootstrap-from dump read at most; a longer one is refused (the router starts
-    /// without it, counted in kv_router_bootstrap_refused_total{why="bytes"}).
+    /// Bytes of a --bootstrap-from dump read at most; a longer one is refused (counted in
+    /// kv_router_bootstrap_refused_total{why="bytes"}; see --bootstrap-required).
     #[arg(long, default_value_t = crate::dump::BOOTSTRAP_MAX_BYTES_DEFAULT)]
     pub bootstrap_max_bytes: u64,
 
     /// Holdings (and, separately, engine hashes) of all workers of a --bootstrap-from dump at
-    /// most; a dump with more is refused. Its workers are bounded by --max-workers.
-    #[arg(long, default_value_t = crate::dump::BOOTSTRAP_MAX_BLOCKS_DEFAULT)]
-    pub bootstrap_max_blocks: usize,
+    /// most; a dump with more is refused. Default: the largest of 16777216, 4 x
+    /// --index-capacity-blocks and one per KiB of this machine's memory (a holding read with its
+    /// engine hash and restored takes about 128 bytes, so at most an eighth of memory). Its
+    /// workers are bounded by --max-workers less the --workers entries it does not name.
+    #[arg(long)]
+    pub bootstrap_max_blocks: Option<usize>,
 
     /// Seconds fetching and reading a --bootstrap-from dump may take; a slower one is refused.
     #[arg(long, default_value_t = crate::dump::BOOTSTRAP_TIMEOUT_SECS_DEFAULT)]
@@ -209,6 +215,11 @@ pub struct Args {
     /// (kv_router_connections_deadline_total{phase="body"}).
     #[arg(long, default_value_t = HTTP_BODY_TIMEOUT_SECS_DEFAULT)]
     pub http_body_timeout_secs: f64,
+
+    /// Stop with an error, instead of starting with an empty index, when the --bootstrap-from
+    /// dump cannot be fetched (the sibling is down, too slow) or is refused.
+    #[arg(long)]
+    pub bootstrap_required: bool,
 }
 
 /// Why the configuration was refused.
@@ -223,6 +234,16 @@ pub enum ConfigError {
         value: String,
         /// What is wrong.
         why: &'static str,
+    },
+    /// A flag's value is above the largest accepted, which the message names.
+    #[error("--{flag}={value}: is above the largest value accepted ({max})")]
+    FlagAbove {
+        /// The flag, without dashes.
+        flag: &'static str,
+        /// Its value.
+        value: String,
+        /// The largest value accepted.
+        max: u64,
     },
     /// A `--workers` entry did not parse.
     #[error("--workers entry {entry:?}: {why}")]
@@ -275,6 +296,8 @@ pub struct RouterConfig {
     pub http_header_timeout: Duration,
     /// Time a client has to send a request's body once its headers arrived.
     pub http_body_timeout: Duration,
+    /// Whether a --bootstrap-from dump that fails or is refused stops the router from starting.
+    pub bootstrap_required: bool,
 }
 
 /// The OpenAI front end's settings.
@@ -335,21 +358,25 @@ impl Default for RouterConfig {
             bootstrap_timeout: Duration::from_secs(crate::dump::BOOTSTRAP_TIMEOUT_SECS_DEFAULT),
             http_header_timeout: Duration::from_secs_f64(HTTP_HEADER_TIMEOUT_SECS_DEFAULT),
             http_body_timeout: Duration::from_secs_f64(HTTP_BODY_TIMEOUT_SECS_DEFAULT),
+            bootstrap_required: false,
         }
     }
 }
 
 /// A whole number flag of at least 1 and at most `max`.
 fn bounded(flag: &'static str, value: u64, max: u64) -> Result<u64, ConfigError> {
-    if value == 0 || value > max {
+    if value == 0 {
         return Err(ConfigError::Flag {
             flag,
             value: value.to_string(),
-            why: if value == 0 {
-                "must be at least 1"
-            } else {
-                "is above the largest value accepted"
-            },
+            why: "must be at least 1",
+        });
+    }
+    if value > max {
+        return Err(ConfigError::FlagAbove {
+            flag,
+            value: value.to_string(),
+            max,
         });
     }
     Ok(value)
@@ -381,8 +408,9 @@ fn physical_memory() -> Option<u64> {
     pages.checked_mul(page).filter(|&b| b > 0)
 }
 
-/// `--index-capacity-blocks`: what the index can number (u32 node ids) and this machine can map.
-fn index_capacity(blocks: usize) -> Result<usize, ConfigError> {
+/// `--index-capacity-blocks`: what the index can number (u32 node ids) and a machine of `memory`
+/// bytes (if known) can map.
+fn index_capacity(blocks: usize, memory: Option<u64>) -> Result<usize, ConfigError> {
     let refuse = |why| ConfigError::Flag {
         flag: "index-capacity-blocks",
         value: blocks.to_string(),
@@ -390,12 +418,31 @@ fn index_capacity(blocks: usize) -> Result<usize, ConfigError> {
     };
     let bytes = KvIndex::capacity_bytes(blocks)
         .ok_or_else(|| refuse("is above the most blocks the index can number (4294967294)"))?;
-    if physical_memory().is_some_and(|m| bytes as u64 > m) {
+    if memory.is_some_and(|m| bytes as u64 > m) {
         return Err(refuse(
             "would reserve more index memory than this machine has (about 30 bytes a block)",
         ));
     }
     Ok(blocks)
+}
+
+/// Most --bootstrap-max-blocks accepted.
+pub const BOOTSTRAP_MAX_BLOCKS_MAX: usize = 1 << 32;
+/// Bytes a holding of a --bootstrap-from dump takes, with its engine hash, while read and once
+/// restored (about 16 + 32 in the dump, the index entry and its share of the maps).
+pub const BOOTSTRAP_BYTES_PER_BLOCK: u64 = 128;
+
+/// The default --bootstrap-max-blocks for an index of `index_capacity` blocks on a machine of
+/// `memory` bytes: the largest of [`crate::dump::BOOTSTRAP_MAX_BLOCKS_DEFAULT`], 4 holdings a
+/// block of the index (workers share blocks), and what an eighth of memory holds at
+/// [`BOOTSTRAP_BYTES_PER_BLOCK`], at most [`BOOTSTRAP_MAX_BLOCKS_MAX`].
+pub fn bootstrap_max_blocks_default(index_capacity: usize, memory: Option<u64>) -> usize {
+    let by_memory = memory.map_or(0, |m| m / 8 / BOOTSTRAP_BYTES_PER_BLOCK);
+    let by_memory = usize::try_from(by_memory).unwrap_or(usize::MAX);
+    crate::dump::BOOTSTRAP_MAX_BLOCKS_DEFAULT
+        .max(index_capacity.saturating_mul(4))
+        .max(by_memory)
+        .min(BOOTSTRAP_MAX_BLOCKS_MAX)
 }
 
 fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
@@ -421,10 +468,10 @@ impl Args {
             });
         }
         if self.block_size > u32::MAX as usize {
-            return Err(ConfigError::Flag {
+            return Err(ConfigError::FlagAbove {
                 flag: "block-size",
                 value: self.block_size.to_string(),
-                why: "is above the largest value accepted",
+                max: u64::from(u32::MAX),
             });
         }
         if self.max_body_bytes == 0 {
@@ -488,7 +535,7 @@ impl Args {
             },
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
-            index_capacity_blocks: index_capacity(self.index_capacity_blocks)?,
+            index_capacity_blocks: index_capacity(self.index_capacity_blocks, physical_memory())?,
             max_body_bytes: self.max_body_bytes,
             admin_token: match &self.admin_token {
                 Some(t) if t.len() < 16 || t.contains(char::is_whitespace) => {
@@ -508,11 +555,14 @@ impl Args {
             http_idle_timeout: Duration::from_secs(idle),
             frontend: self.frontend_config()?,
             bootstrap_max_bytes: bounded("bootstrap-max-bytes", self.bootstrap_max_bytes, 1 << 40)?,
-            bootstrap_max_blocks: bounded(
-                "bootstrap-max-blocks",
-                self.bootstrap_max_blocks as u64,
-                1 << 32,
-            )? as usize,
+            bootstrap_max_blocks: match self.bootstrap_max_blocks {
+                Some(blocks) => bounded(
+                    "bootstrap-max-blocks",
+                    blocks as u64,
+                    BOOTSTRAP_MAX_BLOCKS_MAX as u64,
+                )? as usize,
+                None => bootstrap_max_blocks_default(self.index_capacity_blocks, physical_memory()),
+            },
             bootstrap_timeout: Duration::from_secs(bounded(
                 "bootstrap-timeout-secs",
                 self.bootstrap_timeout_secs,
@@ -523,6 +573,7 @@ impl Args {
                 self.http_header_timeout_secs,
             )?,
             http_body_timeout: seconds("http-body-timeout-secs", self.http_body_timeout_secs)?,
+            bootstrap_required: self.bootstrap_required,
         })
     }
 
@@ -845,13 +896,15 @@ mod tests {
             let e = args.router_config().unwrap_err().to_string();
             assert!(e.contains(&format!("--index-capacity-blocks={bad}")), "{e}");
         }
-        if let Some(memory) = physical_memory() {
-            args.index_capacity_blocks = usize::try_from(memory / 8)
-                .unwrap_or(usize::MAX)
-                .min(kvbm_events::router::INDEX_CAPACITY_BLOCKS_MAX);
-            let e = args.router_config().unwrap_err().to_string();
-            assert!(e.contains("--index-capacity-blocks="), "{e}");
-        }
+        // Whatever this machine's memory, the check against it is tested with given sizes.
+        let e = index_capacity(1 << 30, Some(1 << 30))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--index-capacity-blocks=1073741824"), "{e}");
+        assert!(e.contains("more index memory than this machine has"), "{e}");
+        assert_eq!(index_capacity(1 << 30, Some(1 << 40)).unwrap(), 1 << 30);
+        assert_eq!(index_capacity(1 << 30, None).unwrap(), 1 << 30);
+        assert_eq!(index_capacity(1 << 20, Some(1 << 30)).unwrap(), 1 << 20);
         args.index_capacity_blocks = 1 << 20;
         assert_eq!(args.router_config().unwrap().index_capacity_blocks, 1 << 20);
         args.index_capacity_blocks = 0;
@@ -861,6 +914,53 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--max-workers=0"));
+    }
+
+    #[test]
+    fn a_bound_refused_names_the_largest_value_accepted() {
+        let mut args = Args::parse_from(["kvbm-router"]);
+        args.bootstrap_timeout_secs = 3601;
+        let e = args.router_config().unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "--bootstrap-timeout-secs=3601: is above the largest value accepted (3600)"
+        );
+        args.bootstrap_timeout_secs = 10;
+        args.max_workers = 70_000;
+        let e = args.router_config().unwrap_err().to_string();
+        assert!(e.ends_with("accepted (65536)"), "{e}");
+        args.max_workers = 4;
+        args.bootstrap_max_blocks = Some((1 << 32) + 1);
+        let e = args.router_config().unwrap_err().to_string();
+        assert!(e.contains("--bootstrap-max-blocks=4294967297"), "{e}");
+        assert!(e.ends_with("(4294967296)"), "{e}");
+        args.bootstrap_max_blocks = None;
+        args.block_size = 1 << 33;
+        let e = args.router_config().unwrap_err().to_string();
+        assert!(e.ends_with("(4294967295)"), "{e}");
+    }
+
+    #[test]
+    fn the_bootstrap_block_bound_follows_the_index_and_memory() {
+        // 64 workers of 300K holdings each fit the default of a 32 GiB machine or of an index
+        // sized for 5M blocks, and 16M is the floor.
+        let fleet = 64 * 300_000;
+        assert!(bootstrap_max_blocks_default(0, Some(32 << 30)) >= fleet);
+        assert!(bootstrap_max_blocks_default(5_000_000, None) >= fleet);
+        assert_eq!(bootstrap_max_blocks_default(0, None), 1 << 24);
+        assert_eq!(bootstrap_max_blocks_default(0, Some(1 << 30)), 1 << 24);
+        assert_eq!(
+            bootstrap_max_blocks_default(usize::MAX, Some(u64::MAX)),
+            BOOTSTRAP_MAX_BLOCKS_MAX
+        );
+        let args = Args::parse_from(["kvbm-router", "--index-capacity-blocks", "8000000"]);
+        assert!(args.router_config().unwrap().bootstrap_max_blocks >= 32_000_000);
+        let args = Args::parse_from(["kvbm-router", "--bootstrap-max-blocks", "1000"]);
+        let config = args.router_config().unwrap();
+        assert_eq!(config.bootstrap_max_blocks, 1000);
+        assert!(!config.bootstrap_required);
+        let args = Args::parse_from(["kvbm-router", "--bootstrap-required"]);
+        assert!(args.router_config().unwrap().bootstrap_required);
     }
 
     #[test]

@@ -27,9 +27,14 @@
 //! (`--bootstrap-max-bytes`), workers (`--max-workers`), holdings and engine hashes over all
 //! workers (`--bootstrap-max-blocks`) and the time taken (`--bootstrap-timeout-secs`) are
 //! bounded, a repeated worker is found in constant time, and every worker must pass the checks
-//! of a worker given to `POST /register` ([`crate::config::remote_worker`]), tcp:// only. A
-//! dump over any bound is refused whole: the router starts without it ([`start`]), logs why and
-//! counts it in `kv_router_bootstrap_refused_total{why}`.
+//! of a worker given to `POST /register` ([`crate::config::remote_worker`]), tcp:// only, unless
+//! `--workers` gives it (it is then followed at the local endpoints). A worker failing the checks
+//! is left out with its holdings and engine hashes, logged and counted
+//! (`kv_router_bootstrap_workers_skipped_total`). The workers kept and the `--workers` entries
+//! the dump does not name fit `--max-workers` together. A dump over any bound, or one that cannot
+//! be fetched, is refused whole: with `--bootstrap-required` the router does not start ([`start`]);
+//! without it, it starts without the dump, logs why and counts it in
+//! `kv_router_bootstrap_refused_total{why}`.
 
 use std::collections::HashSet;
 use std::io::{BufRead, Read, Write};
@@ -64,11 +69,12 @@ pub const BOOTSTRAP_MAX_BLOCKS_DEFAULT: usize = 1 << 24;
 pub const BOOTSTRAP_TIMEOUT_SECS_DEFAULT: u64 = 120;
 
 /// What a dump read from elsewhere may hold and take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DumpLimits {
     /// Holdings (and engine hashes) of one worker (`--max-blocks-per-worker`).
     pub holdings_per_worker: usize,
-    /// Workers (`--max-workers`).
+    /// Workers (`--max-workers`), counting those of [`DumpLimits::local`] whether the dump names
+    /// them or not, so that each has room; as many more may be left out ([`Bootstrap::skipped`]).
     pub workers: usize,
     /// Holdings, and engine hashes, of all workers together (`--bootstrap-max-blocks`).
     pub blocks: usize,
@@ -76,8 +82,12 @@ pub struct DumpLimits {
     pub bytes: u64,
     /// When reading gives up (`--bootstrap-timeout-secs` after the start).
     pub deadline: Option<Instant>,
-    /// Whether each worker must pass the checks of `POST /register` (tcp:// endpoints only).
+    /// Whether each worker must pass the checks of `POST /register` (tcp:// endpoints only); one
+    /// that fails is left out with its holdings and engine hashes.
     pub check_workers: bool,
+    /// Workers given locally (`--workers`): followed at their local endpoints, so the dump's are
+    /// not checked.
+    pub local: HashSet<(u64, u32)>,
 }
 
 impl DumpLimits {
@@ -90,11 +100,16 @@ impl DumpLimits {
             bytes: u64::MAX,
             deadline: None,
             check_workers: false,
+            local: HashSet::new(),
         }
     }
 
-    /// The limits a router of `config` reads a sibling's dump with, the deadline from now.
-    pub fn from_config(config: &crate::config::RouterConfig) -> Self {
+    /// The limits a router of `config` following `local` reads a sibling's dump with, the
+    /// deadline from now.
+    pub fn from_config(
+        config: &crate::config::RouterConfig,
+        local: &[crate::config::WorkerSpec],
+    ) -> Self {
         Self {
             holdings_per_worker: config.max_blocks_per_worker,
             workers: config.max_workers,
@@ -102,6 +117,7 @@ impl DumpLimits {
             bytes: config.bootstrap_max_bytes,
             deadline: Instant::now().checked_add(config.bootstrap_timeout),
             check_workers: true,
+            local: local.iter().map(|w| w.key()).collect(),
         }
     }
 }
@@ -186,7 +202,12 @@ impl<R: Read> Read for Bounded<R> {
 /// The running totals of a dump being read, checked against its limits as each record arrives.
 struct Totals<'a> {
     limits: &'a DumpLimits,
+    /// Every worker read.
     keys: HashSet<(u64, u32)>,
+    /// Workers kept that are not given locally.
+    remote: usize,
+    /// Workers left out (failing the checks of `POST /register`).
+    dropped: HashSet<(u64, u32)>,
     names: usize,
     holdings: usize,
 }
@@ -196,6 +217,8 @@ impl<'a> Totals<'a> {
         Self {
             limits,
             keys: HashSet::new(),
+            remote: 0,
+            dropped: HashSet::new(),
             names: 0,
             holdings: 0,
         }
@@ -208,34 +231,71 @@ impl<'a> Totals<'a> {
         at: impl Fn() -> String,
     ) -> Result<DumpWorker, DumpError> {
         let key = (w.worker_id, w.dp_rank);
-        if self.keys.len() >= self.limits.workers && !self.keys.contains(&key) {
-            return Err(DumpError::new(
-                "workers",
-                format!(
-                    "{}: more than {} workers (--max-workers)",
-                    at(),
-                    self.limits.workers
-                ),
-            ));
-        }
-        if !self.keys.insert(key) {
+        if self.keys.contains(&key) {
             return Err(DumpError::new(
                 "duplicate",
                 format!("{}: worker {}:{} appears twice", at(), key.0, key.1),
             ));
         }
+        // Given locally: followed at the local endpoints, and its room is counted already.
+        if self.limits.local.contains(&key) {
+            self.keys.insert(key);
+            return Ok(w);
+        }
         if self.limits.check_workers {
-            let spec = crate::config::remote_worker(
+            match crate::config::remote_worker(
                 w.worker_id,
                 w.dp_rank,
                 &w.endpoint,
                 w.replay_endpoint.as_deref(),
                 w.http_url.as_deref(),
-            )
-            .map_err(|e| DumpError::new("worker", format!("{}: {e}", at())))?;
-            w.http_url = spec.http;
+            ) {
+                Ok(spec) => w.http_url = spec.http,
+                Err(e) => {
+                    if self.dropped.len() >= self.limits.workers {
+                        return Err(DumpError::new(
+                            "workers",
+                            format!(
+                                "{}: more than {} workers left out (--max-workers)",
+                                at(),
+                                self.limits.workers
+                            ),
+                        ));
+                    }
+                    tracing::warn!(worker = ?key, error = %e, "--bootstrap-from: a worker of the dump is left out with its holdings (POST /register would refuse it; give it in --workers to follow it at a local endpoint)");
+                    self.keys.insert(key);
+                    self.dropped.insert(key);
+                    return Ok(w);
+                }
+            }
         }
+        let room = self.limits.workers.saturating_sub(self.limits.local.len());
+        if self.remote >= room {
+            return Err(DumpError::new(
+                "workers",
+                format!(
+                    "{}: more than {room} workers besides the {} of --workers (--max-workers={})",
+                    at(),
+                    self.limits.local.len(),
+                    self.limits.workers
+                ),
+            ));
+        }
+        self.keys.insert(key);
+        self.remote += 1;
         Ok(w)
+    }
+
+    /// The dump read, less the workers left out.
+    fn finish(self, mut dump: Dump) -> Bootstrap {
+        if !self.dropped.is_empty() {
+            dump.workers
+                .retain(|(w, _)| !self.dropped.contains(&(w.worker_id, w.dp_rank)));
+        }
+        Bootstrap {
+            dump,
+            skipped: self.dropped.len(),
+        }
     }
 
     /// Counts `n` more engine hashes (`names`) or holdings of the current worker, which has
@@ -294,6 +354,16 @@ pub struct DumpWorker {
     /// Its OpenAI-compatible HTTP server (absent from dumps of older routers).
     #[serde(default)]
     pub http_url: Option<String>,
+}
+
+/// A dump read from a sibling, and how many of its workers were left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bootstrap {
+    /// The workers kept with their index state.
+    pub dump: Dump,
+    /// Workers left out with their holdings and engine hashes (failing the checks of
+    /// `POST /register` without being given locally).
+    pub skipped: usize,
 }
 
 /// A whole dump.
@@ -380,7 +450,9 @@ pub fn write(dump: &Dump, out: &mut impl Write) -> std::io::Result<()> {
 /// Reads a dump written by [`write`] for a router of `block_size`, allowing each worker at most
 /// `holdings_max` holdings and as many engine hashes.
 pub fn read(input: impl BufRead, block_size: usize, holdings_max: usize) -> Result<Dump, String> {
-    read_with(input, block_size, &DumpLimits::per_worker(holdings_max)).map_err(|e| e.message)
+    read_with(input, block_size, &DumpLimits::per_worker(holdings_max))
+        .map(|b| b.dump)
+        .map_err(|e| e.message)
 }
 
 /// Reads a dump written by [`write`] for a router of `block_size` within `limits`, each checked
@@ -389,7 +461,7 @@ pub fn read_with(
     input: impl Read,
     block_size: usize,
     limits: &DumpLimits,
-) -> Result<Dump, DumpError> {
+) -> Result<Bootstrap, DumpError> {
     let mut dump = Dump::default();
     let mut totals = Totals::new(limits);
     let mut header = false;
@@ -486,10 +558,10 @@ pub fn read_with(
                 snap.holdings.push(Holding { tier, hash, count });
             }
             Line::End { workers } => {
-                if workers != dump.workers.len() {
+                if workers != totals.keys.len() {
                     return Err(DumpError::malformed(format!(
                         "the end line counts {workers} workers; the dump has {}",
-                        dump.workers.len()
+                        totals.keys.len()
                     )));
                 }
                 ended = true;
@@ -501,7 +573,7 @@ pub fn read_with(
             "the dump ends without its end line (incomplete)",
         ));
     }
-    Ok(dump)
+    Ok(totals.finish(dump))
 }
 
 /// A record of the msgpack form.
@@ -568,6 +640,7 @@ pub fn read_msgpack(
     holdings_max: usize,
 ) -> Result<Dump, String> {
     read_msgpack_with(input, block_size, &DumpLimits::per_worker(holdings_max))
+        .map(|b| b.dump)
         .map_err(|e| e.message)
 }
 
@@ -578,7 +651,7 @@ pub fn read_msgpack_with(
     input: impl Read,
     block_size: usize,
     limits: &DumpLimits,
-) -> Result<Dump, DumpError> {
+) -> Result<Bootstrap, DumpError> {
     let mut input = Bounded {
         inner: input,
         read: 0,
@@ -706,10 +779,10 @@ pub fn read_msgpack_with(
                 }
             }
             Record::End { workers } => {
-                if workers != dump.workers.len() {
+                if workers != totals.keys.len() {
                     return Err(DumpError::malformed(format!(
                         "the end record counts {workers} workers; the dump has {}",
-                        dump.workers.len()
+                        totals.keys.len()
                     )));
                 }
                 ended = true;
@@ -721,12 +794,30 @@ pub fn read_msgpack_with(
             "the dump ends without its end record (incomplete)",
         ));
     }
-    Ok(dump)
+    Ok(totals.finish(dump))
+}
+
+/// Whether a failed request ended in a timeout: ureq reports one as an I/O error of kind
+/// `TimedOut` (or `WouldBlock`, which some platforms give for a socket's read timeout).
+fn timed_out(e: &ureq::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            ) {
+                return true;
+            }
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// Fetches `url`'s dump (`URL/dump`), for a router of `block_size`, within `limits`: asks for
 /// msgpack and reads whichever form the sibling sends.
-pub fn fetch(url: &str, block_size: usize, limits: &DumpLimits) -> Result<Dump, DumpError> {
+pub fn fetch(url: &str, block_size: usize, limits: &DumpLimits) -> Result<Bootstrap, DumpError> {
     let url = format!("{}/dump", url.trim_end_matches('/'));
     let mut request = ureq::get(&url).set("Accept", MSGPACK_MEDIA_TYPE);
     if let Some(deadline) = limits.deadline {
@@ -734,9 +825,17 @@ pub fn fetch(url: &str, block_size: usize, limits: &DumpLimits) -> Result<Dump, 
         let left = deadline.saturating_duration_since(Instant::now());
         request = request.timeout(left.max(Duration::from_millis(1)));
     }
-    let response = request
-        .call()
-        .map_err(|e| DumpError::new("fetch", format!("GET {url}: {e}")))?;
+    let response = request.call().map_err(|e| {
+        let late = limits.deadline.is_some_and(|d| Instant::now() >= d);
+        if timed_out(&e) || late {
+            DumpError::new(
+                "timeout",
+                format!("GET {url}: {e} (--bootstrap-timeout-secs)"),
+            )
+        } else {
+            DumpError::new("fetch", format!("GET {url}: {e}"))
+        }
+    })?;
     let msgpack = response.content_type() == MSGPACK_MEDIA_TYPE;
     let body = response.into_reader();
     if msgpack {
@@ -747,38 +846,68 @@ pub fn fetch(url: &str, block_size: usize, limits: &DumpLimits) -> Result<Dump, 
     .map_err(|e| DumpError::new(e.why, format!("{url}: {}", e.message)))
 }
 
+/// Why [`start`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The dump failed or was refused and `--bootstrap-required` was given.
+    #[error("--bootstrap-from {url}: {error} (--bootstrap-required: not starting without it)")]
+    Bootstrap {
+        /// The sibling.
+        url: String,
+        /// Why its dump was not read.
+        error: DumpError,
+    },
+    /// Following the workers failed.
+    #[error(transparent)]
+    Transport(#[from] kvbm_events::TransportError),
+}
+
 /// Starts a router of `config` following `workers`, first restoring the dump of the sibling at
-/// `bootstrap` if one is given. A dump that cannot be fetched or is refused is left out: the
-/// router starts without it, logs why, and counts it in `kv_router_bootstrap_refused_total{why}`.
+/// `bootstrap` if one is given. A dump that cannot be fetched or is refused stops the start with
+/// `--bootstrap-required`; without it the router starts without the dump, logs why, and counts
+/// it in `kv_router_bootstrap_refused_total{why}`. Workers of the dump left out are counted in
+/// `kv_router_bootstrap_workers_skipped_total`.
 pub fn start(
     config: crate::config::RouterConfig,
     workers: Vec<crate::config::WorkerSpec>,
     bootstrap: Option<&str>,
-) -> Result<crate::state::Router, kvbm_events::TransportError> {
+) -> Result<crate::state::Router, StartError> {
     let mut refused = None;
     let mut read = 0;
-    let dump = bootstrap.and_then(|url| {
-        let limits = DumpLimits::from_config(&config);
-        let started = Instant::now();
-        match fetch(url, config.block_size, &limits) {
-            Ok(dump) => {
-                let blocks: usize = dump.workers.iter().map(|(_, s)| s.holdings.len()).sum();
-                read = blocks;
-                tracing::info!(%url, workers = dump.workers.len(), blocks, secs = started.elapsed().as_secs_f64(), "bootstrapped from a sibling");
-                Some(dump)
-            }
-            Err(e) => {
-                tracing::error!(%url, why = e.why, error = %e, "--bootstrap-from: the sibling's dump is refused; starting without it (workers follow from --workers, --workers-file and /register)");
-                refused = Some(e.why);
-                None
+    let mut skipped = 0;
+    let dump = match bootstrap {
+        None => None,
+        Some(url) => {
+            let limits = DumpLimits::from_config(&config, &workers);
+            let started = Instant::now();
+            match fetch(url, config.block_size, &limits) {
+                Ok(b) => {
+                    let blocks: usize = b.dump.workers.iter().map(|(_, s)| s.holdings.len()).sum();
+                    read = blocks;
+                    skipped = b.skipped;
+                    tracing::info!(%url, workers = b.dump.workers.len(), skipped, blocks, secs = started.elapsed().as_secs_f64(), "bootstrapped from a sibling");
+                    Some(b.dump)
+                }
+                Err(error) if config.bootstrap_required => {
+                    return Err(StartError::Bootstrap {
+                        url: url.to_owned(),
+                        error,
+                    });
+                }
+                Err(e) => {
+                    tracing::error!(%url, why = e.why, error = %e, "--bootstrap-from: the sibling's dump is refused; starting without it (workers follow from --workers, --workers-file and /register; --bootstrap-required stops instead)");
+                    refused = Some(e.why);
+                    None
+                }
             }
         }
-    });
+    };
     let router = crate::state::Router::start_from(config, workers, dump)?;
     let metrics = router.metrics();
     if let Some(why) = refused {
         metrics.bootstrap_refused.with_label_values(&[why]).inc();
     }
+    metrics.bootstrap_workers_skipped.inc_by(skipped as u64);
     metrics.bootstrap_blocks.set(read as i64);
     Ok(router)
 }

@@ -35,9 +35,10 @@ fn main() -> anyhow::Result<()> {
         let bound = listener.local_addr()?;
         let bootstrap = args.bootstrap_from.clone();
         let router = tokio::task::spawn_blocking(move || -> anyhow::Result<Router> {
-            // A dump that cannot be fetched or is over a bound is left out (logged, counted).
+            // A dump that cannot be fetched or is over a bound is left out (logged, counted),
+            // or stops the start with --bootstrap-required.
             kvbm_router::dump::start(config, workers, bootstrap.as_deref())
-                .context("subscribing to the workers")
+                .context("starting the router")
         })
         .await??;
         let router = Arc::new(router);

@@ -21,7 +21,8 @@
 //!   `kv_router_workers_file_errors_total`, `kv_router_bootstrap_refused_total{why}` (a
 //!   --bootstrap-from dump over a bound or otherwise refused), `kv_router_bootstrap_blocks`,
 //!   `kv_router_connections_deadline_total{phase}` (headers or body not in time),
-//!   `kv_router_connections_evicted_total` (closed to make room at --max-connections).
+//!   `kv_router_connections_evicted_total` (closed to make room at --max-connections),
+//!   `kv_router_bootstrap_workers_skipped_total` (workers of a --bootstrap-from dump left out).
 //! - `kv_router_subscriber_total{what}`: the ZMQ subscriber's counters (sequence anomalies,
 //!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
 //!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
@@ -101,6 +102,9 @@ pub struct RouterMetrics {
     /// HTTP connections closed to make room for a new one while --max-connections were open (the
     /// oldest that was not being answered: still sending its request, or idle between requests).
     pub connections_evicted: IntCounter,
+    /// `kv_router_bootstrap_workers_skipped_total`: workers of a --bootstrap-from dump left out
+    /// with their holdings (they fail POST /register's checks and --workers does not give them).
+    pub bootstrap_workers_skipped: IntCounter,
 }
 
 /// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
@@ -283,7 +287,7 @@ impl RouterMetrics {
                 IntCounterVec::new(
                     Opts::new(
                         "kv_router_bootstrap_refused_total",
-                        "--bootstrap-from dumps refused (the router started without them), by \
+                        "--bootstrap-from dumps refused or failed (the router started without them), by \
                          why: bytes, workers, blocks, worker, duplicate, timeout, fetch, malformed",
                     ),
                     &["why"],
@@ -304,6 +308,11 @@ impl RouterMetrics {
                 "kv_router_connections_evicted_total",
                 "HTTP connections closed to make room for a new one while --max-connections were \
                  open (the oldest still sending its request or idle between requests)",
+            ),
+            bootstrap_workers_skipped: counter(
+                "kv_router_bootstrap_workers_skipped_total",
+                "Workers of the --bootstrap-from dump left out with their holdings: they fail the \
+                 checks of POST /register (tcp:// endpoints only) and --workers does not give them",
             ),
             registry,
         }

@@ -1,6 +1,7 @@
 //! Bounds on what the router reads from outside at start and while it runs: a sibling's dump
 //! (`--bootstrap-from`) and the workers file (`--workers-file`).
 
+use std::collections::HashSet;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -128,6 +129,7 @@ fn limits() -> DumpLimits {
         bytes: 1 << 40,
         deadline: Some(Instant::now() + Duration::from_secs(20)),
         check_workers: true,
+        local: HashSet::new(),
     }
 }
 
@@ -194,12 +196,20 @@ fn both_forms(dump: &Dump) -> [(bool, Vec<u8>); 2] {
     [(false, ndjson), (true, msgpack)]
 }
 
-fn read(msgpack: bool, bytes: &[u8], limits: &DumpLimits) -> Result<Dump, dump::DumpError> {
+fn read_counted(
+    msgpack: bool,
+    bytes: &[u8],
+    limits: &DumpLimits,
+) -> Result<dump::Bootstrap, dump::DumpError> {
     if msgpack {
         dump::read_msgpack_with(bytes, BLOCK, limits)
     } else {
         dump::read_with(bytes, BLOCK, limits)
     }
+}
+
+fn read(msgpack: bool, bytes: &[u8], limits: &DumpLimits) -> Result<Dump, dump::DumpError> {
+    read_counted(msgpack, bytes, limits).map(|b| b.dump)
 }
 
 #[test]
@@ -311,8 +321,39 @@ fn a_sibling_that_dribbles_its_dump_is_given_up_at_the_deadline() {
     drop(sibling);
 }
 
+/// `dump` as a sibling serves it (NDJSON, once).
+fn serving(dump: &Dump) -> Sibling {
+    let mut text = Vec::new();
+    dump::write(dump, &mut text).unwrap();
+    Sibling::start(String::from_utf8(text).unwrap(), Duration::ZERO, |_| {
+        String::new()
+    })
+}
+
+/// A dump of `workers` workers at loopback ports nothing listens on, without replay endpoints,
+/// with `holds` holdings and engine hashes each.
+fn reachable(workers: u64, holds: u64) -> Dump {
+    let mut d = sample(workers, holds);
+    for (w, _) in &mut d.workers {
+        w.endpoint = format!("tcp://127.0.0.1:{}", 1 + w.worker_id);
+        w.replay_endpoint = None;
+        w.http_url = None;
+    }
+    d
+}
+
+fn keys(router: &Router) -> Vec<(u64, u32)> {
+    let mut k: Vec<_> = router
+        .workers()
+        .iter()
+        .map(|(w, ..)| (w.worker_id, w.dp_rank))
+        .collect();
+    k.sort_unstable();
+    k
+}
+
 #[test]
-fn a_dump_naming_a_worker_register_would_refuse_is_refused() {
+fn a_dump_worker_register_would_refuse_is_left_out_with_its_holdings() {
     let bad: [(&str, Option<&str>, Option<&str>); 9] = [
         ("ipc:///tmp/router.sock", None, None),
         ("inproc://router-internal", None, None),
@@ -325,32 +366,185 @@ fn a_dump_naming_a_worker_register_would_refuse_is_refused() {
         ("tcp://h:notaport", None, None),
     ];
     for (endpoint, replay, http) in bad {
-        let mut d = sample(2, 3);
+        let mut d = sample(3, 3);
         d.workers[1].0.endpoint = endpoint.into();
         d.workers[1].0.replay_endpoint = replay.map(Into::into);
         d.workers[1].0.http_url = http.map(Into::into);
         for (msgpack, bytes) in both_forms(&d) {
-            let e = read(msgpack, &bytes, &limits()).unwrap_err();
-            assert_eq!(e.why, "worker", "{endpoint} {replay:?} {http:?}: {e}");
-            // Without the checks (a dump read for inspection) it reads.
+            let b = read_counted(msgpack, &bytes, &limits()).unwrap();
+            assert_eq!(b.skipped, 1, "{endpoint} {replay:?} {http:?}");
+            let kept: Vec<_> = b.dump.workers.iter().map(|(w, _)| w.worker_id).collect();
+            assert_eq!(kept, [0, 2], "{endpoint} {replay:?} {http:?}");
+            assert!(b
+                .dump
+                .workers
+                .iter()
+                .all(|(w, s)| s.worker.0 == w.worker_id));
+            // Given locally, it is kept unchecked (followed at the local endpoints).
+            let mut l = limits();
+            l.local.insert((1, 1));
+            let b = read_counted(msgpack, &bytes, &l).unwrap();
+            assert_eq!((b.skipped, b.dump.workers.len()), (0, 3));
+            // Without the checks (a dump read for inspection) it reads whole.
             let mut l = limits();
             l.check_workers = false;
-            read(msgpack, &bytes, &l).unwrap();
+            assert_eq!(read(msgpack, &bytes, &l).unwrap().workers.len(), 3);
         }
     }
-    // Served by a sibling: the router starts without the dump, and says why.
-    let mut d = sample(1, 3);
-    d.workers[0].0.endpoint = "ipc:///tmp/router.sock".into();
-    let mut text = Vec::new();
-    dump::write(&d, &mut text).unwrap();
-    let text = String::from_utf8(text).unwrap();
-    let sibling = Sibling::start(text, Duration::ZERO, |_| String::new());
+    // Workers left out are bounded too (by --max-workers again).
+    let mut d = sample(4, 1);
+    for (w, _) in &mut d.workers {
+        w.endpoint = "ipc:///tmp/x".into();
+    }
+    for (msgpack, bytes) in both_forms(&d) {
+        let mut l = limits();
+        l.workers = 3;
+        assert_eq!(read(msgpack, &bytes, &l).unwrap_err().why, "workers");
+    }
+
+    // Served by a sibling: the router starts with the others, and counts the one left out.
+    let mut d = reachable(2, 3);
+    d.workers[1].0.endpoint = "ipc:///tmp/kvbm-router-test-none.sock".into();
+    let sibling = serving(&d);
     let router = dump::start(config(), Vec::new(), Some(&sibling.url)).unwrap();
-    assert!(router.workers().is_empty());
+    assert_eq!(keys(&router), [(0, 0)]);
+    assert_eq!(metric(&router, "kv_router_bootstrap_blocks"), 3.0);
     assert_eq!(
-        metric(&router, "kv_router_bootstrap_refused_total{why=\"worker\"}"),
+        metric(&router, "kv_router_bootstrap_workers_skipped_total"),
         1.0
     );
+    assert_eq!(
+        metric(&router, "kv_router_bootstrap_refused_total{why=\"worker\"}"),
+        0.0
+    );
+    drop(router);
+    drop(sibling);
+
+    // A single-node setup: the ipc:// worker is given locally too, and restored.
+    let mut d = reachable(1, 3);
+    d.workers[0].0.endpoint = "ipc:///tmp/kvbm-router-test-none.sock".into();
+    let sibling = serving(&d);
+    let local = kvbm_router::parse_workers("0=ipc:///tmp/kvbm-router-test-none.sock").unwrap();
+    let router = dump::start(config(), local, Some(&sibling.url)).unwrap();
+    assert_eq!(keys(&router), [(0, 0)]);
+    assert_eq!(metric(&router, "kv_router_bootstrap_blocks"), 3.0);
+    assert_eq!(
+        metric(&router, "kv_router_bootstrap_workers_skipped_total"),
+        0.0
+    );
+}
+
+#[test]
+fn local_workers_keep_their_room_beside_a_dump_at_max_workers() {
+    let mut config = config();
+    config.max_workers = 4;
+    // Four workers in the dump and a fifth given locally: the dump no longer fits.
+    let sibling = serving(&reachable(4, 2));
+    let local = kvbm_router::parse_workers("9=tcp://127.0.0.1:2").unwrap();
+    let router = dump::start(config.clone(), local, Some(&sibling.url)).unwrap();
+    assert_eq!(keys(&router), [(9, 0)]);
+    assert_eq!(
+        metric(
+            &router,
+            "kv_router_bootstrap_refused_total{why=\"workers\"}"
+        ),
+        1.0
+    );
+    drop(router);
+    drop(sibling);
+    // A local worker the dump names takes no more room.
+    let sibling = serving(&reachable(4, 2));
+    let local = kvbm_router::parse_workers("3=tcp://127.0.0.1:2").unwrap();
+    let router = dump::start(config.clone(), local, Some(&sibling.url)).unwrap();
+    assert_eq!(keys(&router), [(0, 0), (1, 1), (2, 2), (3, 0)]);
+    assert_eq!(metric(&router, "kv_router_bootstrap_blocks"), 8.0);
+    drop(router);
+    drop(sibling);
+    // Three in the dump and one given locally: all four.
+    let sibling = serving(&reachable(3, 2));
+    let local = kvbm_router::parse_workers("9=tcp://127.0.0.1:2").unwrap();
+    let router = dump::start(config, local, Some(&sibling.url)).unwrap();
+    assert_eq!(keys(&router), [(0, 0), (1, 1), (2, 2), (9, 0)]);
+    // The bound as the reader applies it, and its message.
+    for (msgpack, bytes) in both_forms(&reachable(4, 1)) {
+        let mut l = limits();
+        l.workers = 4;
+        l.local.insert((9, 0));
+        let e = read(msgpack, &bytes, &l).unwrap_err();
+        assert_eq!(e.why, "workers", "{e}");
+        assert!(e.to_string().contains("--max-workers=4"), "{e}");
+        // Only the one it names: fits.
+        l.local = HashSet::from([(3, 0)]);
+        assert_eq!(read(msgpack, &bytes, &l).unwrap().workers.len(), 4);
+    }
+}
+
+/// A loopback URL where nothing listens.
+fn nobody() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", listener.local_addr().unwrap())
+}
+
+#[test]
+fn a_required_bootstrap_that_fails_or_is_refused_stops_the_start() {
+    let mut required = config();
+    required.bootstrap_required = true;
+    // The sibling is down.
+    let url = nobody();
+    let e = dump::start(required.clone(), Vec::new(), Some(&url))
+        .map(|_| "started")
+        .unwrap_err();
+    let e = e.to_string();
+    assert!(
+        e.contains("--bootstrap-required") && e.contains(&url),
+        "{e}"
+    );
+    // Without the flag: started empty, counted.
+    let router = dump::start(config(), Vec::new(), Some(&url)).unwrap();
+    assert!(router.workers().is_empty());
+    assert_eq!(
+        metric(&router, "kv_router_bootstrap_refused_total{why=\"fetch\"}"),
+        1.0
+    );
+    drop(router);
+    // The dump is over a bound.
+    let sibling = serving(&reachable(3, 2));
+    required.bootstrap_max_blocks = 5;
+    let e = dump::start(required.clone(), Vec::new(), Some(&sibling.url))
+        .map(|_| "started")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--bootstrap-max-blocks"), "{e}");
+    drop(sibling);
+    // A good dump starts.
+    let sibling = serving(&reachable(3, 2));
+    required.bootstrap_max_blocks = 6;
+    let router = dump::start(required, Vec::new(), Some(&sibling.url)).unwrap();
+    assert_eq!(keys(&router).len(), 3);
+}
+
+#[test]
+fn a_sibling_that_accepts_and_never_answers_is_a_timeout() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let holder = std::thread::spawn(move || {
+        let Ok((mut stream, _)) = listener.accept() else {
+            return;
+        };
+        // Reads the request and whatever follows, answering nothing, until the reader hangs up.
+        stream
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .unwrap();
+        let _ = std::io::copy(&mut stream, &mut std::io::sink());
+    });
+    let mut l = limits();
+    l.deadline = Some(Instant::now() + Duration::from_secs(1));
+    let started = Instant::now();
+    let e = dump::fetch(&url, BLOCK, &l).unwrap_err();
+    assert_eq!(e.why, "timeout", "{e}");
+    assert!(e.to_string().contains("--bootstrap-timeout-secs"), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    holder.join().unwrap();
 }
 
 /// CPU time this thread has used (unlike the wall clock, the same on a busy machine).
