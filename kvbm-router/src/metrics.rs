@@ -87,6 +87,21 @@ pub struct RouterMetrics {
     pub worker_failures: IntCounter,
     /// The OpenAI front end's metrics.
     pub frontend: FrontendMetrics,
+    /// `kv_router_subscriber_sockets`: ZMQ sockets the event subscriber holds open (three per
+    /// registered worker, one more during a replay).
+    pub subscriber_sockets: IntGauge,
+    /// `kv_router_subscriber_zmq_contexts`: ZMQ contexts open (one per 200 workers).
+    pub subscriber_contexts: IntGauge,
+    /// `kv_router_claim_suspensions_total`: times a worker's event link was lost and its blocks
+    /// stopped counting until its next batch.
+    pub claim_suspensions: IntCounter,
+    /// `kv_router_claims_suspended`: workers whose blocks do not count now.
+    pub claims_suspended: IntGauge,
+    /// `kv_router_max_workers`: workers that may be registered (--max-workers, lowered at start
+    /// when the open-files limit cannot hold them).
+    pub max_workers: IntGauge,
+    /// `kv_router_open_files_limit`: the process's open-files limit (RLIMIT_NOFILE, soft).
+    pub open_files_limit: IntGauge,
 }
 
 /// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
@@ -264,6 +279,33 @@ impl RouterMetrics {
                  routing for --worker-failure-cooldown-secs",
             ),
             frontend: FrontendMetrics::new(&registry),
+            subscriber_sockets: gauge(
+                "kv_router_subscriber_sockets",
+                "ZMQ sockets the event subscriber holds open (three per registered worker, one \
+                 more during a replay)",
+            ),
+            subscriber_contexts: gauge(
+                "kv_router_subscriber_zmq_contexts",
+                "ZMQ contexts the event subscriber holds open (one per 200 workers)",
+            ),
+            claim_suspensions: counter(
+                "kv_router_claim_suspensions_total",
+                "Times a worker's event link was lost and its blocks stopped counting until its \
+                 next batch showed whether it restarted",
+            ),
+            claims_suspended: gauge(
+                "kv_router_claims_suspended",
+                "Workers whose indexed blocks do not count now (event link lost, state unknown)",
+            ),
+            max_workers: gauge(
+                "kv_router_max_workers",
+                "Workers that may be registered (--max-workers, lowered at start when the \
+                 open-files limit cannot hold them)",
+            ),
+            open_files_limit: gauge(
+                "kv_router_open_files_limit",
+                "The process's open-files limit (RLIMIT_NOFILE, soft), as raised at start",
+            ),
             registry,
         }
     }

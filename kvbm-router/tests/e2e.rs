@@ -1001,3 +1001,87 @@ fn a_vllm_worker_publishing_its_own_hashes_is_routed_to() {
         3.0
     );
 }
+
+/// Open file descriptors of a process.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// Registering, re-registering and unregistering workers many times over (far beyond the 341
+/// registrations after which every ZMQ socket of the context used to be taken, since
+/// unregistering never freed a worker's sockets) leaves the router's open files and sockets as
+/// they were; then as many workers as the default --max-workers allows can be registered at once.
+#[test]
+fn registrations_release_their_sockets_and_max_workers_is_reachable() {
+    let ctx = zmq::Context::new();
+    let w = Worker::new(&ctx, 1, 0, false);
+    let router = RouterProcess::start(&w.spec());
+    w.wait_for_subscriber();
+    let pid = router.child.id();
+    let register = |id: u64| {
+        router.ok(
+            "POST",
+            "/register",
+            Some(json!({ "worker_id": id, "endpoint": w.endpoint })),
+        )
+    };
+    let unregister = |id: u64| {
+        router.ok(
+            "POST",
+            "/unregister",
+            Some(json!({ "worker_id": id, "dp_rank": 0 })),
+        )
+    };
+    let sockets = || router.metric("kv_router_subscriber_sockets ");
+    let (fds_before, sockets_before) = (open_fds(pid), sockets());
+    assert_eq!(
+        sockets_before, 3.0,
+        "one worker: its SUB socket and its monitor's two"
+    );
+    for round in 0..400 {
+        let id = 100 + round % 7;
+        register(id);
+        // The same worker again: its old sockets are freed, not kept.
+        register(id);
+        unregister(id);
+        // Re-registering the first worker replaces its subscription too.
+        if round % 2 == 0 {
+            register(1);
+        }
+    }
+    // 1,000 registrations. ZMQ frees closed sockets asynchronously: wait for it.
+    wait_until("the open files to come back", || {
+        open_fds(pid) <= fds_before + 8
+    });
+    assert_eq!(sockets(), sockets_before);
+    register(2);
+    unregister(2);
+    // The default --max-workers, all at once.
+    let max = kvbm_router::config::MAX_WORKERS_DEFAULT;
+    assert_eq!(router.metric("kv_router_max_workers "), max as f64);
+    let fleet: Vec<u64> = (1000..1000 + max as u64 - 1).collect();
+    // Four clients at a time, to keep the test short.
+    let each = |f: &(dyn Fn(u64) -> Value + Sync)| {
+        std::thread::scope(|scope| {
+            for part in fleet.chunks(fleet.len().div_ceil(4)) {
+                scope.spawn(move || part.iter().for_each(|&id| drop(f(id))));
+            }
+        });
+    };
+    each(&register);
+    assert_eq!(router.metric("kv_router_workers "), max as f64);
+    let (status, v) = router.call(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": 5000, "endpoint": w.endpoint })),
+    );
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(sockets(), 3.0 * max as f64);
+    each(&unregister);
+    wait_until("the open files to come back after the fleet", || {
+        open_fds(pid) <= fds_before + 8
+    });
+    assert_eq!(sockets(), sockets_before);
+}
