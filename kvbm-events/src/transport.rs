@@ -42,6 +42,18 @@
 //!   sequence gap and replays it (or reports it unfilled).
 //! - Each worker's connection state (connected, retrying, time of the last message) comes from
 //!   its SUB socket's monitor and is queryable with [`ZmqSubscriber::links`].
+//! - A worker holds three ZMQ sockets (SUB, libzmq's monitor socket, the PAIR reading it), a
+//!   fourth during a replay, and a wake-up socket pair; all are freed when it is removed or
+//!   replaced (the monitor is stopped before the SUB socket closes: libzmq frees neither
+//!   otherwise). Workers share ZMQ contexts [`WORKERS_PER_CONTEXT`] at a time, well within
+//!   libzmq's 1023 sockets per context; a context left empty is closed (the first aside).
+//!   [`SubscriberStats::sockets_open`] and [`SubscriberStats::contexts_open`] count them.
+//! - A lost connection (the SUB socket's monitor saw an established connection go) is reported
+//!   as [`SubscriberEvent::LinkLost`] before anything received over a new connection; the first
+//!   batch over the new connection is a restart when numbered below the expected one (a
+//!   publisher never resends what a lost connection missed), never a duplicate.
+//! - A connection ZMQ dropped without retrying it after its handshake (a frame over
+//!   `ZMQ_MAXMSGSIZE`; libzmq gives no reason) is counted in [`SubscriberStats::oversized`].
 
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
@@ -538,7 +550,9 @@ pub struct SubscriberStats {
     pub batches: AtomicU64,
     /// Payloads that did not decode.
     pub undecodable: AtomicU64,
-    /// Payloads over [`SubscriberOptions::max_message_bytes`], reported without being decoded.
+    /// Payloads over [`SubscriberOptions::max_message_bytes`], reported without being decoded,
+    /// and frames over [`SubscriberOptions::zmq_max_message_bytes`], which ZMQ refuses by
+    /// dropping the connection (counted when the subscriber connects again).
     pub oversized: AtomicU64,
     /// Messages of the wrong shape (frames), on the live stream or in a replay.
     pub malformed: AtomicU64,

@@ -20,9 +20,14 @@
 //!   `kv_router_workers_refused_total` (registrations beyond --max-workers),
 //!   `kv_router_workers_file_errors_total`.
 //! - `kv_router_subscriber_total{what}`: the ZMQ subscriber's counters (sequence anomalies,
-//!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
-//!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
-//!   water mark, and the gap is replayed; every wait is counted here).
+//!   oversized payloads and frames, replays, and `sink_waits`: the overflow policy of the
+//!   bounded queue between subscriber and index is to wait, so ZMQ's own buffers fill and drop
+//!   at their high water mark, and the gap is replayed; every wait is counted here).
+//! - `kv_router_subscriber_sockets`, `kv_router_subscriber_zmq_contexts` (ZMQ resources held
+//!   for the registered workers), `kv_router_max_workers` (--max-workers as in force, lowered at
+//!   start when the open-files limit cannot hold it), `kv_router_open_files_limit`.
+//! - `kv_router_claim_suspensions_total`, `kv_router_claims_suspended`: workers whose event link
+//!   was lost, their blocks not counted until their next batch shows whether they restarted.
 //! - OpenAI front end ([`FrontendMetrics`]): Dynamo's `dynamo_frontend_requests_total{model,
 //!   endpoint, request_type, status}`, `dynamo_frontend_inflight_requests`,
 //!   `dynamo_frontend_time_to_first_token_seconds`, `dynamo_frontend_request_duration_seconds`,

@@ -1234,3 +1234,51 @@ fn a_frame_over_zmqs_bound_is_counted_as_oversized_and_later_batches_apply() {
         1.0
     );
 }
+
+/// Under an open-files limit too low for --max-workers (hard limit 2,048 here), the router
+/// lowers --max-workers to what fits, says so in /metrics, and refuses registrations beyond it.
+#[test]
+fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
+    let mut child = Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -n 2048 && exec \"$0\" \"$@\"",
+            env!("CARGO_BIN_EXE_kvbm-router"),
+            "--http-port",
+            "0",
+            "--max-connections",
+            "64",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("kvbm-router listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    let router = RouterProcess { child, base };
+    // (2048 - 256 reserved - 64 connections) / 16 files per worker.
+    let fit = (2048 - 256 - 64) / 16;
+    assert_eq!(router.metric("kv_router_max_workers "), fit as f64);
+    assert_eq!(router.metric("kv_router_open_files_limit "), 2048.0);
+    for id in 0..fit {
+        router.ok(
+            "POST",
+            "/register",
+            Some(json!({ "worker_id": id, "endpoint": "tcp://127.0.0.1:1" })),
+        );
+    }
+    let (status, v) = router.call(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": fit, "endpoint": "tcp://127.0.0.1:1" })),
+    );
+    assert_eq!(status, 429, "{v}");
+    assert!(v.to_string().contains("--max-workers"), "{v}");
+}
