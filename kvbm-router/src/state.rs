@@ -549,21 +549,27 @@ impl Router {
             .values()
             .map(|info| {
                 let key = (info.worker_id, info.dp_rank);
-                let snapshot = snapshots
+                let found = snapshots
                     .iter()
                     .position(|s| s.worker == key)
-                    .map(|i| snapshots.swap_remove(i))
-                    .unwrap_or(kvbm_events::router::WorkerSnapshot {
-                        worker: key,
-                        ..Default::default()
-                    });
+                    .map(|i| snapshots.swap_remove(i));
+                // A worker whose claims are suspended may be a new process: its sibling gets
+                // none of its blocks and follows it from the start.
+                let suspended = info.claims_suspended;
+                let snapshot =
+                    found
+                        .filter(|_| !suspended)
+                        .unwrap_or(kvbm_events::router::WorkerSnapshot {
+                            worker: key,
+                            ..Default::default()
+                        });
                 (
                     DumpWorker {
                         worker_id: info.worker_id,
                         dp_rank: info.dp_rank,
                         endpoint: info.endpoint.clone(),
                         replay_endpoint: info.replay_endpoint.clone(),
-                        last_seq: info.last_seq,
+                        last_seq: info.last_seq.filter(|_| !suspended),
                         http_url: info.http_url.clone(),
                     },
                     snapshot,

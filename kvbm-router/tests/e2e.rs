@@ -1150,6 +1150,17 @@ fn a_worker_back_on_its_endpoint_is_not_credited_until_its_sequence_says_who_it_
     assert_eq!(overlap_of(&query(), 1), (0, 0, 0));
     assert_eq!(router.metric("kv_router_claims_suspended "), 1.0);
     assert_eq!(router.metric("kv_router_claim_suspensions_total "), 1.0);
+    // A sibling bootstrapping now would get none of its blocks, and follow it from the start.
+    let response = ureq::get(&format!("{}/dump", router.base)).call().unwrap();
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut response.into_reader(), &mut bytes).unwrap();
+    let dumped = dump::read(&bytes[..], BLOCK, 1 << 20).unwrap();
+    let (info, snapshot) = dumped
+        .workers
+        .iter()
+        .find(|(w, _)| w.worker_id == 1)
+        .unwrap();
+    assert_eq!((info.last_seq, snapshot.holdings.len()), (None, 0));
     // Routable by load: with no blocks to go by, it may be chosen.
     let (status, _) = router.call("POST", "/route", Some(json!({ "token_ids": tokens })));
     assert_eq!(status, 200);
