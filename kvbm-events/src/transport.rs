@@ -42,9 +42,24 @@
 //!   sequence gap and replays it (or reports it unfilled).
 //! - Each worker's connection state (connected, retrying, time of the last message) comes from
 //!   its SUB socket's monitor and is queryable with [`ZmqSubscriber::links`].
+//! - A worker holds three ZMQ sockets (SUB, libzmq's monitor socket, the PAIR reading it), a
+//!   fourth during a replay, and a wake-up socket pair; all are freed when it is removed or
+//!   replaced (the monitor is stopped before the SUB socket closes: libzmq frees neither
+//!   otherwise). Workers share ZMQ contexts [`WORKERS_PER_CONTEXT`] at a time, well within
+//!   libzmq's 1023 sockets per context; a context left empty is closed (the first aside).
+//!   [`SubscriberStats::sockets_open`] and [`SubscriberStats::contexts_open`] count them.
+//! - A lost connection (the SUB socket's monitor saw an established connection go) is reported
+//!   as [`SubscriberEvent::LinkLost`] before anything received over a new connection; the first
+//!   batch over the new connection is a restart when numbered below the expected one (a
+//!   publisher never resends what a lost connection missed), never a duplicate.
+//! - A connection ZMQ dropped without retrying it after its handshake (a frame over
+//!   `ZMQ_MAXMSGSIZE`; libzmq gives no reason) is counted in [`SubscriberStats::oversized`].
 
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -428,8 +443,20 @@ pub enum SubscriberEvent {
     },
     /// The worker's sequence went back to 0, or further back than [`DUPLICATE_WINDOW`]: it
     /// restarted (or its sequence is not to be trusted), its earlier state is gone. The batches
-    /// that follow are the new sequence's (a gap if its beginning was not seen).
+    /// that follow are the new sequence's (a gap if its beginning was not seen). After a lost
+    /// connection, any batch below the expected number is a restart (see
+    /// [`SubscriberEvent::LinkLost`]).
     Restart {
+        /// Worker id and dp rank.
+        worker: (u64, u32),
+    },
+    /// The connection to the worker was lost (its process may have died). Until the next
+    /// [`SubscriberEvent::Batch`] or [`SubscriberEvent::Restart`] of this worker, whether its
+    /// earlier state still stands is unknown: the first batch received over the new connection
+    /// says it, as a continuation of the sequence (or a gap above it), or as a restart (a
+    /// sequence number below the expected one, which after a lost connection is never taken for
+    /// a duplicate).
+    LinkLost {
         /// Worker id and dp rank.
         worker: (u64, u32),
     },
@@ -465,6 +492,13 @@ const RECV_BURST: usize = 256;
 /// re-creates the SUB socket itself (ZMQ does not retry after a protocol error, such as a frame
 /// over `ZMQ_MAXMSGSIZE` or a failed handshake).
 pub const RESUBSCRIBE_DELAY: Duration = Duration::from_secs(1);
+
+/// Workers followed per ZMQ context at most. Each worker holds three ZMQ sockets (its SUB
+/// socket, the SUB socket's monitor and the PAIR reading it) and a fourth during a replay, and a
+/// closed socket is freed asynchronously; libzmq allows 1023 sockets per context by default
+/// (`ZMQ_MAX_SOCKETS`, which the zmq crate cannot set), so the subscriber opens one more context
+/// for every this many workers, each with room to spare.
+pub const WORKERS_PER_CONTEXT: usize = 200;
 
 /// How the subscriber treats its peers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -516,7 +550,9 @@ pub struct SubscriberStats {
     pub batches: AtomicU64,
     /// Payloads that did not decode.
     pub undecodable: AtomicU64,
-    /// Payloads over [`SubscriberOptions::max_message_bytes`], reported without being decoded.
+    /// Payloads over [`SubscriberOptions::max_message_bytes`], reported without being decoded,
+    /// and frames over [`SubscriberOptions::zmq_max_message_bytes`], which ZMQ refuses by
+    /// dropping the connection (counted when the subscriber connects again).
     pub oversized: AtomicU64,
     /// Messages of the wrong shape (frames), on the live stream or in a replay.
     pub malformed: AtomicU64,
@@ -536,6 +572,11 @@ pub struct SubscriberStats {
     pub replay_failures: AtomicU64,
     /// Times a worker thread found the sink full and waited.
     pub sink_waits: AtomicU64,
+    /// A gauge, not a counter: ZMQ sockets open now for the workers (each worker's SUB socket,
+    /// its monitor and the monitor's reader, and replay sockets in use).
+    pub sockets_open: AtomicU64,
+    /// A gauge: ZMQ contexts open now (one per [`WORKERS_PER_CONTEXT`] workers).
+    pub contexts_open: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -636,7 +677,9 @@ impl std::fmt::Debug for ZmqSubscriber {
 
 /// What every worker thread shares.
 struct Shared {
-    ctx: zmq::Context,
+    /// ZMQ contexts, each with the number of workers using it; one left empty is closed (the
+    /// first one aside), its slot reused.
+    contexts: Mutex<Vec<Option<(zmq::Context, usize)>>>,
     sink: Sender<SubscriberEvent>,
     options: SubscriberOptions,
     stats: SubscriberStats,
@@ -644,17 +687,95 @@ struct Shared {
     monitors: AtomicU64,
 }
 
+impl Shared {
+    /// A context with room for one more worker (a new one if every context is full).
+    fn lease_context(self: &Arc<Self>) -> ContextLease {
+        let mut contexts = self.contexts.lock();
+        let room = contexts
+            .iter()
+            .position(|c| c.as_ref().is_some_and(|(_, n)| *n < WORKERS_PER_CONTEXT));
+        let slot = room.unwrap_or_else(|| {
+            bump(&self.stats.contexts_open);
+            let fresh = Some((zmq::Context::new(), 0));
+            match contexts.iter().position(Option::is_none) {
+                Some(free) => {
+                    contexts[free] = fresh;
+                    free
+                }
+                None => {
+                    contexts.push(fresh);
+                    contexts.len() - 1
+                }
+            }
+        });
+        let (ctx, n) = contexts[slot].as_mut().expect("a context in the slot");
+        *n += 1;
+        ContextLease {
+            ctx: ctx.clone(),
+            slot,
+            shared: self.clone(),
+        }
+    }
+}
+
+/// One worker's share of a ZMQ context; given back when dropped.
+struct ContextLease {
+    ctx: zmq::Context,
+    slot: usize,
+    shared: Arc<Shared>,
+}
+
+impl Drop for ContextLease {
+    fn drop(&mut self) {
+        let closed = {
+            let mut contexts = self.shared.contexts.lock();
+            match contexts.get_mut(self.slot) {
+                Some(Some((_, n))) => {
+                    *n = n.saturating_sub(1);
+                    if *n == 0 && self.slot > 0 {
+                        contexts[self.slot].take()
+                    } else {
+                        None
+                    }
+                }
+                _ => None,
+            }
+        };
+        if closed.is_some() {
+            let _ = self.shared.stats.contexts_open.fetch_update(
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+                |v| Some(v.saturating_sub(1)),
+            );
+        }
+        // The context itself closes (waiting for libzmq to free its closed sockets) when its
+        // last handle, `self.ctx`, drops, outside the lock.
+        drop(closed);
+    }
+}
+
 /// A running worker thread.
 struct WorkerThread {
     stop: Arc<AtomicBool>,
+    /// Closed (or written to) to wake the thread at once when it is to stop.
+    wake: Option<UnixStream>,
     link: Arc<Mutex<LinkStatus>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl WorkerThread {
+    /// Tells the thread to stop and wakes it, without waiting.
+    fn signal_stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(mut wake) = self.wake.take() {
+            // The thread polls the other end: a byte (or the end of the stream) wakes it.
+            let _ = wake.write(&[1]);
+        }
+    }
+
     /// Stops the thread and waits for it: nothing of this worker is reported afterwards.
     fn stop_and_join(mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.signal_stop();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -678,7 +799,7 @@ impl ZmqSubscriber {
     ) -> Result<Self, TransportError> {
         let subscriber = Self {
             shared: Arc::new(Shared {
-                ctx: zmq::Context::new(),
+                contexts: Mutex::new(Vec::new()),
                 sink,
                 options,
                 stats: SubscriberStats::default(),
@@ -718,18 +839,28 @@ impl ZmqSubscriber {
             }
             let stop = Arc::new(AtomicBool::new(false));
             let link = Arc::new(Mutex::new(LinkStatus::new(&worker.endpoint, next_seq)));
-            let (sub, monitor) = connect(&self.shared, &worker)?;
+            let lease = self.shared.lease_context();
+            let (wake_tx, wake) = UnixStream::pair().map_err(|e| TransportError::Zmq {
+                call: "socketpair",
+                endpoint: worker.endpoint.clone(),
+                error: e.to_string(),
+            })?;
+            let conn = connect(&self.shared, &lease.ctx, &worker)?;
             let follower = Follower {
                 key,
                 endpoint: worker.clone(),
-                sub,
-                monitor,
+                conn,
+                lease,
+                wake,
                 shared: self.shared.clone(),
                 stop: stop.clone(),
                 link: link.clone(),
                 expected: next_seq,
                 sink_open: true,
                 resubscribe_at: Cell::new(None),
+                loss: Cell::new(Loss::None),
+                loss_unreported: Cell::new(false),
+                handshake_failed: Cell::new(false),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("kvbm-sub-{}-{}", key.0, key.1))
@@ -743,6 +874,7 @@ impl ZmqSubscriber {
                 key,
                 WorkerThread {
                     stop,
+                    wake: Some(wake_tx),
                     link,
                     thread: Some(thread),
                 },
@@ -791,10 +923,10 @@ impl ZmqSubscriber {
 
 impl Drop for ZmqSubscriber {
     fn drop(&mut self) {
-        let workers: Vec<WorkerThread> = self.workers.lock().drain().map(|(_, w)| w).collect();
+        let mut workers: Vec<WorkerThread> = self.workers.lock().drain().map(|(_, w)| w).collect();
         // Stop them all first, so that they wind down together.
-        for w in &workers {
-            w.stop.store(true, Ordering::Relaxed);
+        for w in &mut workers {
+            w.signal_stop();
         }
         for w in workers {
             w.stop_and_join();
@@ -802,12 +934,56 @@ impl Drop for ZmqSubscriber {
     }
 }
 
+/// A worker's SUB socket with its monitor. Dropping it frees both: the monitor is stopped first
+/// (libzmq never frees a socket whose monitor is still running, nor the monitor's sockets).
+struct Conn {
+    sub: zmq::Socket,
+    monitor: Option<zmq::Socket>,
+    shared: Arc<Shared>,
+}
+
+impl Conn {
+    /// ZMQ sockets it holds: the SUB socket, and with a monitor, libzmq's monitor socket and
+    /// the PAIR reading it.
+    fn sockets(&self) -> u64 {
+        if self.monitor.is_some() {
+            3
+        } else {
+            1
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        let n = self.sockets();
+        if let Some(monitor) = &self.monitor {
+            // What the monitor still holds, so that stopping it does not wait for room.
+            while let Ok(Some(_)) = recv_frames(monitor, 1) {}
+        }
+        let sub = self.sub.as_mut_ptr();
+        // SAFETY: `sub` is the live socket this Conn owns, used only by the thread dropping it;
+        // a null endpoint with no events is libzmq's way to stop a socket's monitor (a no-op
+        // when there is none); it closes libzmq's side of the monitor.
+        unsafe {
+            zmq_sys::zmq_socket_monitor(sub, std::ptr::null(), 0);
+        }
+        // Then the reader, then (as the fields drop) the SUB socket.
+        drop(self.monitor.take());
+        let _ = self.shared.stats.sockets_open.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |v| Some(v.saturating_sub(n)),
+        );
+    }
+}
+
 /// The worker's SUB socket, connecting, with its monitor (if the monitor could be set up).
 fn connect(
-    shared: &Shared,
+    shared: &Arc<Shared>,
+    ctx: &zmq::Context,
     w: &WorkerEndpoint,
-) -> Result<(zmq::Socket, Option<zmq::Socket>), TransportError> {
-    let ctx = &shared.ctx;
+) -> Result<Conn, TransportError> {
     let options = &shared.options;
     let socket = ctx
         .socket(zmq::SUB)
@@ -846,10 +1022,20 @@ fn connect(
             Ok(pair)
         })
         .ok();
-    socket
+    let conn = Conn {
+        sub: socket,
+        monitor,
+        shared: shared.clone(),
+    };
+    shared
+        .stats
+        .sockets_open
+        .fetch_add(conn.sockets(), Ordering::Relaxed);
+    // On failure, dropping `conn` frees what was made.
+    conn.sub
         .connect(&w.endpoint)
         .map_err(|e| zmq_err("connect", &w.endpoint, e))?;
-    Ok((socket, monitor))
+    Ok(conn)
 }
 
 /// A message read frame by frame, keeping at most the first few frames.
@@ -927,21 +1113,41 @@ enum ReplayItem {
 struct ReplayStream {
     dealer: zmq::Socket,
     deadline: Instant,
+    shared: Arc<Shared>,
+}
+
+impl Drop for ReplayStream {
+    fn drop(&mut self) {
+        let _ = self.shared.stats.sockets_open.fetch_update(
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+            |v| Some(v.saturating_sub(1)),
+        );
+    }
 }
 
 impl ReplayStream {
-    fn open(shared: &Shared, endpoint: &str, start_seq: u64) -> Result<Self, zmq::Error> {
-        let dealer = shared.ctx.socket(zmq::DEALER)?;
+    fn open(
+        shared: &Arc<Shared>,
+        ctx: &zmq::Context,
+        endpoint: &str,
+        start_seq: u64,
+    ) -> Result<Self, zmq::Error> {
+        let dealer = ctx.socket(zmq::DEALER)?;
+        bump(&shared.stats.sockets_open);
+        let stream = Self {
+            dealer,
+            deadline: Instant::now() + shared.options.replay_timeout,
+            shared: shared.clone(),
+        };
+        let dealer = &stream.dealer;
         dealer.set_linger(0)?;
         dealer.set_maxmsgsize(shared.options.zmq_max_message_bytes())?;
         dealer.connect(endpoint)?;
         let request: [&[u8]; 2] = [b"", &start_seq.to_be_bytes()];
         // Queued until connected; the deadline covers the wait.
         dealer.send_multipart(request, zmq::DONTWAIT)?;
-        Ok(Self {
-            dealer,
-            deadline: Instant::now() + shared.options.replay_timeout,
-        })
+        Ok(stream)
     }
 
     /// The next batch, the end, or why there is none; keeps the worker's monitor read and its
@@ -977,14 +1183,14 @@ impl ReplayStream {
             }
             let wait = left.min(STOP_POLL).as_millis().max(1) as i64;
             let monitor_ready = {
-                let mut items = vec![self.dealer.as_poll_item(zmq::POLLIN)];
-                if let Some(m) = &f.monitor {
+                let mut items = vec![self.dealer.as_poll_item(zmq::POLLIN), f.wake_item()];
+                if let Some(m) = &f.conn.monitor {
                     items.push(m.as_poll_item(zmq::POLLIN));
                 }
                 if zmq::poll(&mut items, wait).is_err() {
                     continue;
                 }
-                items.get(1).is_some_and(zmq::PollItem::is_readable)
+                items.get(2).is_some_and(zmq::PollItem::is_readable)
             };
             if monitor_ready {
                 f.read_monitor();
@@ -997,8 +1203,11 @@ impl ReplayStream {
 struct Follower {
     key: (u64, u32),
     endpoint: WorkerEndpoint,
-    sub: zmq::Socket,
-    monitor: Option<zmq::Socket>,
+    /// Declared before `lease`: the sockets go before the share of their context.
+    conn: Conn,
+    lease: ContextLease,
+    /// Readable when the thread is to stop.
+    wake: UnixStream,
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
     link: Arc<Mutex<LinkStatus>>,
@@ -1009,6 +1218,26 @@ struct Follower {
     /// When to re-create the SUB socket, if the connection was lost and ZMQ has not (yet) said
     /// that it retries.
     resubscribe_at: Cell<Option<Instant>>,
+    /// Where the worker stands after a lost connection.
+    loss: Cell<Loss>,
+    /// A lost connection not reported yet as [`SubscriberEvent::LinkLost`].
+    loss_unreported: Cell<bool>,
+    /// Whether the connection ZMQ last lost failed in its handshake (rather than being dropped
+    /// afterwards, which ZMQ does without retrying only on a protocol error: a frame over
+    /// `ZMQ_MAXMSGSIZE`).
+    handshake_failed: Cell<bool>,
+}
+
+/// A worker's connection history as far as its sequence is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Loss {
+    /// Nothing lost since the last message.
+    None,
+    /// The connection was lost and is not made again yet (messages still queued are the old
+    /// connection's).
+    Lost,
+    /// Connected again: the next message says whether the worker restarted.
+    Reconnected,
 }
 
 impl Follower {
@@ -1019,8 +1248,8 @@ impl Follower {
         let _ = ready.send(());
         while !self.stopping() {
             let (sub_ready, monitor_ready) = {
-                let mut items = vec![self.sub.as_poll_item(zmq::POLLIN)];
-                if let Some(m) = &self.monitor {
+                let mut items = vec![self.conn.sub.as_poll_item(zmq::POLLIN), self.wake_item()];
+                if let Some(m) = &self.conn.monitor {
                     items.push(m.as_poll_item(zmq::POLLIN));
                 }
                 if zmq::poll(&mut items, STOP_POLL.as_millis() as i64).is_err() {
@@ -1028,12 +1257,13 @@ impl Follower {
                 }
                 (
                     items[0].is_readable(),
-                    items.get(1).is_some_and(zmq::PollItem::is_readable),
+                    items.get(2).is_some_and(zmq::PollItem::is_readable),
                 )
             };
             if monitor_ready {
                 self.read_monitor();
             }
+            self.report_loss();
             if self
                 .resubscribe_at
                 .get()
@@ -1047,7 +1277,7 @@ impl Follower {
                     if self.stopping() {
                         break;
                     }
-                    match recv_frames(&self.sub, 3) {
+                    match recv_frames(&self.conn.sub, 3) {
                         Ok(Some(msg)) => self.receive(msg),
                         Ok(None) | Err(_) => break,
                     }
@@ -1060,12 +1290,31 @@ impl Follower {
         !self.sink_open || self.stop.load(Ordering::Relaxed)
     }
 
+    /// Reports a lost connection not reported yet.
+    fn report_loss(&mut self) {
+        if self.loss_unreported.replace(false) {
+            let worker = self.key;
+            self.emit(SubscriberEvent::LinkLost { worker });
+        }
+    }
+
+    /// The wake-up socket, to poll with the ZMQ sockets.
+    fn wake_item(&self) -> zmq::PollItem<'static> {
+        zmq::PollItem::from_fd(self.wake.as_raw_fd(), zmq::POLLIN)
+    }
+
     /// A new SUB socket (and monitor) in place of one ZMQ gave up on.
     fn resubscribe(&mut self) {
-        match connect(&self.shared, &self.endpoint) {
-            Ok((sub, monitor)) => {
-                self.sub = sub;
-                self.monitor = monitor;
+        if !self.handshake_failed.get() {
+            // ZMQ dropped an established connection without retrying it: a protocol error,
+            // which a well-formed publisher causes only with a frame over ZMQ_MAXMSGSIZE.
+            bump(&self.shared.stats.oversized);
+        }
+        self.handshake_failed.set(false);
+        match connect(&self.shared, &self.lease.ctx, &self.endpoint) {
+            Ok(conn) => {
+                // The old sockets (and their monitor) are freed as `conn` replaces them.
+                self.conn = conn;
                 self.resubscribe_at.set(None);
                 self.link.lock().resubscribes += 1;
             }
@@ -1077,7 +1326,7 @@ impl Follower {
 
     /// Applies what the socket monitor reported to the link.
     fn read_monitor(&self) {
-        let Some(monitor) = &self.monitor else {
+        let Some(monitor) = &self.conn.monitor else {
             return;
         };
         let connected = zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw();
@@ -1103,9 +1352,21 @@ impl Follower {
             let event = u16::from_le_bytes([event[0], event[1]]);
             if trying.contains(&event) {
                 self.resubscribe_at.set(None);
+                self.handshake_failed.set(false);
             } else if lost.contains(&event) {
                 self.resubscribe_at
                     .set(Some(Instant::now() + RESUBSCRIBE_DELAY));
+                if event != lost[0] {
+                    self.handshake_failed.set(true);
+                }
+            }
+            if event == lost[0] && !self.handshake_failed.get() {
+                // An established connection is gone: until a message over a new one says
+                // otherwise, the worker may have restarted.
+                self.loss.set(Loss::Lost);
+                self.loss_unreported.set(true);
+            } else if event == connected && self.loss.get() == Loss::Lost {
+                self.loss.set(Loss::Reconnected);
             }
             let mut link = self.link.lock();
             if event == connected {
@@ -1126,7 +1387,7 @@ impl Follower {
     /// Asks the replay socket for its batches from `from` on; None (counted) when it cannot.
     fn open_replay(&self, replay: &str, from: u64) -> Option<ReplayStream> {
         bump(&self.shared.stats.replay_requests);
-        let stream = ReplayStream::open(&self.shared, replay, from).ok();
+        let stream = ReplayStream::open(&self.shared, &self.lease.ctx, replay, from).ok();
         if stream.is_none() {
             bump(&self.shared.stats.replay_failures);
         }
@@ -1250,7 +1511,21 @@ impl Follower {
             });
             return;
         };
-        match classify(self.expected, seq) {
+        if self.loss.get() != Loss::None {
+            // The monitor says whether this message came over a new connection.
+            self.read_monitor();
+            self.report_loss();
+        }
+        let mut step = classify(self.expected, seq);
+        if self.loss.get() == Loss::Reconnected {
+            // The first message over a new connection: a publisher does not send again what a
+            // lost connection missed, so a number below the expected one is a new process's.
+            if seq < self.expected {
+                step = Step::Restart;
+            }
+            self.loss.set(Loss::None);
+        }
+        match step {
             Step::Next => {}
             Step::Duplicate => {
                 bump(&self.shared.stats.duplicates);

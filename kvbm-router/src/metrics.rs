@@ -24,9 +24,14 @@
 //!   `kv_router_connections_evicted_total` (closed to make room at --max-connections),
 //!   `kv_router_bootstrap_workers_skipped_total` (workers of a --bootstrap-from dump left out).
 //! - `kv_router_subscriber_total{what}`: the ZMQ subscriber's counters (sequence anomalies,
-//!   oversized payloads, replays, and `sink_waits`: the overflow policy of the bounded queue
-//!   between subscriber and index is to wait, so ZMQ's own buffers fill and drop at their high
-//!   water mark, and the gap is replayed; every wait is counted here).
+//!   oversized payloads and frames, replays, and `sink_waits`: the overflow policy of the
+//!   bounded queue between subscriber and index is to wait, so ZMQ's own buffers fill and drop
+//!   at their high water mark, and the gap is replayed; every wait is counted here).
+//! - `kv_router_subscriber_sockets`, `kv_router_subscriber_zmq_contexts` (ZMQ resources held
+//!   for the registered workers), `kv_router_max_workers` (--max-workers as in force, lowered at
+//!   start when the open-files limit cannot hold it), `kv_router_open_files_limit`.
+//! - `kv_router_claim_suspensions_total`, `kv_router_claims_suspended`: workers whose event link
+//!   was lost, their blocks not counted until their next batch shows whether they restarted.
 //! - OpenAI front end ([`FrontendMetrics`]): Dynamo's `dynamo_frontend_requests_total{model,
 //!   endpoint, request_type, status}`, `dynamo_frontend_inflight_requests`,
 //!   `dynamo_frontend_time_to_first_token_seconds`, `dynamo_frontend_request_duration_seconds`,
@@ -105,6 +110,21 @@ pub struct RouterMetrics {
     /// `kv_router_bootstrap_workers_skipped_total`: workers of a --bootstrap-from dump left out
     /// with their holdings (they fail POST /register's checks and --workers does not give them).
     pub bootstrap_workers_skipped: IntCounter,
+    /// `kv_router_subscriber_sockets`: ZMQ sockets the event subscriber holds open (three per
+    /// registered worker, one more during a replay).
+    pub subscriber_sockets: IntGauge,
+    /// `kv_router_subscriber_zmq_contexts`: ZMQ contexts open (one per 200 workers).
+    pub subscriber_contexts: IntGauge,
+    /// `kv_router_claim_suspensions_total`: times a worker's event link was lost and its blocks
+    /// stopped counting until its next batch.
+    pub claim_suspensions: IntCounter,
+    /// `kv_router_claims_suspended`: workers whose blocks do not count now.
+    pub claims_suspended: IntGauge,
+    /// `kv_router_max_workers`: workers that may be registered (--max-workers, lowered at start
+    /// when the open-files limit cannot hold them).
+    pub max_workers: IntGauge,
+    /// `kv_router_open_files_limit`: the process's open-files limit (RLIMIT_NOFILE, soft).
+    pub open_files_limit: IntGauge,
 }
 
 /// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
@@ -313,6 +333,33 @@ impl RouterMetrics {
                 "kv_router_bootstrap_workers_skipped_total",
                 "Workers of the --bootstrap-from dump left out with their holdings: they fail the \
                  checks of POST /register (tcp:// endpoints only) and --workers does not give them",
+            ),
+            subscriber_sockets: gauge(
+                "kv_router_subscriber_sockets",
+                "ZMQ sockets the event subscriber holds open (three per registered worker, one \
+                 more during a replay)",
+            ),
+            subscriber_contexts: gauge(
+                "kv_router_subscriber_zmq_contexts",
+                "ZMQ contexts the event subscriber holds open (one per 200 workers)",
+            ),
+            claim_suspensions: counter(
+                "kv_router_claim_suspensions_total",
+                "Times a worker's event link was lost and its blocks stopped counting until its \
+                 next batch showed whether it restarted",
+            ),
+            claims_suspended: gauge(
+                "kv_router_claims_suspended",
+                "Workers whose indexed blocks do not count now (event link lost, state unknown)",
+            ),
+            max_workers: gauge(
+                "kv_router_max_workers",
+                "Workers that may be registered (--max-workers, lowered at start when the \
+                 open-files limit cannot hold them)",
+            ),
+            open_files_limit: gauge(
+                "kv_router_open_files_limit",
+                "The process's open-files limit (RLIMIT_NOFILE, soft), as raised at start",
             ),
             registry,
         }

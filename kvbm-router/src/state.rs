@@ -11,6 +11,14 @@
 //!   before the new stream is applied.
 //! - A gap that replay could not fill leaves the worker's state as it was (stale stores and
 //!   removals may be missing) and marks it `resync_needed` in `/workers`, until it restarts.
+//! - A lost event link suspends the worker's claims (`claims_suspended` in `/workers`): its
+//!   indexed blocks count as no overlap in queries and routing, and its predictions are
+//!   forgotten, until its next batch shows a continuation of its sequence (claims restored) or a
+//!   restart (blocks dropped). A process restarted on the same endpoint is thus never credited
+//!   with its predecessor's blocks, whether or not the link was seen down for long.
+//! - Registrations hold no ZMQ socket or file descriptor beyond their lifetime; `--max-workers`
+//!   is lowered at start (logged) when the open-files limit, raised to its hard limit if need
+//!   be, cannot hold that many workers.
 //! - Events speak engine hashes; the index translates them to block identities from the tokens
 //!   (see `kvbm_events::router::translate`), so vLLM's, SGLang's and kvbm's workers all match
 //!   the router's hash of a request.
@@ -46,6 +54,68 @@ use crate::metrics::RouterMetrics;
 /// Subscriber reports (event batches, gaps, restarts) queued for the pump at most.
 pub const ROUTER_EVENT_QUEUE_MAX: usize = 1 << 16;
 
+/// File descriptors one registered worker may take at most: its ZMQ sockets' mailboxes and TCP
+/// connection, a replay's, its thread's wake-up pair, and the front end's HTTP connections to
+/// it (with room to spare).
+pub const FDS_PER_WORKER: u64 = 16;
+/// File descriptors kept for everything but workers and HTTP clients (runtime, ZMQ contexts,
+/// listener, logs, files read).
+pub const FDS_RESERVED: u64 = 256;
+
+/// The open-files limit (soft, hard); None where it cannot be read.
+fn open_files_limit() -> Option<(u64, u64)> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct it is given, a live local.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    (rc == 0).then_some((limit.rlim_cur, limit.rlim_max))
+}
+
+/// Raises the open-files limit (soft, up to hard) to what `--max-workers` workers and
+/// `--max-connections` HTTP connections need, and returns the workers that fit in the limit then
+/// (`max_workers`, or fewer, logged with the flag named) and the limit.
+pub fn fit_open_files(max_workers: usize, max_connections: usize) -> (usize, Option<u64>) {
+    let needed = FDS_RESERVED
+        .saturating_add(max_connections as u64)
+        .saturating_add((max_workers as u64).saturating_mul(FDS_PER_WORKER));
+    let Some((soft, hard)) = open_files_limit() else {
+        return (max_workers, None);
+    };
+    let mut limit = soft;
+    if soft < needed {
+        let target = needed.min(hard);
+        let raised = libc::rlimit {
+            rlim_cur: target,
+            rlim_max: hard,
+        };
+        // SAFETY: setrlimit reads the struct it is given, a live local.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            tracing::info!(
+                from = soft,
+                to = target,
+                "open-files limit (RLIMIT_NOFILE) raised for --max-workers and --max-connections"
+            );
+            limit = target;
+        }
+    }
+    if limit >= needed {
+        return (max_workers, Some(limit));
+    }
+    let room = limit.saturating_sub(FDS_RESERVED + max_connections as u64) / FDS_PER_WORKER;
+    let fit = usize::try_from(room)
+        .unwrap_or(usize::MAX)
+        .clamp(1, max_workers);
+    tracing::warn!(
+        "--max-workers={max_workers} lowered to {fit}: the open-files limit (RLIMIT_NOFILE) is \
+         {limit} (hard limit {hard}), and each worker may take {FDS_PER_WORKER} files besides \
+         {FDS_RESERVED} reserved and --max-connections={max_connections}; raise the limit \
+         (ulimit -n) or lower --max-workers"
+    );
+    (fit, Some(limit))
+}
+
 /// What is known of one registered worker.
 #[derive(Debug, Clone, Serialize)]
 pub struct WorkerInfo {
@@ -71,6 +141,9 @@ pub struct WorkerInfo {
     pub unfilled_gaps: u64,
     /// True after an unfilled gap: the index may miss some of this worker's changes.
     pub resync_needed: bool,
+    /// True from a lost event link until the worker's next batch says whether it restarted:
+    /// meanwhile its indexed blocks count as no overlap (it is still routed to by load).
+    pub claims_suspended: bool,
 }
 
 /// A worker's share of a request's prefix, in blocks and tokens, tier by tier.
@@ -270,10 +343,12 @@ impl Router {
     /// from the sequence number after the one the dump was taken at); `workers` named in the dump
     /// keep its state, with their endpoints from `workers`.
     pub fn start_from(
-        config: RouterConfig,
+        mut config: RouterConfig,
         workers: Vec<WorkerSpec>,
         dump: Option<Dump>,
     ) -> Result<Self, TransportError> {
+        let (max_workers, open_files) = fit_open_files(config.max_workers, config.max_connections);
+        config.max_workers = max_workers;
         let mut index = KvIndex::new(config.max_blocks_per_worker, config.block_size as u32)
             .with_capacity(config.index_capacity_blocks);
         let mut resumed: Vec<(WorkerSpec, Option<u64>)> = Vec::new();
@@ -312,6 +387,13 @@ impl Router {
             rng: Mutex::new(StdRng::from_entropy()),
             config,
         });
+        shared.metrics.max_workers.set(max_workers as i64);
+        if let Some(limit) = open_files {
+            shared
+                .metrics
+                .open_files_limit
+                .set(i64::try_from(limit).unwrap_or(i64::MAX));
+        }
         // Bounded: when the pump lags, the subscriber waits and ZMQ's own buffers fill; batches
         // they drop show up as sequence gaps, filled by replay.
         let (sink, events) = crossbeam_channel::bounded(ROUTER_EVENT_QUEUE_MAX);
@@ -426,6 +508,7 @@ impl Router {
                     events: 0,
                     unfilled_gaps: 0,
                     resync_needed: false,
+                    claims_suspended: false,
                 },
             );
             count(&workers);
@@ -466,21 +549,27 @@ impl Router {
             .values()
             .map(|info| {
                 let key = (info.worker_id, info.dp_rank);
-                let snapshot = snapshots
+                let found = snapshots
                     .iter()
                     .position(|s| s.worker == key)
-                    .map(|i| snapshots.swap_remove(i))
-                    .unwrap_or(kvbm_events::router::WorkerSnapshot {
-                        worker: key,
-                        ..Default::default()
-                    });
+                    .map(|i| snapshots.swap_remove(i));
+                // A worker whose claims are suspended may be a new process: its sibling gets
+                // none of its blocks and follows it from the start.
+                let suspended = info.claims_suspended;
+                let snapshot =
+                    found
+                        .filter(|_| !suspended)
+                        .unwrap_or(kvbm_events::router::WorkerSnapshot {
+                            worker: key,
+                            ..Default::default()
+                        });
                 (
                     DumpWorker {
                         worker_id: info.worker_id,
                         dp_rank: info.dp_rank,
                         endpoint: info.endpoint.clone(),
                         replay_endpoint: info.replay_endpoint.clone(),
-                        last_seq: info.last_seq,
+                        last_seq: info.last_seq.filter(|_| !suspended),
                         http_url: info.http_url.clone(),
                     },
                     snapshot,
@@ -577,14 +666,26 @@ impl Router {
             .observe(start.elapsed().as_secs_f64());
         // By worker, for a binary search per registered worker (not a scan: 256 workers).
         found.sort_unstable_by_key(|(w, _)| *w);
-        let keys: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
+        let keys: Vec<(WorkerKey, bool)> = self
+            .shared
+            .workers
+            .lock()
+            .iter()
+            .map(|(k, info)| (*k, info.claims_suspended))
+            .collect();
         let now = Instant::now();
         let predictions = self.shared.predictions.lock();
         keys.into_iter()
-            .map(|k| {
-                let o = found
-                    .binary_search_by_key(&k, |(w, _)| *w)
-                    .map_or(Overlap::default(), |i| found[i].1);
+            .map(|(k, suspended)| {
+                // A worker whose claims are suspended may be a new process: its indexed blocks
+                // are not counted (its predictions since then are).
+                let o = if suspended {
+                    Overlap::default()
+                } else {
+                    found
+                        .binary_search_by_key(&k, |(w, _)| *w)
+                        .map_or(Overlap::default(), |i| found[i].1)
+                };
                 let predicted = if predictions.is_empty() {
                     0
                 } else {
@@ -868,6 +969,23 @@ impl Router {
         }
         m.active_requests
             .set(self.shared.load.lock().tracker.len() as i64);
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            let st = self.subscriber().stats();
+            m.subscriber_sockets
+                .set(st.sockets_open.load(Relaxed) as i64);
+            m.subscriber_contexts
+                .set(st.contexts_open.load(Relaxed) as i64);
+            let suspended = self
+                .shared
+                .workers
+                .lock()
+                .values()
+                .filter(|w| w.claims_suspended)
+                .count();
+            m.claims_suspended.set(suspended as i64);
+            m.max_workers.set(self.shared.config.max_workers as i64);
+        }
         m.render()
     }
 }
@@ -917,7 +1035,8 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
             SubscriberEvent::Batch { worker, .. }
             | SubscriberEvent::Undecodable { worker, .. }
             | SubscriberEvent::Gap { worker, .. }
-            | SubscriberEvent::Restart { worker } => *worker,
+            | SubscriberEvent::Restart { worker }
+            | SubscriberEvent::LinkLost { worker } => *worker,
         };
         let mut workers = shared.workers.lock();
         let Some(info) = workers.get_mut(&worker) else {
@@ -955,6 +1074,15 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                 info.last_seq = Some(seq);
                 info.batches += 1;
                 info.events += batch.events.len() as u64;
+                if info.claims_suspended {
+                    // Not preceded by a restart: the same process, its blocks are its own.
+                    info.claims_suspended = false;
+                    tracing::info!(
+                        ?worker,
+                        seq,
+                        "event link back on the same sequence; the worker's blocks count again"
+                    );
+                }
             }
             SubscriberEvent::Undecodable { seq, error, .. } => {
                 m.applied("batch", "decode_error", 1);
@@ -987,7 +1115,16 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                 info.last_seq = None;
                 info.unfilled_gaps = 0;
                 info.resync_needed = false;
+                info.claims_suspended = false;
                 tracing::info!(?worker, "engine restarted; its blocks were dropped");
+            }
+            SubscriberEvent::LinkLost { .. } => {
+                shared.predictions.lock().forget(worker);
+                if !info.claims_suspended {
+                    info.claims_suspended = true;
+                    m.claim_suspensions.inc();
+                    tracing::warn!(?worker, "event link lost; the worker's blocks do not count until its next batch shows whether it restarted");
+                }
             }
         }
     }

@@ -1004,3 +1004,295 @@ fn a_vllm_worker_publishing_its_own_hashes_is_routed_to() {
         3.0
     );
 }
+
+/// Open file descriptors of a process.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// Registering, re-registering and unregistering workers many times over (far beyond the 341
+/// registrations after which every ZMQ socket of the context used to be taken, since
+/// unregistering never freed a worker's sockets) leaves the router's open files and sockets as
+/// they were; then as many workers as the default --max-workers allows can be registered at once.
+#[test]
+fn registrations_release_their_sockets_and_max_workers_is_reachable() {
+    let ctx = zmq::Context::new();
+    let w = Worker::new(&ctx, 1, 0, false);
+    let router = RouterProcess::start(&w.spec());
+    w.wait_for_subscriber();
+    let pid = router.child.id();
+    let register = |id: u64| {
+        router.ok(
+            "POST",
+            "/register",
+            Some(json!({ "worker_id": id, "endpoint": w.endpoint })),
+        )
+    };
+    let unregister = |id: u64| {
+        router.ok(
+            "POST",
+            "/unregister",
+            Some(json!({ "worker_id": id, "dp_rank": 0 })),
+        )
+    };
+    let sockets = || router.metric("kv_router_subscriber_sockets ");
+    let (fds_before, sockets_before) = (open_fds(pid), sockets());
+    for round in 0..400 {
+        let id = 100 + round % 7;
+        register(id);
+        // The same worker again: its old sockets are freed, not kept.
+        register(id);
+        unregister(id);
+        // Re-registering the first worker replaces its subscription too.
+        if round % 2 == 0 {
+            register(1);
+        }
+    }
+    // 1,000 registrations. ZMQ frees closed sockets asynchronously: wait for it.
+    wait_until("the open files to come back", || {
+        open_fds(pid) <= fds_before + 8
+    });
+    assert_eq!(
+        sockets_before, 3.0,
+        "one worker: its SUB socket and its monitor's two"
+    );
+    assert_eq!(sockets(), sockets_before);
+    register(2);
+    unregister(2);
+    // The default --max-workers, all at once.
+    let max = kvbm_router::config::MAX_WORKERS_DEFAULT;
+    assert_eq!(router.metric("kv_router_max_workers "), max as f64);
+    let fleet: Vec<u64> = (1000..1000 + max as u64 - 1).collect();
+    // Four clients at a time, to keep the test short.
+    let each = |f: &(dyn Fn(u64) -> Value + Sync)| {
+        std::thread::scope(|scope| {
+            for part in fleet.chunks(fleet.len().div_ceil(4)) {
+                scope.spawn(move || part.iter().for_each(|&id| drop(f(id))));
+            }
+        });
+    };
+    each(&register);
+    assert_eq!(router.metric("kv_router_workers "), max as f64);
+    let (status, v) = router.call(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": 5000, "endpoint": w.endpoint })),
+    );
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(sockets(), 3.0 * max as f64);
+    each(&unregister);
+    wait_until("the open files to come back after the fleet", || {
+        open_fds(pid) <= fds_before + 8
+    });
+    assert_eq!(sockets(), sockets_before);
+}
+
+impl Worker {
+    /// A new process of the same worker on the same endpoint (no replay socket), its sequence
+    /// starting at `seq`.
+    fn rebound(ctx: &zmq::Context, id: u64, endpoint: &str, seq: u64) -> Self {
+        let xpub = ctx.socket(zmq::XPUB).unwrap();
+        xpub.set_linger(0).unwrap();
+        let deadline = Instant::now() + WAIT;
+        // The old process's port is free once its socket is closed (ZMQ closes asynchronously).
+        while let Err(e) = xpub.bind(endpoint) {
+            assert!(Instant::now() < deadline, "rebinding {endpoint}: {e}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Self {
+            id,
+            rank: 0,
+            xpub,
+            endpoint: endpoint.to_owned(),
+            replay: None,
+            buffer: Arc::default(),
+            stop: Arc::new(AtomicBool::new(false)),
+            server: None,
+            seq,
+        }
+    }
+}
+
+/// A worker whose event link went down and up again (its process may have been replaced on the
+/// same endpoint) is not credited with its blocks until its first batch over the new link says
+/// whether it is the same process (sequence continues: blocks count again) or a new one
+/// (sequence below the expected number, even within the duplicate window: blocks dropped). It
+/// stays routable by load meanwhile.
+#[test]
+fn a_worker_back_on_its_endpoint_is_not_credited_until_its_sequence_says_who_it_is() {
+    let ctx = zmq::Context::new();
+    let mut w = Worker::new(&ctx, 1, 0, false);
+    let other = Worker::new(&ctx, 2, 0, false);
+    let router = RouterProcess::start(&format!("{};{}", w.spec(), other.spec()));
+    w.wait_for_subscriber();
+    other.wait_for_subscriber();
+    let tokens: Vec<u32> = (0..(4 * BLOCK) as u32).collect();
+    let mut expected = KvIndex::new(1 << 20, BLOCK as u32);
+    w.batch(&[stored(&tokens, 0, 3, Tier::Gpu)], false, &mut expected);
+    w.batch(&[stored(&tokens, 3, 4, Tier::Host)], false, &mut expected);
+    router.wait_applied(&w, 1);
+    let query = || router.ok("POST", "/query", Some(json!({ "token_ids": tokens })));
+    assert_eq!(overlap_of(&query(), 1), (3, 1, 0));
+    let suspended = |r: &RouterProcess| {
+        r.worker(1, 0)
+            .is_some_and(|v| v["claims_suspended"] == true && v["link"]["state"] == "connected")
+    };
+
+    // The link goes down and comes back; the publisher continues its sequence (the same
+    // process, as after a network cut).
+    let endpoint = w.endpoint.clone();
+    let seq = w.seq;
+    drop(w);
+    let mut w = Worker::rebound(&ctx, 1, &endpoint, seq);
+    w.wait_for_subscriber();
+    wait_until("worker 1's claims suspended while its link is up", || {
+        suspended(&router)
+    });
+    assert_eq!(overlap_of(&query(), 1), (0, 0, 0));
+    assert_eq!(router.metric("kv_router_claims_suspended "), 1.0);
+    assert_eq!(router.metric("kv_router_claim_suspensions_total "), 1.0);
+    // A sibling bootstrapping now would get none of its blocks, and follow it from the start.
+    let response = ureq::get(&format!("{}/dump", router.base)).call().unwrap();
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut response.into_reader(), &mut bytes).unwrap();
+    let dumped = dump::read(&bytes[..], BLOCK, 1 << 20).unwrap();
+    let (info, snapshot) = dumped
+        .workers
+        .iter()
+        .find(|(w, _)| w.worker_id == 1)
+        .unwrap();
+    assert_eq!((info.last_seq, snapshot.holdings.len()), (None, 0));
+    // Routable by load: with no blocks to go by, it may be chosen.
+    let (status, _) = router.call("POST", "/route", Some(json!({ "token_ids": tokens })));
+    assert_eq!(status, 200);
+    w.batch(&[removed(&tokens, 3, 4, Tier::Host)], false, &mut expected);
+    router.wait_applied(&w, 2);
+    let v = router.worker(1, 0).unwrap();
+    assert_eq!(v["claims_suspended"], false, "{v}");
+    assert_eq!(
+        overlap_of(&check_query(&router, &expected, &tokens), 1),
+        (3, 0, 0)
+    );
+    assert_eq!(router.metric("kv_router_claims_suspended "), 0.0);
+
+    // Now a new process on the endpoint: its first batch seen is numbered 1 (its batch 0 went
+    // before the router was connected), below the expected 3 but within the duplicate window.
+    drop(w);
+    let mut w = Worker::rebound(&ctx, 1, &endpoint, 1);
+    w.wait_for_subscriber();
+    wait_until("worker 1's claims suspended again", || suspended(&router));
+    assert_eq!(overlap_of(&query(), 1), (0, 0, 0));
+    assert_eq!(router.metric("kv_router_claim_suspensions_total "), 2.0);
+    w.restart(&mut expected);
+    w.seq = 1;
+    w.batch(&[stored(&tokens, 0, 1, Tier::Gpu)], false, &mut expected);
+    router.wait_applied(&w, 1);
+    let v = router.worker(1, 0).unwrap();
+    assert_eq!(v["claims_suspended"], false, "{v}");
+    // The old process's blocks are gone; the new one's single block counts.
+    assert_eq!(
+        overlap_of(&check_query(&router, &expected, &tokens), 1),
+        (1, 0, 0)
+    );
+    assert!(router.metric("kv_router_restarts_total ") >= 1.0);
+    assert_eq!(overlap_of(&query(), 2), (0, 0, 0));
+}
+
+/// A frame over ZMQ's size bound (the subscriber's `ZMQ_MAXMSGSIZE`: twice the 16 MiB payload
+/// limit plus 64 KiB) makes ZMQ drop the connection without saying why; it is counted as
+/// oversized, the router connects again, and the worker's later batches apply.
+#[test]
+fn a_frame_over_zmqs_bound_is_counted_as_oversized_and_later_batches_apply() {
+    let ctx = zmq::Context::new();
+    let mut w = Worker::new(&ctx, 1, 0, false);
+    w.xpub.set_xpub_verbose(true).unwrap();
+    let router = RouterProcess::start(&w.spec());
+    w.wait_for_subscriber();
+    let tokens: Vec<u32> = (0..(4 * BLOCK) as u32).collect();
+    let mut expected = KvIndex::new(1 << 20, BLOCK as u32);
+    w.batch(&[stored(&tokens, 0, 2, Tier::Gpu)], false, &mut expected);
+    router.wait_applied(&w, 0);
+    let oversized = r#"kv_router_subscriber_total{what="oversized"} "#;
+    assert_eq!(router.metric(oversized), 0.0);
+    let bound = kvbm_events::SubscriberOptions::default().zmq_max_message_bytes() as usize;
+    let seq = w.seq;
+    w.seq += 1;
+    w.send(seq, &vec![0u8; bound + 1]);
+    wait_until("the refused frame to be counted", || {
+        router.metric(oversized) >= 1.0
+    });
+    // Connected again (the verbose XPUB passes the new connection's subscription on even if
+    // the old one's is not gone yet): the next batch applies (the refused one shows as a gap).
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            w.xpub.poll(zmq::POLLIN, left.as_millis() as i64).unwrap() > 0,
+            "the router never subscribed again"
+        );
+        if w.xpub.recv_bytes(0).unwrap().first() == Some(&1) {
+            break;
+        }
+    }
+    w.batch(&[stored(&tokens, 2, 3, Tier::Gpu)], false, &mut expected);
+    router.wait_applied(&w, seq + 1);
+    assert_eq!(
+        overlap_of(&check_query(&router, &expected, &tokens), 1),
+        (3, 0, 0)
+    );
+    assert_eq!(router.metric(oversized), 1.0);
+    assert_eq!(
+        router.metric(r#"kv_router_gaps_total{filled="false"} "#),
+        1.0
+    );
+}
+
+/// Under an open-files limit too low for --max-workers (hard limit 2,048 here), the router
+/// lowers --max-workers to what fits, says so in /metrics, and refuses registrations beyond it.
+#[test]
+fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
+    let mut child = Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -n 2048 && exec \"$0\" \"$@\"",
+            env!("CARGO_BIN_EXE_kvbm-router"),
+            "--http-port",
+            "0",
+            "--max-connections",
+            "64",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .trim()
+        .strip_prefix("kvbm-router listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    let router = RouterProcess { child, base };
+    // (2048 - 256 reserved - 64 connections) / 16 files per worker.
+    let fit = (2048 - 256 - 64) / 16;
+    assert_eq!(router.metric("kv_router_max_workers "), fit as f64);
+    assert_eq!(router.metric("kv_router_open_files_limit "), 2048.0);
+    for id in 0..fit {
+        router.ok(
+            "POST",
+            "/register",
+            Some(json!({ "worker_id": id, "endpoint": "tcp://127.0.0.1:1" })),
+        );
+    }
+    let (status, v) = router.call(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": fit, "endpoint": "tcp://127.0.0.1:1" })),
+    );
+    assert_eq!(status, 429, "{v}");
+    assert!(v.to_string().contains("--max-workers"), "{v}");
+}
