@@ -51,6 +51,9 @@ use crate::config::{RouterConfig, WorkerSpec};
 use crate::dump::{Dump, DumpWorker};
 use crate::metrics::RouterMetrics;
 
+/// Threads subscribing to the workers of a sibling's dump at start, at most.
+pub const RESTORE_THREADS: usize = 32;
+
 /// Subscriber reports (event batches, gaps, restarts) queued for the pump at most.
 pub const ROUTER_EVENT_QUEUE_MAX: usize = 1 << 16;
 
@@ -422,15 +425,14 @@ impl Router {
                 error: other.to_string(),
             },
         };
-        for (w, last_seq) in &resumed {
-            router.follow(w.clone(), *last_seq).map_err(transport)?;
-        }
+        // Local workers first, so that they always have room.
         for w in workers {
             let key = w.key();
             if !resumed.iter().any(|(r, _)| r.key() == key) {
                 router.register(w).map_err(transport)?;
             }
         }
+        router.follow_all(&resumed).map_err(transport)?;
         Ok(router)
     }
 
@@ -468,6 +470,42 @@ impl Router {
         self.subscribe(worker, last_seq)?;
         tracing::info!(worker = ?key, ?last_seq, "worker restored from a dump");
         Ok(())
+    }
+
+    /// Follows the workers restored from a dump, [`RESTORE_THREADS`] at a time: each may wait
+    /// for its replay endpoint up to the subscriber's replay timeout, and a dump's thousand
+    /// workers must not wait one after another. A worker there is no room for (`--max-workers`)
+    /// is left out, its restored blocks dropped; a transport error fails the whole start.
+    fn follow_all(&self, resumed: &[(WorkerSpec, Option<u64>)]) -> Result<(), RegisterError> {
+        if resumed.is_empty() {
+            return Ok(());
+        }
+        let per_thread = resumed.len().div_ceil(RESTORE_THREADS);
+        std::thread::scope(|scope| {
+            let threads: Vec<_> = resumed
+                .chunks(per_thread)
+                .map(|chunk| {
+                    scope.spawn(move || -> Result<(), RegisterError> {
+                        for (w, last_seq) in chunk {
+                            match self.follow(w.clone(), *last_seq) {
+                                Ok(()) => {}
+                                Err(RegisterError::TooManyWorkers { max }) => {
+                                    tracing::warn!(worker = ?w.key(), max, "no room for a worker of the dump (--max-workers); left out");
+                                    self.unregister(w.key());
+                                }
+                                Err(e) => return Err(e),
+                            }
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap_or(Ok(())))
+                .collect::<Result<Vec<()>, _>>()
+                .map(|_| ())
+        })
     }
 
     /// Refuses a worker not registered yet when `--max-workers` are.

@@ -642,3 +642,27 @@ fn a_workers_file_that_is_a_device_a_fifo_or_too_long_keeps_the_workers_and_is_c
     });
     wait_until("workers 1 and 2", || ids(&router) == vec![1, 2]);
 }
+
+/// Review finding: a dump's workers were subscribed one after another, each waiting up to the
+/// replay timeout (2 s) for a replay endpoint that does not answer, so a thousand of them held the
+/// start for over half an hour, outside `--bootstrap-timeout-secs`. They are now subscribed
+/// `RESTORE_THREADS` at a time: 96 silent replay endpoints take a few replay timeouts, not 96.
+#[test]
+fn a_dumps_silent_replay_endpoints_are_waited_for_together() {
+    const WORKERS: u64 = 96;
+    let mut d = reachable(WORKERS, 2);
+    // Bound but never accepting: a listener nobody accepts on still completes TCP handshakes, so
+    // use ports that refuse instead; ZMQ keeps retrying and the replay waits its full timeout.
+    for (w, _) in &mut d.workers {
+        w.replay_endpoint = Some(format!("tcp://127.0.0.1:{}", 2 + w.worker_id));
+    }
+    let started = Instant::now();
+    let router = Router::start_from(config(), Vec::new(), Some(d)).unwrap();
+    let took = started.elapsed();
+    assert_eq!(keys(&router).len(), WORKERS as usize);
+    let sequential = kvbm_events::transport::REPLAY_TIMEOUT * WORKERS as u32;
+    assert!(
+        took < sequential / 3,
+        "96 silent replay endpoints took {took:?} (one after another: {sequential:?})"
+    );
+}
