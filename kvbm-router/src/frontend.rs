@@ -524,7 +524,9 @@ async fn tokenize(
     State(fe): State<Fe>,
     request: Request,
 ) -> Result<Json<TokenizeAnswer>, OpenAiError> {
-    let (_, _, raw, body) = json_body(&fe, request).await?;
+    let (_, busy, raw, body) = json_body(&fe, request).await?;
+    // Not idle while its prompt waits and is tokenized (`--http-idle-timeout-secs`).
+    let _busy = busy.as_ref().map(ConnBusy::hold);
     let admission = fe.admit(raw.len())?;
     drop(raw);
     fe.check_model(&body)?;
