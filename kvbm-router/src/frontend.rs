@@ -23,7 +23,16 @@
 //! whole answer is cut short. Errors the router answers itself have vLLM's shape,
 //! `{"error": {"message", "type", "param", "code"}}`: 404 for a `model` it does not serve, 400 for
 //! a body that is not a JSON object, 413 above `--max-body-bytes`, 503 when no worker can take the
-//! request. A request whose prompt the router cannot tokenize exactly (a multimodal part, a
+//! request, or when a large body (above `--large-prompt-bytes`) would pass
+//! `--max-inflight-prompt-bytes`.
+//!
+//! Bounds: tokenizing runs in two lanes of permits, small bodies (twice the cores) and large ones
+//! (half the cores, at least 1), so that small requests never queue behind large prompts; large
+//! bodies also hold their bytes of `--max-inflight-prompt-bytes` from arrival to the end of their
+//! tokenizing (the tokenizer's memory is a few times that, see [`crate::tokenize`]), and memory
+//! freed by a large tokenizing is handed back to the system (`malloc_trim`). A worker's stream is
+//! framed in linear time, and an event longer than `--max-sse-event-bytes` ends the client's
+//! stream with an error event. A request whose prompt the router cannot tokenize exactly (a multimodal part, a
 //! per-request chat template) is still served: it is routed by load alone, and counted.
 
 use std::collections::BTreeMap;

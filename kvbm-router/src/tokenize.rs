@@ -35,8 +35,11 @@
 //!
 //! Invariants: a request cannot make the router do unbounded work. Prompt text and a chat's
 //! strings are bounded by [`PROMPT_BYTES_MAX`], a render by [`TEMPLATE_FUEL_MAX`] (minijinja fuel)
-//! and its output by [`RENDERED_BYTES_MAX`]; nothing here panics on input (the tokenizer and the
-//! template engine run under `catch_unwind` as a last guard). Every refusal is a
+//! and its output by [`RENDERED_BYTES_MAX`], `strftime_now`'s format by 256 bytes. Encoding costs
+//! a few bytes per byte of text: windows of [`ENCODE_WINDOW_BYTES`], ids only, each window's
+//! first words checked against the previous window's, else the text is encoded whole, so the ids
+//! are always `encode`'s. Nothing here panics on input (the tokenizer and the template engine run
+//! under `catch_unwind` as a last guard). Every refusal is a
 //! [`TokenizeError`] the HTTP layer turns into a 400.
 //!
 //! Known limits: a request's own `chat_template` is refused (vLLM refuses it too unless
