@@ -143,6 +143,9 @@ def measure(large_bytes: int, large: int, small: int) -> None:
                   f"max {1e3 * max(v):.1f} ms")
         print(f"large prompts still tokenizing when the small ones ended: {busy} of {large}; "
               f"their statuses {sorted(s for s, _ in done)}, longest {max(d for _, d in done):.1f} s")
+        if Path(f"/proc/{router.pid}/status").exists():
+            rss, peak = memory(router.pid)
+            print(f"router memory: peak {peak / 1e6:.0f} MB, resident after {rss / 1e6:.0f} MB")
     finally:
         for p in (router, worker):
             p.terminate()
