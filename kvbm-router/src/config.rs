@@ -220,7 +220,31 @@ pub struct Args {
     /// dump cannot be fetched (the sibling is down, too slow) or is refused.
     #[arg(long)]
     pub bootstrap_required: bool,
+
+    /// Bytes of large request bodies (above --large-prompt-bytes) the OpenAI front end holds while
+    /// they wait for and go through tokenizing; a large request beyond it gets 503 at once
+    /// (counted in kv_router_frontend_prompt_budget_refusals_total). The tokenizer's memory is a
+    /// small multiple of this. At least --max-body-bytes.
+    #[arg(long, default_value_t = MAX_INFLIGHT_PROMPT_BYTES_DEFAULT)]
+    pub max_inflight_prompt_bytes: usize,
+
+    /// Request bodies above this many bytes are tokenized in a lane of their own (half the cores,
+    /// at least 1, at once), so that small requests never wait behind them.
+    #[arg(long, default_value_t = LARGE_PROMPT_BYTES_DEFAULT)]
+    pub large_prompt_bytes: usize,
+
+    /// Bytes one server-sent event from a worker may have; a longer one ends the client's stream
+    /// with an error event (counted in kv_router_frontend_sse_events_too_large_total).
+    #[arg(long, default_value_t = MAX_SSE_EVENT_BYTES_DEFAULT)]
+    pub max_sse_event_bytes: usize,
 }
+
+/// `--max-inflight-prompt-bytes`' default.
+pub const MAX_INFLIGHT_PROMPT_BYTES_DEFAULT: usize = 64 << 20;
+/// `--large-prompt-bytes`' default.
+pub const LARGE_PROMPT_BYTES_DEFAULT: usize = 256 << 10;
+/// `--max-sse-event-bytes`' default.
+pub const MAX_SSE_EVENT_BYTES_DEFAULT: usize = 4 << 20;
 
 /// Why the configuration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -319,6 +343,12 @@ pub struct FrontendConfig {
     pub max_retries: usize,
     /// How long a failed worker is left out of routing.
     pub failure_cooldown: Duration,
+    /// Bytes of large request bodies held at once while tokenizing.
+    pub max_inflight_prompt_bytes: usize,
+    /// Bodies above this are large (their own tokenizing lane, the budget above).
+    pub large_prompt_bytes: usize,
+    /// Longest server-sent event relayed from a worker.
+    pub max_sse_event_bytes: usize,
 }
 
 impl Default for FrontendConfig {
@@ -332,6 +362,9 @@ impl Default for FrontendConfig {
             idle_timeout: Duration::from_secs(300),
             max_retries: 2,
             failure_cooldown: Duration::from_secs(10),
+            max_inflight_prompt_bytes: MAX_INFLIGHT_PROMPT_BYTES_DEFAULT,
+            large_prompt_bytes: LARGE_PROMPT_BYTES_DEFAULT,
+            max_sse_event_bytes: MAX_SSE_EVENT_BYTES_DEFAULT,
         }
     }
 }
@@ -626,6 +659,31 @@ impl Args {
                 "worker-failure-cooldown-secs",
                 self.worker_failure_cooldown_secs,
             )?,
+            max_inflight_prompt_bytes: {
+                let v = bounded(
+                    "max-inflight-prompt-bytes",
+                    self.max_inflight_prompt_bytes as u64,
+                    1 << 40,
+                )? as usize;
+                if v < self.max_body_bytes {
+                    return Err(ConfigError::Flag {
+                        flag: "max-inflight-prompt-bytes",
+                        value: v.to_string(),
+                        why: "must be at least --max-body-bytes (or no large request could pass)",
+                    });
+                }
+                v
+            },
+            large_prompt_bytes: bounded(
+                "large-prompt-bytes",
+                self.large_prompt_bytes as u64,
+                1 << 40,
+            )? as usize,
+            max_sse_event_bytes: bounded(
+                "max-sse-event-bytes",
+                self.max_sse_event_bytes as u64,
+                1 << 34,
+            )? as usize,
         })
     }
 }

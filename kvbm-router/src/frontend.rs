@@ -23,7 +23,16 @@
 //! whole answer is cut short. Errors the router answers itself have vLLM's shape,
 //! `{"error": {"message", "type", "param", "code"}}`: 404 for a `model` it does not serve, 400 for
 //! a body that is not a JSON object, 413 above `--max-body-bytes`, 503 when no worker can take the
-//! request. A request whose prompt the router cannot tokenize exactly (a multimodal part, a
+//! request, or when a large body (above `--large-prompt-bytes`) would pass
+//! `--max-inflight-prompt-bytes`.
+//!
+//! Bounds: tokenizing runs in two lanes of permits, small bodies (twice the cores) and large ones
+//! (half the cores, at least 1), so that small requests never queue behind large prompts; large
+//! bodies also hold their bytes of `--max-inflight-prompt-bytes` from arrival to the end of their
+//! tokenizing (the tokenizer's memory is a few times that, see [`crate::tokenize`]), and memory
+//! freed by a large tokenizing is handed back to the system (`malloc_trim`). A worker's stream is
+//! framed in linear time, and an event longer than `--max-sse-event-bytes` ends the client's
+//! stream with an error event. A request whose prompt the router cannot tokenize exactly (a multimodal part, a
 //! per-request chat template) is still served: it is routed by load alone, and counted.
 
 use std::collections::BTreeMap;
@@ -163,9 +172,67 @@ pub struct Frontend {
     created: u64,
     client: reqwest::Client,
     config: FrontendConfig,
-    /// Tokenizations running at once: twice the cores, so that a burst of long prompts queues
+    /// Tokenizations of small requests running at once: twice the cores, so that a burst queues
     /// here instead of filling the blocking pool (its threads, their memory).
     tokenizing: Arc<tokio::sync::Semaphore>,
+    /// Tokenizations of large requests (bodies above `--large-prompt-bytes`) running at once:
+    /// half the cores, at least 1. A lane of their own, so that small requests never queue
+    /// behind them, and the cores are never all theirs.
+    tokenizing_large: Arc<tokio::sync::Semaphore>,
+    /// `--max-inflight-prompt-bytes`, in KiB: what large requests hold from their body's arrival
+    /// to the end of their tokenizing.
+    prompt_budget: Arc<tokio::sync::Semaphore>,
+}
+
+/// Which tokenizing lane a request takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// Bodies up to `--large-prompt-bytes`.
+    Small,
+    /// Bodies above it.
+    Large,
+}
+
+impl Lane {
+    fn label(self) -> &'static str {
+        match self {
+            Lane::Small => "small",
+            Lane::Large => "large",
+        }
+    }
+}
+
+/// A request admitted to tokenizing: its share of `--max-inflight-prompt-bytes` (large requests),
+/// given back when it is dropped.
+#[derive(Debug)]
+pub struct Admission {
+    lane: Lane,
+    fe: Fe,
+    _budget: Option<tokio::sync::OwnedSemaphorePermit>,
+    bytes: usize,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if self.lane == Lane::Large {
+            self.fe
+                .router
+                .metrics()
+                .frontend
+                .inflight_prompt_bytes
+                .sub(self.bytes as i64);
+        }
+    }
+}
+
+/// Hands the memory glibc keeps in its arenas after a large tokenizing back to the system (the
+/// blocking threads each have an arena, and freed memory would otherwise stay resident).
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it takes no pointers.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 impl std::fmt::Debug for Frontend {
@@ -209,6 +276,7 @@ impl Frontend {
                     .map(|p| p.to_string_lossy().into_owned())
             })
             .unwrap_or_else(|| "model".to_owned());
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .tcp_nodelay(true)
@@ -228,11 +296,85 @@ impl Frontend {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
             client,
-            config,
-            tokenizing: Arc::new(tokio::sync::Semaphore::new(
-                2 * std::thread::available_parallelism().map_or(2, |n| n.get()),
+            tokenizing: Arc::new(tokio::sync::Semaphore::new(2 * cores)),
+            tokenizing_large: Arc::new(tokio::sync::Semaphore::new((cores / 2).max(1))),
+            prompt_budget: Arc::new(tokio::sync::Semaphore::new(
+                config.max_inflight_prompt_bytes.div_ceil(1024),
             )),
+            config,
         })
+    }
+
+    /// Admits a request of `bytes` (its body) to tokenizing: a small one always, a large one if
+    /// `--max-inflight-prompt-bytes` has room for it (else 503, counted).
+    pub fn admit(self: &Arc<Self>, bytes: usize) -> Result<Admission, OpenAiError> {
+        if bytes <= self.config.large_prompt_bytes {
+            return Ok(Admission {
+                lane: Lane::Small,
+                fe: self.clone(),
+                _budget: None,
+                bytes,
+            });
+        }
+        let m = &self.router.metrics().frontend;
+        let kib = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        match self.prompt_budget.clone().try_acquire_many_owned(kib) {
+            Ok(permit) => {
+                m.inflight_prompt_bytes.add(bytes as i64);
+                Ok(Admission {
+                    lane: Lane::Large,
+                    fe: self.clone(),
+                    _budget: Some(permit),
+                    bytes,
+                })
+            }
+            Err(_) => {
+                m.prompt_budget_refusals.inc();
+                Err(OpenAiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "the router is tokenizing {} bytes of large requests already; a request \
+                         of {bytes} bytes would pass --max-inflight-prompt-bytes={}: retry later",
+                        m.inflight_prompt_bytes.get(),
+                        self.config.max_inflight_prompt_bytes
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Waits for a tokenizing permit in `admission`'s lane.
+    pub async fn tokenize_permit(
+        &self,
+        admission: &Admission,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let lane = match admission.lane {
+            Lane::Small => &self.tokenizing,
+            Lane::Large => &self.tokenizing_large,
+        };
+        let waiting = self
+            .router
+            .metrics()
+            .frontend
+            .tokenize_waiting
+            .with_label_values(&[admission.lane.label()]);
+        waiting.inc();
+        let permit = lane.clone().acquire_owned().await.ok();
+        waiting.dec();
+        permit
+    }
+
+    /// Takes every permit of `lane` (a test's way to show the other lane still serves).
+    pub async fn hold_lane(&self, lane: Lane) -> tokio::sync::OwnedSemaphorePermit {
+        let sem = match lane {
+            Lane::Small => &self.tokenizing,
+            Lane::Large => &self.tokenizing_large,
+        };
+        let n = u32::try_from(sem.available_permits()).unwrap_or(u32::MAX);
+        sem.clone()
+            .acquire_many_owned(n)
+            .await
+            .expect("the lane's semaphore is never closed")
     }
 
     /// Checks the request's `model` (absent, null or empty means the served one, as in vLLM);
@@ -379,39 +521,68 @@ async fn json_body(
     Ok((parts.headers, busy, bytes, map))
 }
 
-async fn tokenize(State(fe): State<Fe>, request: Request) -> Result<Json<Value>, OpenAiError> {
-    let (_, _, _, body) = json_body(&fe, request).await?;
+/// `/tokenize`'s answer, serialized straight from the ids (not through a JSON tree).
+#[derive(serde::Serialize)]
+struct TokenizeAnswer {
+    count: usize,
+    max_model_len: usize,
+    tokens: Vec<u32>,
+}
+
+async fn tokenize(
+    State(fe): State<Fe>,
+    request: Request,
+) -> Result<Json<TokenizeAnswer>, OpenAiError> {
+    let (_, busy, raw, body) = json_body(&fe, request).await?;
+    // Not idle while its prompt waits and is tokenized (`--http-idle-timeout-secs`).
+    let _busy = busy.as_ref().map(ConnBusy::hold);
+    let admission = fe.admit(raw.len())?;
+    drop(raw);
     fe.check_model(&body)?;
     let tokenizer = fe.tokenizer.clone();
     let body = Value::Object(body);
-    let _permit = fe.tokenizing.acquire().await;
+    let _permit = fe.tokenize_permit(&admission).await;
+    let large = admission.lane == Lane::Large;
     let tokens = tokio::task::spawn_blocking(move || -> Result<Vec<u32>, TokenizeError> {
-        if body.get("messages").is_some() {
-            tokenizer.encode_chat(&ChatRequest::from_body(&body)?)
-        } else {
-            let Some(Value::String(prompt)) = body.get("prompt") else {
-                return Err(TokenizeError::BadRequest(
-                    "/tokenize takes 'prompt' (a string) or 'messages'".to_owned(),
-                ));
-            };
-            let add = match body.get("add_special_tokens") {
-                None | Some(Value::Null) => true,
-                Some(Value::Bool(b)) => *b,
-                Some(_) => {
-                    return Err(TokenizeError::BadRequest(
-                        "'add_special_tokens' must be a boolean".to_owned(),
-                    ))
-                }
-            };
-            tokenizer.encode_prompt(prompt, add)
+        let tokens = tokenize_body(&tokenizer, &body);
+        drop(body);
+        if large {
+            release_freed_memory();
         }
+        tokens
     })
     .await
     .map_err(|e| OpenAiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))??;
+    drop(admission);
     // max_model_len is the worker's setting, which the router does not know: 0.
-    Ok(Json(
-        json!({ "count": tokens.len(), "max_model_len": 0, "tokens": tokens }),
-    ))
+    Ok(Json(TokenizeAnswer {
+        count: tokens.len(),
+        max_model_len: 0,
+        tokens,
+    }))
+}
+
+/// The ids of a `/tokenize` body.
+fn tokenize_body(tokenizer: &ModelTokenizer, body: &Value) -> Result<Vec<u32>, TokenizeError> {
+    if body.get("messages").is_some() {
+        tokenizer.encode_chat(&ChatRequest::from_body(body)?)
+    } else {
+        let Some(Value::String(prompt)) = body.get("prompt") else {
+            return Err(TokenizeError::BadRequest(
+                "/tokenize takes 'prompt' (a string) or 'messages'".to_owned(),
+            ));
+        };
+        let add = match body.get("add_special_tokens") {
+            None | Some(Value::Null) => true,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(TokenizeError::BadRequest(
+                    "'add_special_tokens' must be a boolean".to_owned(),
+                ))
+            }
+        };
+        tokenizer.encode_prompt(prompt, add)
+    }
 }
 
 async fn completions(State(fe): State<Fe>, request: Request) -> Response {
@@ -423,8 +594,8 @@ async fn chat_completions(State(fe): State<Fe>, request: Request) -> Response {
 }
 
 /// The prompt of a completions request as the worker will see it: a string to encode, or ids.
-enum Prompt {
-    Text(String),
+enum Prompt<'a> {
+    Text(&'a str),
     Ids(Vec<u32>),
 }
 
@@ -437,13 +608,13 @@ fn ids(values: &[Value]) -> Option<Vec<u32>> {
 
 /// `prompt` as vLLM reads it: a string, a list of ids, or a batch of either (routed by its first
 /// prompt, which the worker runs first).
-fn completion_prompt(body: &serde_json::Map<String, Value>) -> Result<Prompt, TokenizeError> {
+fn completion_prompt(body: &serde_json::Map<String, Value>) -> Result<Prompt<'_>, TokenizeError> {
     let bad = |why: &str| TokenizeError::BadRequest(why.to_owned());
     match body.get("prompt") {
-        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        Some(Value::String(s)) => Ok(Prompt::Text(s)),
         Some(Value::Array(items)) => match items.first() {
             None => Err(bad("'prompt' is an empty list")),
-            Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+            Some(Value::String(s)) => Ok(Prompt::Text(s)),
             Some(Value::Array(first)) => ids(first)
                 .map(Prompt::Ids)
                 .ok_or_else(|| bad("'prompt' token ids must be integers below 2^32")),
@@ -473,7 +644,7 @@ fn request_tokens(
                         .get("add_special_tokens")
                         .and_then(Value::as_bool)
                         .unwrap_or(true);
-                    tokenizer.encode_prompt(&text, add)
+                    tokenizer.encode_prompt(text, add)
                 }
             }
         }
@@ -622,16 +793,28 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         .get("cache_salt")
         .and_then(Value::as_str)
         .map(str::to_owned);
+    let admission = match fe.admit(raw.len()) {
+        Ok(a) => a,
+        Err(e) => return ledger.fail("prompt_budget", e),
+    };
 
     // Tokenize as the worker will, off the async workers (an 8K-token prompt takes milliseconds).
     let tokenizer = fe.tokenizer.clone();
     let body_value = Value::Object(body);
     let started = Instant::now();
-    let permit = fe.tokenizing.acquire().await;
-    let tokens =
-        tokio::task::spawn_blocking(move || request_tokens(&tokenizer, endpoint, &body_value))
-            .await;
+    let permit = fe.tokenize_permit(&admission).await;
+    let large = admission.lane == Lane::Large;
+    let tokens = tokio::task::spawn_blocking(move || {
+        let tokens = request_tokens(&tokenizer, endpoint, &body_value);
+        drop(body_value);
+        if large {
+            release_freed_memory();
+        }
+        tokens
+    })
+    .await;
     drop(permit);
+    drop(admission);
     let m = &fe.router.metrics().frontend;
     m.tokenize
         .with_label_values(&[endpoint.kind()])
@@ -923,52 +1106,79 @@ struct RelayState {
 }
 
 /// Passes a worker's answer on: a stream in whole SSE events only, so that an error event the
-/// router adds after them always parses.
+/// router adds after them always parses. Each byte is copied and scanned once: only the bytes
+/// that arrived since the last look (and the 3 before them, where a delimiter may begin) are
+/// searched for an event's end. An event held back past `max_event` bytes
+/// (`--max-sse-event-bytes`) is dropped and the stream marked `overflow`.
 #[derive(Debug, Default)]
 struct Framer {
     sse: bool,
     /// A stream's bytes after its last complete event (`\n\n`), held back.
     partial: Vec<u8>,
+    /// The most bytes `partial` may hold.
+    max_event: usize,
+    /// An event passed `max_event`: the stream must end with an error.
+    overflow: bool,
 }
 
-/// Where the last complete SSE event of `bytes` ends (after its blank line), if any.
-fn last_event_end(bytes: &[u8]) -> Option<usize> {
-    let lf = bytes.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = bytes
+/// Where the last complete SSE event of `bytes` ends (after its blank line), if any, looking only
+/// at delimiters that end after `from`.
+fn last_event_end(bytes: &[u8], from: usize) -> Option<usize> {
+    let tail = &bytes[from.saturating_sub(3).min(bytes.len())..];
+    let base = bytes.len() - tail.len();
+    let lf = tail.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = tail
         .windows(4)
         .rposition(|w| w == b"\r\n\r\n")
         .map(|i| i + 4);
-    lf.max(crlf)
+    lf.max(crlf).map(|end| base + end)
 }
 
 impl Framer {
+    fn new(sse: bool, max_event: usize) -> Self {
+        Self {
+            sse,
+            partial: Vec::new(),
+            max_event,
+            overflow: false,
+        }
+    }
+
     /// What of `chunk` can go to the client now: all of it for a whole answer; up to the last
     /// complete event for a stream.
     fn pass(&mut self, chunk: Bytes) -> Bytes {
-        if !self.sse {
-            return chunk;
+        if !self.sse || self.overflow {
+            return if self.overflow { Bytes::new() } else { chunk };
         }
-        if self.partial.is_empty() {
-            match last_event_end(&chunk) {
+        let out = if self.partial.is_empty() {
+            match last_event_end(&chunk, 0) {
                 Some(end) if end == chunk.len() => return chunk,
                 Some(end) => {
                     self.partial.extend_from_slice(&chunk[end..]);
-                    return chunk.slice(..end);
+                    chunk.slice(..end)
                 }
                 None => {
                     self.partial.extend_from_slice(&chunk);
-                    return Bytes::new();
+                    Bytes::new()
                 }
             }
-        }
-        self.partial.extend_from_slice(&chunk);
-        match last_event_end(&self.partial) {
-            Some(end) => {
-                let rest = self.partial.split_off(end);
-                Bytes::from(std::mem::replace(&mut self.partial, rest))
+        } else {
+            let seen = self.partial.len();
+            self.partial.extend_from_slice(&chunk);
+            match last_event_end(&self.partial, seen) {
+                Some(end) => {
+                    let rest = self.partial[end..].to_vec();
+                    self.partial.truncate(end);
+                    Bytes::from(std::mem::replace(&mut self.partial, rest))
+                }
+                None => Bytes::new(),
             }
-            None => Bytes::new(),
+        };
+        if self.partial.len() > self.max_event {
+            self.partial = Vec::new();
+            self.overflow = true;
         }
+        out
     }
 }
 
@@ -1001,10 +1211,7 @@ fn relay(
             outcome: None,
         },
         idle: fe.config.idle_timeout,
-        framer: Framer {
-            sse: upstream.sse,
-            partial: Vec::new(),
-        },
+        framer: Framer::new(upstream.sse, fe.config.max_sse_event_bytes),
         done: false,
     };
     let first = first.map(|chunk| {
@@ -1017,6 +1224,9 @@ fn relay(
         loop {
             if st.done {
                 return None;
+            }
+            if st.framer.overflow {
+                return Some(event_too_large(st));
             }
             match tokio::time::timeout(st.idle, st.upstream.next()).await {
                 Ok(Some(Ok(chunk))) => {
@@ -1059,6 +1269,26 @@ fn relay(
     })
 }
 
+/// A worker's event passed `--max-sse-event-bytes`: the stream ends with an error event (the
+/// worker is not marked: it answered, but not in a shape the router relays).
+fn event_too_large(mut st: RelayState) -> (Result<Bytes, io::Error>, RelayState) {
+    let fe = st.answering.ledger.fe.clone();
+    fe.router.metrics().frontend.sse_events_too_large.inc();
+    let limit = fe.config.max_sse_event_bytes;
+    tracing::warn!(worker = ?st.answering.worker, limit, "a worker's server-sent event passed --max-sse-event-bytes; the stream is ended");
+    st.answering.outcome = Some("sse_event_too_large");
+    st.done = true;
+    let message = format!(
+        "the worker sent an event longer than {limit} bytes (--max-sse-event-bytes); the stream \
+         is ended"
+    );
+    let event = OpenAiError::body(StatusCode::BAD_GATEWAY, &message);
+    (
+        Ok(Bytes::from(format!("data: {event}\n\ndata: [DONE]\n\n"))),
+        st,
+    )
+}
+
 /// The worker failed after the answer's first byte: the worker is marked, and a streamed answer
 /// ends with an SSE error event after its last whole event (a whole answer is cut short: its
 /// JSON cannot be mended).
@@ -1091,7 +1321,7 @@ mod tests {
     #[test]
     fn completion_prompts_are_read_as_vllm_reads_them() {
         let text = |v: Value| match completion_prompt(&obj(v)).unwrap() {
-            Prompt::Text(t) => t,
+            Prompt::Text(t) => t.to_owned(),
             Prompt::Ids(i) => panic!("ids {i:?}"),
         };
         let idsof = |v: Value| match completion_prompt(&obj(v)).unwrap() {
@@ -1117,13 +1347,13 @@ mod tests {
 
     #[test]
     fn a_stream_reaches_the_client_in_whole_events() {
-        assert_eq!(last_event_end(b"data: a\n\ndata: b"), Some(9));
-        assert_eq!(last_event_end(b"data: a\r\n\r\n"), Some(11));
-        assert_eq!(last_event_end(b"data: a\n"), None);
-        let mut st = Framer {
-            sse: true,
-            partial: Vec::new(),
-        };
+        assert_eq!(last_event_end(b"data: a\n\ndata: b", 0), Some(9));
+        assert_eq!(last_event_end(b"data: a\r\n\r\n", 0), Some(11));
+        assert_eq!(last_event_end(b"data: a\n", 0), None);
+        // Only delimiters ending after `from` count (one may start up to 3 bytes before it).
+        assert_eq!(last_event_end(b"a\n\nbbbbbb", 6), None);
+        assert_eq!(last_event_end(b"aaaa\n\n", 5), Some(6));
+        let mut st = Framer::new(true, 1 << 20);
         let mut out = Vec::new();
         // Events cut anywhere by the network come out whole, in order, nothing lost or doubled.
         for piece in [
@@ -1142,9 +1372,36 @@ mod tests {
             b"data: {\"a\": 1}\n\ndata: {\"b\": 2}\n\ndata: [DONE]\n\n"
         );
         assert!(st.partial.is_empty());
+        // A delimiter split across chunks is found.
+        for piece in [&b"data: x\r\n"[..], b"\r", b"\n"] {
+            out.extend_from_slice(&st.pass(Bytes::copy_from_slice(piece)));
+        }
+        assert!(out.ends_with(b"data: x\r\n\r\n"));
+        assert!(st.partial.is_empty());
         // A whole answer passes untouched.
         st.sse = false;
         assert_eq!(&st.pass(Bytes::from_static(b"{\"x\"")), &b"{\"x\""[..]);
+    }
+
+    #[test]
+    fn an_endless_event_is_cut_at_the_cap_in_linear_time() {
+        let mut st = Framer::new(true, 4 << 20);
+        assert_eq!(
+            &st.pass(Bytes::from_static(b"data: 1\n\ndata: ")),
+            &b"data: 1\n\n"[..]
+        );
+        // 64 MiB without a blank line, in 16 KiB chunks: nothing passes, at most the cap is held,
+        // and the stream is marked once the cap is passed. Scanning only new bytes keeps this
+        // linear (the whole buffer rescanned per chunk would be about 500 GB of scanning).
+        let chunk = Bytes::from(vec![b'x'; 16 << 10]);
+        let mut held_max = 0;
+        for _ in 0..4096 {
+            assert!(st.pass(chunk.clone()).is_empty());
+            held_max = held_max.max(st.partial.capacity());
+        }
+        assert!(st.overflow);
+        assert!(held_max <= 8 << 20, "{held_max}");
+        assert!(st.partial.is_empty());
     }
 
     #[test]

@@ -157,6 +157,18 @@ pub struct FrontendMetrics {
     /// `kv_router_frontend_tokenize_fallbacks_total`: requests the router could not tokenize as
     /// the worker will (a multimodal part, a per-request template), routed by load alone.
     pub tokenize_fallbacks: IntCounter,
+    /// `kv_router_frontend_inflight_prompt_bytes`: bytes of large request bodies held while
+    /// tokenizing (at most `--max-inflight-prompt-bytes`).
+    pub inflight_prompt_bytes: IntGauge,
+    /// `kv_router_frontend_prompt_budget_refusals_total`: large requests answered 503 because
+    /// `--max-inflight-prompt-bytes` were held.
+    pub prompt_budget_refusals: IntCounter,
+    /// `kv_router_frontend_tokenize_waiting{lane}`: requests waiting for a tokenizing permit,
+    /// `small` or `large` (`--large-prompt-bytes`).
+    pub tokenize_waiting: IntGaugeVec,
+    /// `kv_router_frontend_sse_events_too_large_total`: streams ended because a worker's event
+    /// passed `--max-sse-event-bytes`.
+    pub sse_events_too_large: IntCounter,
 }
 
 impl Default for RouterMetrics {
@@ -500,6 +512,41 @@ impl FrontendMetrics {
                         "Time to hash, score and choose a worker for a request (tokenizing excluded)",
                     )
                     .buckets(small()),
+                )
+                .expect("valid metric"),
+            ),
+            inflight_prompt_bytes: register(
+                registry,
+                IntGauge::new(
+                    "kv_router_frontend_inflight_prompt_bytes",
+                    "Bytes of large request bodies held while tokenizing (--max-inflight-prompt-bytes)",
+                )
+                .expect("valid metric"),
+            ),
+            prompt_budget_refusals: register(
+                registry,
+                IntCounter::new(
+                    "kv_router_frontend_prompt_budget_refusals_total",
+                    "Large requests answered 503 because --max-inflight-prompt-bytes were held",
+                )
+                .expect("valid metric"),
+            ),
+            tokenize_waiting: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "kv_router_frontend_tokenize_waiting",
+                        "Requests waiting for a tokenizing permit, by lane (--large-prompt-bytes)",
+                    ),
+                    &["lane"],
+                )
+                .expect("valid metric"),
+            ),
+            sse_events_too_large: register(
+                registry,
+                IntCounter::new(
+                    "kv_router_frontend_sse_events_too_large_total",
+                    "Streams ended because a worker's event passed --max-sse-event-bytes",
                 )
                 .expect("valid metric"),
             ),

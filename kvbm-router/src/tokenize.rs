@@ -35,8 +35,11 @@
 //!
 //! Invariants: a request cannot make the router do unbounded work. Prompt text and a chat's
 //! strings are bounded by [`PROMPT_BYTES_MAX`], a render by [`TEMPLATE_FUEL_MAX`] (minijinja fuel)
-//! and its output by [`RENDERED_BYTES_MAX`]; nothing here panics on input (the tokenizer and the
-//! template engine run under `catch_unwind` as a last guard). Every refusal is a
+//! and its output by [`RENDERED_BYTES_MAX`], `strftime_now`'s format by 256 bytes. Encoding costs
+//! a few bytes per byte of text: windows of [`ENCODE_WINDOW_BYTES`], ids only, each window's
+//! first words checked against the previous window's, else the text is encoded whole, so the ids
+//! are always `encode`'s. Nothing here panics on input (the tokenizer and the template engine run
+//! under `catch_unwind` as a last guard). Every refusal is a
 //! [`TokenizeError`] the HTTP layer turns into a 400.
 //!
 //! Known limits: a request's own `chat_template` is refused (vLLM refuses it too unless
@@ -66,6 +69,21 @@ pub const RENDERED_BYTES_MAX: usize = 16 << 20;
 /// minijinja fuel for one render: about that many instructions, or 64 bytes of allocated data
 /// per unit. A 64-turn chat of the fixtures' templates uses under 20 000.
 pub const TEMPLATE_FUEL_MAX: u64 = 4_000_000;
+
+/// Bytes of text tokenized at once (see [`ModelTokenizer::encode_ids`]); the tokenizer's working
+/// memory is about 130 bytes per byte of a window.
+pub const ENCODE_WINDOW_BYTES: usize = 64 << 10;
+/// Bytes at a window's end whose words are not trusted (its cut may change them); the words of
+/// the next such stretch are tokenized again by the next window and must come out the same.
+const ENCODE_WINDOW_MARGIN: usize = 2 << 10;
+
+/// One word of a window (a split of the pre-tokenizer): where it lies in the text, its ids.
+#[derive(Debug, PartialEq, Eq)]
+struct WordIds {
+    start: usize,
+    end: usize,
+    ids: Vec<u32>,
+}
 
 /// The named special tokens transformers passes to every template (`special_tokens_map`).
 const SPECIAL_TOKEN_NAMES: [&str; 7] = [
@@ -111,6 +129,37 @@ pub struct ModelTokenizer {
     /// Whether the templates came as a named set (transformers' dict form) or one string.
     named_templates: bool,
     env: minijinja::Environment<'static>,
+    /// The special tokens the post-processor puts before and after a sequence, without and with
+    /// `add_special_tokens`; None where [`Self::encode_ids`] must use the whole `encode`.
+    special_wrap: [Option<(Vec<u32>, Vec<u32>)>; 2],
+}
+
+/// What the post-processor puts around one sequence: found by processing a one-token sequence
+/// with an id no vocabulary has. None if the tokenizer truncates or pads (then the wrap depends
+/// on the length) or the marker does not come out exactly once.
+fn special_wrap(
+    tokenizer: &tokenizers::Tokenizer,
+    add_special_tokens: bool,
+) -> Option<(Vec<u32>, Vec<u32>)> {
+    if tokenizer.get_truncation().is_some() || tokenizer.get_padding().is_some() {
+        return None;
+    }
+    const MARKER: u32 = u32::MAX;
+    let one = tokenizers::Encoding::from_tokens(
+        vec![tokenizers::Token::new(MARKER, "a".to_owned(), (0, 1))],
+        0,
+    );
+    let processed = catch_unwind(AssertUnwindSafe(|| {
+        tokenizer.post_process(one, None, add_special_tokens)
+    }))
+    .ok()?
+    .ok()?;
+    let ids = processed.get_ids();
+    let at = ids.iter().position(|&i| i == MARKER)?;
+    if ids[at + 1..].contains(&MARKER) {
+        return None;
+    }
+    Some((ids[..at].to_vec(), ids[at + 1..].to_vec()))
 }
 
 struct ChatTemplate {
@@ -190,6 +239,7 @@ impl ModelTokenizer {
             });
         }
         Ok(Self {
+            special_wrap: [false, true].map(|add| special_wrap(&tokenizer, add)),
             tokenizer,
             special_tokens,
             templates,
@@ -225,6 +275,20 @@ impl ModelTokenizer {
         self.encode(&rendered.text, rendered.add_special_tokens)
     }
 
+    /// The ids of `Tokenizer::encode` itself, on the whole text at once: the reference
+    /// [`Self::encode_prompt`] must agree with (tests and measurements).
+    #[doc(hidden)]
+    pub fn encode_whole(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
     /// Whether the model ships a chat template.
     pub fn has_chat_template(&self) -> bool {
         !self.templates.is_empty()
@@ -236,12 +300,130 @@ impl ModelTokenizer {
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
-        let encoded = catch_unwind(AssertUnwindSafe(|| {
-            self.tokenizer.encode(text, add_special_tokens)
+        catch_unwind(AssertUnwindSafe(|| {
+            self.encode_ids(text, add_special_tokens)
         }))
         .map_err(|_| TokenizeError::Encode("the tokenizer panicked".into()))?
-        .map_err(|e| TokenizeError::Encode(e.to_string()))?;
-        Ok(encoded.get_ids().to_vec())
+        .map_err(|e| TokenizeError::Encode(e.to_string()))
+    }
+
+    /// The ids `Tokenizer::encode` gives, at a cost of a few bytes per byte of text: the same
+    /// pipeline (added tokens, normalizer, pre-tokenizer, model, then the post-processor's special
+    /// tokens), run over windows of [`ENCODE_WINDOW_BYTES`] (see [`Self::window_ids`]), each
+    /// word's tokens reduced to their ids as soon as the model returns them. `encode` itself keeps,
+    /// per token, a `String`, offsets, a word index and masks, and per byte of text an alignment
+    /// pair in each word's normalized string: over 100 bytes per byte of prompt. A tokenizer that
+    /// truncates or pads, or text whose windows do not join exactly, goes the usual way.
+    fn encode_ids(&self, text: &str, add_special_tokens: bool) -> tokenizers::Result<Vec<u32>> {
+        let t = &self.tokenizer;
+        let whole = || -> tokenizers::Result<Vec<u32>> {
+            Ok(t.encode_fast(text, add_special_tokens)?.get_ids().to_vec())
+        };
+        let Some((prefix, suffix)) = &self.special_wrap[usize::from(add_special_tokens)] else {
+            return whole();
+        };
+        let mut ids = prefix.clone();
+        // Splits of the last window that the next window must reproduce before it is trusted.
+        let mut check: Vec<WordIds> = Vec::new();
+        let mut start = 0usize;
+        let mut window = ENCODE_WINDOW_BYTES;
+        loop {
+            let mut end = start.saturating_add(window).min(text.len());
+            while !text.is_char_boundary(end) {
+                end += 1;
+            }
+            let last = end == text.len();
+            let words = self.window_ids(text, start, end, last)?;
+            if words.len() < check.len() || words[..check.len()] != check[..] {
+                tracing::debug!(
+                    at = start,
+                    "tokenizer windows do not join exactly; encoding the prompt whole"
+                );
+                return whole();
+            }
+            if last {
+                for w in words {
+                    ids.extend_from_slice(&w.ids);
+                }
+                break;
+            }
+            // Commit up to the last word ending a margin before the window's end; the words of
+            // the next margin are checked when the next window starts at the commit point.
+            let commit_limit = end - 2 * ENCODE_WINDOW_MARGIN;
+            let check_limit = end - ENCODE_WINDOW_MARGIN;
+            let committed = words.iter().take_while(|w| w.end <= commit_limit).count();
+            let checked = words[committed..]
+                .iter()
+                .take_while(|w| w.end <= check_limit)
+                .count();
+            if committed == 0 || checked == 0 || words[committed - 1].end <= start {
+                // A word longer than the margins: a wider window.
+                // The same start again, checked against the same words.
+                window = window.saturating_mul(2);
+                continue;
+            }
+            let commit_at = words[committed - 1].end;
+            let mut words = words;
+            let rest = words.split_off(committed);
+            for w in words {
+                ids.extend_from_slice(&w.ids);
+            }
+            check = rest.into_iter().take(checked).collect();
+            start = commit_at;
+            window = ENCODE_WINDOW_BYTES;
+        }
+        ids.extend_from_slice(suffix);
+        ids.shrink_to_fit();
+        Ok(ids)
+    }
+
+    /// The words of `text[start..end]` and their ids (positions in `text`), all of them if `last`,
+    /// else those ending at least [`ENCODE_WINDOW_MARGIN`] before `end` (the window's cut may
+    /// change the words near it).
+    fn window_ids(
+        &self,
+        text: &str,
+        start: usize,
+        end: usize,
+        last: bool,
+    ) -> tokenizers::Result<Vec<WordIds>> {
+        use tokenizers::{Model, OffsetReferential, OffsetType, PreTokenizer};
+        let t = &self.tokenizer;
+        let mut pretokenized = t
+            .get_added_vocabulary()
+            .extract_and_normalize(t.get_normalizer(), &text[start..end]);
+        if let Some(pre) = t.get_pre_tokenizer() {
+            pre.pre_tokenize(&mut pretokenized)?;
+        }
+        let limit = if last {
+            usize::MAX
+        } else {
+            end - start - ENCODE_WINDOW_MARGIN.min(end - start)
+        };
+        let mut words = Vec::new();
+        for (piece, (from, to), tokens) in
+            pretokenized.get_splits(OffsetReferential::Original, OffsetType::None)
+        {
+            if to > limit {
+                break;
+            }
+            let ids = match tokens {
+                // An added token, matched before normalization.
+                Some(tokens) => tokens.iter().map(|t| t.id).collect(),
+                None => t
+                    .get_model()
+                    .tokenize(piece)?
+                    .into_iter()
+                    .map(|t| t.id)
+                    .collect(),
+            };
+            words.push(WordIds {
+                start: start + from,
+                end: start + to,
+                ids,
+            });
+        }
+        Ok(words)
     }
 
     /// transformers' `get_chat_template(None, tools)`.

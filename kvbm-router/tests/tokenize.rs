@@ -445,3 +445,90 @@ fn strftime_now_writes_today() {
     assert_eq!(text.len(), 10, "{text}");
     assert!(text.starts_with("20"), "{text}");
 }
+
+#[test]
+fn strftime_now_refuses_a_huge_format() {
+    // A format the template builds for itself: bounded by fuel only, its output several times
+    // longer (`%A` is 9 bytes for 2).
+    let (_dir, tok) = model_with(json!({"chat_template": "{{ strftime_now('%A' * 200000) }}"}));
+    let e = match tok.render_chat(&ChatRequest::from_body(&user("x")).unwrap()) {
+        Ok(text) => panic!("rendered {} bytes", text.len()),
+        Err(e) => e,
+    };
+    assert_eq!(kind(&e), "template", "{e}");
+    assert!(e.to_string().contains("at most 256"), "{e}");
+    // A format at the cap still works.
+    let (_dir, tok) = model_with(json!({"chat_template": "{{ strftime_now('%Y' * 128) }}"}));
+    let text = tok
+        .render_chat(&ChatRequest::from_body(&user("x")).unwrap())
+        .unwrap();
+    assert_eq!(text.len(), 4 * 128);
+}
+
+/// A long text with what moves word boundaries: special tokens, line ends, runs of spaces,
+/// digits, letters with accents and other scripts, and one word longer than a tokenizing window.
+fn long_text(specials: &[&str]) -> String {
+    let mut text = String::new();
+    let mut i = 0usize;
+    while text.len() < 150_000 {
+        let piece = match i % 9 {
+            0 => "The router's index holds 1234567 blocks; it's fast.".to_owned(),
+            1 => "\r\n\n   \t ".to_owned(),
+            2 => specials[i % specials.len()].to_owned(),
+            3 => " déjà vu — 日本語のテキスト ".to_owned(),
+            4 => "    indented(x) == y?!\n".to_owned(),
+            5 => format!("{i}{i}{i}"),
+            6 if i == 6 * 9 + 6 => "w".repeat(70_000),
+            _ => " and so on, ".to_owned(),
+        };
+        text.push_str(&piece);
+        i += 1;
+    }
+    text
+}
+
+#[test]
+fn long_prompts_get_the_ids_of_a_whole_encode() {
+    for (model, specials) in [
+        ("chatml", &["<|im_start|>", "<|im_end|>", "<think>"][..]),
+        ("llama3", &["<|begin_of_text|>", "<|eot_id|>"][..]),
+        ("parts", &["<s>", "</s>"][..]),
+    ] {
+        let tok = load(model);
+        let text = long_text(specials);
+        // One of the two settings per model, by turns (each encode takes seconds in a debug build).
+        let add = model != "llama3";
+        let windowed = tok.encode_prompt(&text, add).unwrap();
+        let whole = tok.encode_whole(&text, add).unwrap();
+        assert_eq!(windowed.len(), whole.len(), "{model} add={add}");
+        assert!(windowed == whole, "{model} add={add}: the ids differ");
+    }
+}
+
+#[test]
+fn a_pipeline_whose_windows_do_not_join_falls_back_to_a_whole_encode() {
+    // A byte-level pre-tokenizer that adds a space before the text: each window's first word
+    // would get it, so the windows' check fails and the text is encoded whole.
+    let dir = tempfile::tempdir().unwrap();
+    let src = data_dir().join("chatml");
+    let mut json: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let pres = json["pre_tokenizer"]["pretokenizers"]
+        .as_array_mut()
+        .unwrap();
+    for p in pres.iter_mut() {
+        if p["type"] == "ByteLevel" {
+            p["add_prefix_space"] = json!(true);
+        }
+    }
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    std::fs::copy(
+        src.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+    let text = long_text(&["<|im_start|>"]);
+    assert!(tok.encode_prompt(&text, true).unwrap() == tok.encode_whole(&text, true).unwrap());
+}

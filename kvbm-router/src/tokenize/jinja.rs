@@ -76,12 +76,35 @@ fn raise_exception(message: Value) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, text))
 }
 
-fn strftime_now(format: &str) -> String {
+/// The longest format `strftime_now` takes: templates print a date (`"%d %b %Y"`); a format
+/// built by the template itself could otherwise be as long as its fuel allows, and its output
+/// several times that.
+pub const STRFTIME_FORMAT_BYTES_MAX: usize = 256;
+/// The longest text `strftime_now` writes (the longest directive, `%A`, writes 9 bytes for 2).
+const STRFTIME_OUTPUT_BYTES_MAX: usize = 8 * STRFTIME_FORMAT_BYTES_MAX;
+
+fn strftime_now(format: &str) -> Result<String, Error> {
+    if format.len() > STRFTIME_FORMAT_BYTES_MAX {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!(
+                "strftime_now: a format of {} bytes; at most {STRFTIME_FORMAT_BYTES_MAX} are accepted",
+                format.len()
+            ),
+        ));
+    }
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
         .unwrap_or(0);
-    strftime(format, now)
+    let text = strftime(format, now);
+    if text.len() > STRFTIME_OUTPUT_BYTES_MAX {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: the date would take {} bytes; at most {STRFTIME_OUTPUT_BYTES_MAX} are written", text.len()),
+        ));
+    }
+    Ok(text)
 }
 
 /// Formats `unix_secs` (UTC) with the C `strftime` directives templates use: `%Y %y %m %d %e %j
