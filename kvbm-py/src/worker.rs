@@ -137,31 +137,45 @@ fn check_plain_writable(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
     Ok(())
 }
 
-/// Refuses spans (of host memory, on the emulated device) that lie outside this process's
-/// writable mappings: a load into them would fault.
-fn check_writable(spans: &[(u64, usize)]) -> PyResult<()> {
-    for &(addr, len) in spans {
-        if !kvbm_core::host_range_writable(addr, len as u64).map_err(core_err)? {
-            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "KV cache memory at {addr:#x} ({len} bytes) is not writable; kvbm loads blocks \
-                 into the KV caches"
-            )));
-        }
+/// Refuses tensors (of host memory, on the emulated device) whose bytes lie outside this
+/// process's writable mappings: a load into them would fault. `spans` holds each tensor's name
+/// and the bytes it addresses; `/proc/self/maps` is read once for all of them.
+fn check_writable(spans: &[(String, u64, usize)]) -> PyResult<()> {
+    let ranges: Vec<(u64, u64)> = spans.iter().map(|(_, a, l)| (*a, *l as u64)).collect();
+    if let Some(i) = kvbm_core::first_unwritable_range(&ranges).map_err(core_err)? {
+        let (name, addr, len) = &spans[i];
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "KV cache tensor {i} ({name:?}, {len} bytes at {addr:#x}) is not writable memory; \
+             kvbm loads blocks into the KV caches"
+        )));
     }
     Ok(())
 }
 
 /// The views of `kv_caches` (layer name -> tensor), in order, each checked by `view_of`.
-fn views_of(kv_caches: &Bound<'_, PyDict>) -> PyResult<(Vec<PyObject>, Vec<TensorView>)> {
+fn views_of(
+    kv_caches: &Bound<'_, PyDict>,
+) -> PyResult<(Vec<PyObject>, Vec<TensorView>, Vec<String>)> {
     let mut tensors = Vec::with_capacity(kv_caches.len());
     let mut views = Vec::with_capacity(kv_caches.len());
+    let mut names = Vec::with_capacity(kv_caches.len());
     for (name, tensor) in kv_caches.iter() {
         let name = name.str()?.to_string();
         views.push(view_of(&name, &tensor)?);
         check_plain_writable(&name, &tensor)?;
         tensors.push(tensor.unbind());
+        names.push(name);
     }
-    Ok((tensors, views))
+    Ok((tensors, views, names))
+}
+
+/// Each tensor's name and the bytes it addresses (address, length).
+fn named_spans(views: &[TensorView], names: Vec<String>) -> Vec<(String, u64, usize)> {
+    views
+        .iter()
+        .zip(names)
+        .filter_map(|(v, name)| v.span().map(|(a, l)| (name, a, l)))
+        .collect()
 }
 
 /// How kvbm addresses `kv_caches` (layer name -> tensor, as for `Worker`): a dict with `layout`
@@ -175,7 +189,7 @@ pub(crate) fn describe_kv_caches<'py>(
     num_blocks: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     guard(|| {
-        let (_, views) = views_of(kv_caches)?;
+        let (_, views, _) = views_of(kv_caches)?;
         let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
         let d = PyDict::new(py);
         d.set_item(
@@ -224,6 +238,7 @@ type GpuSide = (
     KvLayout,
     BlockLayout,
     String,
+    Vec<(String, u64, usize)>,
 );
 
 /// The KV caches' GPU side: the tensors (kept alive), where each block's runs lie, the KV
@@ -234,7 +249,8 @@ fn gpu_side(
     num_blocks: usize,
     outer_dim: Option<usize>,
 ) -> PyResult<GpuSide> {
-    let (tensors, views) = views_of(kv_caches)?;
+    let (tensors, views, names) = views_of(kv_caches)?;
+    let spans = named_spans(&views, names);
     if views.is_empty() {
         return Err(LayoutError::new_err("no KV cache tensor to register"));
     }
@@ -261,7 +277,7 @@ fn gpu_side(
     let layout_name = placed
         .physical
         .map_or_else(|| "per-layer tensors".to_owned(), |p| p.name().to_owned());
-    Ok((tensors, placed, kv, gpu, layout_name))
+    Ok((tensors, placed, kv, gpu, layout_name, spans))
 }
 
 impl std::fmt::Debug for WorkerState {
@@ -350,21 +366,27 @@ impl Worker {
                 u32::MAX as usize - 1,
                 "block ids are 32-bit",
             )?;
-            let (tensors, placed, kv, gpu, layout_name) =
+            let (tensors, placed, kv, gpu, layout_name, spans) =
                 gpu_side(kv_caches, num_blocks, outer_dim)?;
             // The pinned host pool must fit this machine's memory.
             let memory = kvbm_core::config::machine_memory_bytes();
             let host_bytes = (host_blocks as u64).saturating_mul(kv.host_stride_bytes() as u64);
-            if host_blocks >= u32::MAX as usize || host_bytes > memory {
+            if host_blocks >= u32::MAX as usize {
+                return Err(PyValueError::new_err(format!(
+                    "host_blocks={host_blocks}: at most {} blocks (block ids are 32-bit)",
+                    u32::MAX - 1
+                )));
+            }
+            if host_bytes > memory {
                 return Err(PyValueError::new_err(format!(
                     "host_blocks={host_blocks}: {host_blocks} host blocks of {} bytes do not fit \
-                     this machine's memory ({memory} bytes), or exceed 32-bit block ids",
+                     this machine's memory ({memory} bytes)",
                     kv.host_stride_bytes()
                 )));
             }
             let dev = kvbm_core::open_device(device, device_index).map_err(core_err)?;
             if dev.kind() == kvbm_core::DeviceKind::Emulated {
-                check_writable(&placed.spans)?;
+                check_writable(&spans)?;
             }
             #[allow(unsafe_code)]
             // SAFETY: each span is the memory one or more of `tensors` address with their
@@ -642,7 +664,7 @@ impl Worker {
                 }
                 (s.w().gpu_layout().num_blocks(), s.outer_dim)
             };
-            let (tensors, placed, kv, gpu, layout_name) =
+            let (tensors, placed, kv, gpu, layout_name, spans) =
                 gpu_side(kv_caches, num_blocks, outer_dim)?;
             let mut g = self.write(py);
             let s = &mut *g;
@@ -650,7 +672,7 @@ impl Worker {
                 return Err(suspended_error());
             }
             if s.w().device().kind() == kvbm_core::DeviceKind::Emulated {
-                check_writable(&placed.spans)?;
+                check_writable(&spans)?;
             }
             let device_index = s.device_index;
             let inner = s.w_mut();

@@ -32,9 +32,10 @@ def worker(host_blocks=2, **kwargs):
 @pytest.mark.parametrize(
     "args, name",
     [
-        ((16, 2**31), "host_blocks=2147483648"),
-        ((16, 4, 2**31), "disk_blocks=2147483648"),
-        ((16, 2**31, 2**31), "host_blocks=2147483648"),
+        # Beyond 32-bit block ids: refused on any machine, whatever its memory.
+        ((16, 2**32), "host_blocks=4294967296: at most 4294967294 blocks \\(block ids are 32-bit"),
+        ((16, 4, 2**32), "disk_blocks=4294967296: at most"),
+        ((16, 2**32, 2**32), "host_blocks=4294967296"),
         ((2**40, 4), "block_size=1099511627776"),
     ],
 )
@@ -56,8 +57,8 @@ def test_sequence_hashes_refuse_a_block_size_beyond_the_bound():
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        (dict(host_blocks=2**31), "host_blocks=2147483648"),
-        (dict(host_blocks=2**40), "host_blocks=1099511627776"),
+        (dict(host_blocks=2**32), "host_blocks=4294967296: at most 4294967294 blocks"),
+        (dict(host_blocks=2**40), "host_blocks=1099511627776: at most"),
         (dict(async_onboards_max=2**62), "async_onboards_max="),
         (dict(batch_blocks_max=2**62), "batch_blocks_max="),
         (dict(inflight_max=2**62), "inflight_max="),
@@ -67,6 +68,34 @@ def test_sequence_hashes_refuse_a_block_size_beyond_the_bound():
 def test_worker_sizes_that_do_not_fit_are_a_value_error(kwargs, name):
     with pytest.raises(ValueError, match=name):
         worker(**kwargs)
+
+
+def machine_memory_bytes():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+LEADER_BYTES_PER_BLOCK = 128  # kvbm_core::leader::BOOKKEEPING_BYTES_PER_BLOCK
+
+
+@pytest.mark.skipif(
+    2**31 * LEADER_BYTES_PER_BLOCK <= machine_memory_bytes() // 2,
+    reason="this machine's memory would hold the bookkeeping: the leader would allocate it",
+)
+def test_leader_bookkeeping_beyond_half_of_memory_names_that_bound():
+    with pytest.raises(ValueError, match=r"host_blocks=2147483648: .*half of this machine's memory") as e:
+        kvbm.Leader(16, 2**31)
+    assert "32-bit" not in str(e.value)
+
+
+@pytest.mark.skipif(
+    2**31 * 256 <= machine_memory_bytes(),
+    reason="this machine's memory would hold the pinned pool: the worker would pin it",
+)
+def test_worker_host_pool_beyond_memory_names_that_bound():
+    # 2**31 blocks of 256 bytes (the `worker()` layout): 512 GiB.
+    with pytest.raises(ValueError, match=r"host_blocks=2147483648: .*do not fit this machine's memory") as e:
+        worker(host_blocks=2**31)
+    assert "32-bit" not in str(e.value)
 
 
 def test_token_counts_that_would_overflow_are_not_an_internal_error():
@@ -142,6 +171,10 @@ def test_a_tensor_over_read_only_memory_is_refused():
     array = np.frombuffer(read_only, np.uint16).reshape(SHAPE)
     with pytest.raises(TypeError, match="not writable"):
         kvbm.Worker({"l0": Interfaceless(array)}, 4, 2)
+    # The message names the tensor (its index and layer name), read from the maps once.
+    good = Interfaceless(np.zeros(SHAPE, np.uint16))
+    with pytest.raises(TypeError, match=r'KV cache tensor 1 \("layer.1".*not writable'):
+        kvbm.Worker({"layer.0": good, "layer.1": Interfaceless(array)}, 4, 2)
     # The same tensor over writable memory is accepted.
     writable = Interfaceless(np.zeros(SHAPE, np.uint16))
     w = kvbm.Worker({"l0": writable}, 4, 2)
