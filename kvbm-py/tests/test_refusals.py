@@ -309,3 +309,59 @@ def test_the_default_directory_is_created_private_and_reused(tmp_path, monkeypat
     assert made.is_dir() and not made.is_symlink()
     assert made.stat().st_mode & 0o7777 == 0o700
     assert default_dir_worker(tmp_path, monkeypatch).disk_blocks == 4
+
+
+# -- calls back into a Leader or Worker from code kvbm runs ------------------------------------
+
+
+def within(seconds, fn):
+    """`fn()` on a thread given `seconds`: a call that waits forever fails the test, not hangs it."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the call hung: it waited on a lock its own thread holds"
+    return result
+
+
+@pytest.mark.skipif(SIMULATED_GPU, reason="host tensors on the emulated device")
+def test_tensors_released_by_restore_may_call_the_worker():
+    """`restore` dropped the old tensors under the worker's lock: a finalizer calling the worker
+    waited forever on the lock its own thread held."""
+    seen = []
+
+    class Finalized(HostTensor):
+        def __del__(self):
+            try:
+                seen.append(w.stats()["bytes_offloaded"])
+            except Exception as e:  # noqa: BLE001
+                seen.append(e)
+
+    w = kvbm.Worker({"l0": Finalized(np.zeros(SHAPE, np.uint16))}, 4, 2)
+    w.suspend()
+    result = within(20, lambda: w.restore(caches_of(np.zeros(SHAPE, np.uint16))))
+    assert "error" not in result, result
+    assert seen == [0], "the finalizer ran after the lock was released and got its answer"
+
+
+def test_a_reentrant_call_raises_instead_of_waiting_forever():
+    """Python code that runs while a Leader's or Worker's lock is held (a finalizer, say) and
+    calls the same object from the same thread gets a RuntimeError, not a deadlock."""
+    leader = kvbm.Leader(4, 8)
+    result = within(20, lambda: leader._with_lock_held(leader.counts))
+    assert isinstance(result.get("error"), RuntimeError), result
+    assert "re-entrant call" in str(result["error"])
+    assert leader.counts()["capacity"] == 8, "the lock was released"
+    w = worker()
+    for call in (w.stats, w.metrics, lambda: w.suspend()):
+        result = within(20, lambda: w._with_lock_held(call))
+        assert isinstance(result.get("error"), RuntimeError), result
+        assert "re-entrant call" in str(result["error"])
+    assert w.stats()["bytes_offloaded"] == 0
