@@ -189,11 +189,17 @@ pub fn check_sizes(
     let budget = memory_bytes / 2;
     let cost = |blocks: usize| (blocks as u64).saturating_mul(BOOKKEEPING_BYTES_PER_BLOCK);
     for (name, blocks) in [("host_blocks", host_blocks), ("disk_blocks", disk_blocks)] {
-        if cost(blocks) > budget || blocks >= u32::MAX as usize {
+        if blocks >= u32::MAX as usize {
+            return Err(CoreError::InvalidArgument(format!(
+                "{name}={blocks}: at most {} blocks (block ids are 32-bit)",
+                u32::MAX - 1
+            )));
+        }
+        if cost(blocks) > budget {
             return Err(CoreError::InvalidArgument(format!(
                 "{name}={blocks}: the leader's bookkeeping of {BOOKKEEPING_BYTES_PER_BLOCK} bytes \
                  per block would take more than half of this machine's memory ({memory_bytes} \
-                 bytes), and block ids are 32-bit"
+                 bytes)"
             )));
         }
     }
@@ -248,11 +254,6 @@ impl Leader {
         if block_size == 0 || host_blocks == 0 {
             return Err(CoreError::InvalidArgument(format!(
                 "block_size {block_size} and host_blocks {host_blocks} must be at least 1"
-            )));
-        }
-        if host_blocks.max(disk_blocks) >= u32::MAX as usize {
-            return Err(CoreError::InvalidArgument(format!(
-                "{host_blocks} host / {disk_blocks} disk blocks: block ids are 32-bit"
             )));
         }
         check_sizes(

@@ -50,8 +50,8 @@ pub use pool::{
     FillingBlock, HeldBlocks, PoolCounts, RegisteredBlock, Rejected,
 };
 pub use worker::{
-    check_view_within, default_device_kind, host_range_writable, open_device, Worker,
-    WorkerOptions, WorkerStats,
+    check_view_within, default_device_kind, first_unwritable_range, host_range_writable,
+    open_device, Worker, WorkerOptions, WorkerStats,
 };
 // What the bindings need of the leaves, through core (they depend on kvbm-core alone).
 pub use kvbm_cuda::{DeviceKind, Direction, StreamHold};

@@ -92,6 +92,16 @@ pub fn host_range_writable(addr: u64, len: u64) -> Result<bool, CoreError> {
     Ok(range_writable_in(&maps, addr, len))
 }
 
+/// The index of the first of `ranges` (address, bytes) that does not lie inside this process's
+/// writable mappings, or `None` when all do. `/proc/self/maps` is read once for all of them.
+pub fn first_unwritable_range(ranges: &[(u64, u64)]) -> Result<Option<usize>, CoreError> {
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| CoreError::InvalidArgument(format!("/proc/self/maps: {e}")))?;
+    Ok(ranges
+        .iter()
+        .position(|&(addr, len)| !range_writable_in(&maps, addr, len)))
+}
+
 /// [`host_range_writable`] over the text of a `maps` file.
 fn range_writable_in(maps: &str, addr: u64, len: u64) -> bool {
     let Some(end) = addr.checked_add(len) else {

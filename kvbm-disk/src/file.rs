@@ -11,21 +11,30 @@
 //!   directory's descriptor, and it must be a regular file owned by this user with a single
 //!   link; a directory that other users may write into without the sticky bit is refused (they
 //!   could swap the file).
-//! - The directory: every component kvbm creates is made with `mkdir` 0700 and then opened with
-//!   `O_NOFOLLOW | O_DIRECTORY` and checked with `fstat` (owned by this user, no group or other
-//!   bits), so a link or directory planted in its place is refused, never followed. The last
+//! - The directory: no link is followed on any component kvbm creates, nor on the last
+//!   component; the prefix that already exists (the user's, as `/tmp`) is opened as it resolves.
+//!   From that prefix's descriptor every component kvbm creates is made with `mkdirat` 0700 and
+//!   opened with `openat(O_NOFOLLOW | O_DIRECTORY)` from its parent's descriptor and checked with
+//!   `fstat` (owned by this user, no group or other bits), so a link or directory planted in its
+//!   place is refused, never followed; the path must still name the directory reached (else a
+//!   component was moved meanwhile: refused). Directories are opened `O_PATH` (no read
+//!   permission needed), and an open's own error is reported as it is. The last
 //!   component is opened `O_NOFOLLOW`: with [`CacheFileOptions::private_dir`] (kvbm's default
 //!   directory in the shared temporary directory) it must be a real directory of this user with
 //!   no group or other bits; a directory the user named may be a link only when the link itself
 //!   belongs to this user or root, and must then pass the sticky/ownership check above.
+//! - The file's neighbours (the checkpoint and its temporary file) are opened, renamed and
+//!   removed relative to the checked directory's descriptor, never by path; the checkpoint is
+//!   read `O_NOFOLLOW | O_NONBLOCK` and must be a regular file of this user (a FIFO planted in
+//!   its place is ignored, never waited on).
 //! - The file is preallocated with `fallocate`; where the file system refuses it, the file is sized
 //!   with `set_len` instead (sparse), with one warning.
 //! - O_DIRECT unless disabled; when the file system refuses it (EINVAL), the file is opened
 //!   buffered with one warning, and [`CacheFile::io_mode`] says so.
 
-use std::fs::{File, OpenOptions, Permissions};
+use std::fs::{File, Permissions};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -127,17 +136,43 @@ fn dir_error(dir: &Path, source: std::io::Error) -> DiskError {
     }
 }
 
-/// Opens `dir` as a directory without following a link on its last component.
-fn open_dir(dir: &Path, follow: bool) -> std::io::Result<OwnedFd> {
-    let mut flags = libc::O_DIRECTORY | libc::O_CLOEXEC;
-    if !follow {
-        flags |= libc::O_NOFOLLOW;
+/// Wraps a descriptor `open`/`openat` just returned.
+fn owned(fd: RawFd) -> OwnedFd {
+    // SAFETY: the caller passes a descriptor a successful `open`/`openat` just returned, owned by
+    // nobody else.
+    #[allow(unsafe_code)]
+    unsafe {
+        OwnedFd::from_raw_fd(fd)
     }
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(flags)
-        .open(dir)?;
-    Ok(OwnedFd::from(file))
+}
+
+/// Flags of a directory opened only to look at it (`fstat`) and to open, create and rename
+/// names in it (`*at`): `O_PATH` needs no read permission on it (a 0300 directory will do).
+fn dir_flags(follow: bool) -> nix::fcntl::OFlag {
+    use nix::fcntl::OFlag;
+    let mut flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    if !follow {
+        // With O_DIRECTORY, a link is refused (ENOTDIR) rather than opened itself.
+        flags |= OFlag::O_NOFOLLOW;
+    }
+    flags
+}
+
+/// Opens `dir` as a directory, following a link on its last component only with `follow`.
+fn open_dir(dir: &Path, follow: bool) -> std::io::Result<OwnedFd> {
+    let fd = nix::fcntl::open(dir, dir_flags(follow), nix::sys::stat::Mode::empty())?;
+    Ok(owned(fd))
+}
+
+/// Opens the directory `name` in the directory `parent`, never following a link.
+fn open_dir_at(parent: &OwnedFd, name: &std::ffi::OsStr) -> std::io::Result<OwnedFd> {
+    let fd = nix::fcntl::openat(
+        Some(parent.as_raw_fd()),
+        name,
+        dir_flags(false),
+        nix::sys::stat::Mode::empty(),
+    )?;
+    Ok(owned(fd))
 }
 
 /// Checks an open directory: with `private`, owned by this user with no group or other mode
@@ -199,12 +234,12 @@ fn open_checked_dir(dir: &Path, private: bool) -> Result<OwnedFd, DiskError> {
     let fd = match open_dir(dir, false) {
         Ok(fd) => fd,
         Err(e) => {
-            let link = std::fs::symlink_metadata(dir).map_err(|_| dir_error(dir, e))?;
+            let Ok(link) = std::fs::symlink_metadata(dir) else {
+                return Err(dir_error(dir, e));
+            };
             if !link.file_type().is_symlink() {
-                return Err(dir_error(
-                    dir,
-                    std::io::Error::from_raw_os_error(libc::ENOTDIR),
-                ));
+                // Not a link: the open's own error (EACCES, EMFILE, ENOTDIR, ...).
+                return Err(dir_error(dir, e));
             }
             let target = std::fs::read_link(dir).unwrap_or_default();
             let euid = nix::unistd::geteuid().as_raw();
@@ -236,57 +271,108 @@ fn open_checked_dir(dir: &Path, private: bool) -> Result<OwnedFd, DiskError> {
     Ok(fd)
 }
 
-/// Creates the components of `dir` that do not exist yet, each with `mkdir` 0700, and checks
-/// each through `O_NOFOLLOW` (a link planted in its place after the `mkdir` is refused); a
-/// component that appears meanwhile is checked as an existing directory. Returns whether `dir`
-/// itself was created here.
-fn create_missing(dir: &Path, private: bool) -> Result<bool, DiskError> {
+/// Opens the cache directory `dir`, creating the components that do not exist yet, and checks
+/// it (see the module's invariants). The existing prefix of `dir` (the user's, as `/tmp`) is
+/// opened as it resolves; from there every component kvbm creates is made with `mkdirat` 0700
+/// in its parent's descriptor and opened with `openat(O_NOFOLLOW | O_DIRECTORY)` from it, so
+/// that no link is followed on any component kvbm creates, nor on the last component. A
+/// component that appears meanwhile must pass the checks of an existing one (private unless it
+/// is the last one and not `private`).
+fn open_cache_dir(dir: &Path, private: bool) -> Result<OwnedFd, DiskError> {
+    open_cache_dir_hooked(dir, private, |_| {})
+}
+
+/// [`open_cache_dir`], calling `before_create` with each component's path before creating it
+/// (for tests that plant something meanwhile).
+fn open_cache_dir_hooked(
+    dir: &Path,
+    private: bool,
+    mut before_create: impl FnMut(&Path),
+) -> Result<OwnedFd, DiskError> {
     let mut missing = Vec::new();
     let mut at = dir;
-    loop {
+    let base = loop {
         match std::fs::symlink_metadata(at) {
-            Ok(_) => break,
+            Ok(_) => break Some(at),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 missing.push(at);
                 match at.parent() {
                     Some(parent) if !parent.as_os_str().is_empty() => at = parent,
-                    _ => break,
+                    _ => break None,
                 }
             }
             Err(e) => return Err(dir_error(at, e)),
         }
+    };
+    if missing.is_empty() {
+        return open_checked_dir(dir, private);
     }
-    let mut created = false;
+    // The existing prefix: the current directory for a relative path none of which exists.
+    let base_path = base.unwrap_or(Path::new("."));
+    let mut parent = open_dir(base_path, true).map_err(|e| dir_error(base_path, e))?;
     for component in missing.into_iter().rev() {
         let last = component == dir;
-        match nix::unistd::mkdir(
-            component,
+        let name = component
+            .file_name()
+            .ok_or_else(|| invalid_dir(component, "does not end in a plain name".to_owned()))?;
+        before_create(component);
+        match nix::sys::stat::mkdirat(
+            Some(parent.as_raw_fd()),
+            name,
             nix::sys::stat::Mode::from_bits_truncate(CACHE_DIR_MODE),
         ) {
             Ok(()) => {
-                let fd = open_dir(component, false).map_err(|e| {
+                let fd = open_dir_at(&parent, name).map_err(|e| {
                     invalid_dir(
                         component,
                         format!("replaced right after kvbm created it ({e})"),
                     )
                 })?;
                 check_dir_fd(&fd, component, true)?;
-                created = last;
+                parent = fd;
             }
             Err(nix::errno::Errno::EEXIST) => {
-                open_checked_dir(component, private || !last)?;
-                created = false;
+                let fd = open_dir_at(&parent, name).map_err(|e| {
+                    if e.raw_os_error() == Some(libc::ENOTDIR) {
+                        invalid_dir(
+                            component,
+                            "appeared meanwhile as something else than a directory (a link?)"
+                                .to_owned(),
+                        )
+                    } else {
+                        dir_error(component, e)
+                    }
+                })?;
+                check_dir_fd(&fd, component, private || !last)?;
+                parent = fd;
             }
             Err(errno) => return Err(dir_error(component, errno.into())),
         }
     }
-    Ok(created)
+    // The path must still name the directory reached through the descriptors: a component
+    // moved or replaced meanwhile would leave the file somewhere the path does not say.
+    let id = |fd: &OwnedFd| {
+        nix::sys::stat::fstat(fd.as_raw_fd())
+            .ok()
+            .map(|m| (m.st_dev, m.st_ino))
+    };
+    let by_path = open_dir(dir, false).ok().and_then(|fd| id(&fd));
+    if by_path.is_none() || by_path != id(&parent) {
+        return Err(invalid_dir(
+            dir,
+            "a component was moved or replaced while kvbm created it".to_owned(),
+        ));
+    }
+    Ok(parent)
 }
 
 /// An open, locked, sized cache file.
 #[derive(Debug)]
 pub struct CacheFile {
     file: Flock<File>,
+    /// The checked directory the file is in: its neighbours (the checkpoint) are opened,
+    /// renamed and removed relative to it, never by path.
+    dir: OwnedFd,
     path: PathBuf,
     len: u64,
     mode: IoMode,
@@ -429,11 +515,12 @@ impl CacheFile {
         options: CacheFileOptions,
     ) -> Result<Self, DiskError> {
         check_file_name(name)?;
-        let created = create_missing(dir, options.private_dir)?;
-        let dir_fd = open_checked_dir(dir, options.private_dir || created)?;
-        nix::unistd::access(
-            dir,
+        let dir_fd = open_cache_dir(dir, options.private_dir)?;
+        nix::unistd::faccessat(
+            Some(dir_fd.as_raw_fd()),
+            ".",
             nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK,
+            nix::fcntl::AtFlags::empty(),
         )
         .map_err(|errno| dir_error(dir, errno.into()))?;
 
@@ -485,6 +572,7 @@ impl CacheFile {
         }
         Ok(Self {
             file,
+            dir: dir_fd,
             path,
             len: len_bytes,
             mode,
@@ -512,6 +600,7 @@ impl CacheFile {
         let len = file.metadata().map_err(|e| file_error("fstat", e))?.len();
         Ok(Self {
             file,
+            dir: dir_fd,
             path,
             len,
             mode,
@@ -550,11 +639,56 @@ impl CacheFile {
     pub(crate) fn raw_fd(&self) -> RawFd {
         self.file.as_raw_fd()
     }
+
+    /// The checked directory the file is in.
+    pub(crate) fn dir_fd(&self) -> RawFd {
+        self.dir.as_raw_fd()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_link_planted_on_a_component_kvbm_created_is_never_followed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        let a = tmp.path().join("a");
+        let dir = a.join("b").join("c");
+        // Once kvbm has created `a`, it is moved aside and a link to `elsewhere` takes its name
+        // before `a/b` is created.
+        let result = open_cache_dir_hooked(&dir, false, |component| {
+            if component == a.join("b") {
+                std::fs::rename(&a, tmp.path().join("moved")).unwrap();
+                std::os::unix::fs::symlink(&elsewhere, &a).unwrap();
+            }
+        });
+        match result {
+            Err(DiskError::Invalid(m)) => assert!(m.contains("moved or replaced"), "{m}"),
+            other => panic!("expected the swapped path refused, got {other:?}"),
+        }
+        assert!(
+            std::fs::read_dir(&elsewhere).unwrap().next().is_none(),
+            "nothing was created through the link"
+        );
+        // A link planted where kvbm is about to create a component is refused, not followed.
+        let dir = tmp.path().join("x").join("y");
+        let result = open_cache_dir_hooked(&dir, false, |component| {
+            if component == dir {
+                std::os::unix::fs::symlink(&elsewhere, &dir).unwrap();
+            }
+        });
+        assert!(matches!(result, Err(DiskError::Invalid(_))), "{result:?}");
+        let result = open_cache_dir_hooked(&tmp.path().join("p").join("q"), false, |c| {
+            if c == tmp.path().join("p") {
+                std::os::unix::fs::symlink(&elsewhere, c).unwrap();
+            }
+        });
+        assert!(matches!(result, Err(DiskError::Invalid(_))), "{result:?}");
+        assert!(std::fs::read_dir(&elsewhere).unwrap().next().is_none());
+    }
 
     /// An opener for a file system that refuses O_DIRECT (as ramfs and some FUSE ones do).
     fn refusing(direct: bool) -> std::io::Result<&'static str> {

@@ -16,6 +16,7 @@
 //! failed write leaves it unreadable.
 
 use std::any::Any;
+use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -193,6 +194,8 @@ pub struct DiskStore {
     engine: IoEngine,
     file: Arc<CacheFile>,
     checkpoint_path: PathBuf,
+    /// The checkpoint's name in the cache file's checked directory (opened relative to it).
+    checkpoint_name: String,
     payload_bytes: usize,
     payload_area: usize,
     slot_count: usize,
@@ -348,6 +351,7 @@ impl DiskStore {
             engine,
             file,
             checkpoint_path: dir.join(format!("{name}{CHECKPOINT_SUFFIX}")),
+            checkpoint_name: format!("{name}{CHECKPOINT_SUFFIX}"),
             payload_bytes: options.payload_bytes,
             payload_area: options.payload_bytes.div_ceil(HEADER_BYTES) * HEADER_BYTES,
             slot_count: options.slots,
@@ -365,6 +369,15 @@ impl DiskStore {
         }
     }
 
+    /// Removes the checkpoint (relative to the checked directory), if there is one.
+    fn remove_checkpoint(&self) {
+        let _ = nix::unistd::unlinkat(
+            Some(self.file.dir_fd()),
+            self.checkpoint_name.as_str(),
+            nix::unistd::UnlinkatFlags::NoRemoveDir,
+        );
+    }
+
     fn set_epoch(&mut self, epoch: u64) {
         self.epoch = epoch;
         self.block_fingerprint = block_fingerprint(self.layout_fingerprint, epoch);
@@ -372,7 +385,7 @@ impl DiskStore {
 
     /// A new epoch and superblock; every old slot becomes foreign.
     fn initialise(&mut self, mut buf: AlignedBuf) -> Result<(), DiskError> {
-        let _ = std::fs::remove_file(&self.checkpoint_path);
+        self.remove_checkpoint();
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -416,7 +429,7 @@ impl DiskStore {
         };
         // A checkpoint describes one clean shutdown only: never reuse it after a later crash.
         if !self.read_only {
-            let _ = std::fs::remove_file(&self.checkpoint_path);
+            self.remove_checkpoint();
         }
         let state = self.state.lock();
         let blocks = state
@@ -927,12 +940,21 @@ impl DiskStore {
         }
         let checksum = xxh3_64(&bytes);
         bytes.extend_from_slice(&checksum.to_le_bytes());
-        write_private(&self.checkpoint_path, &bytes)
+        write_private(
+            self.file.dir_fd(),
+            &self.checkpoint_name,
+            &self.checkpoint_path,
+            &bytes,
+        )
     }
 
     /// (slot, what it holds) from a valid checkpoint of this file's layout and epoch.
     fn load_checkpoint(&self) -> Option<Vec<(u32, SlotMeta)>> {
-        let bytes = read_private(&self.checkpoint_path)?;
+        let bytes = read_private(
+            self.file.dir_fd(),
+            &self.checkpoint_name,
+            &self.checkpoint_path,
+        )?;
         let body_len = bytes.len().checked_sub(8)?;
         let (body, sum) = bytes.split_at(body_len);
         let u64_at = |at: usize| {
@@ -995,26 +1017,39 @@ fn read_superblock(engine: &IoEngine) -> Result<(AlignedBuf, Option<Superblock>)
     Ok((buf, found))
 }
 
-/// The contents of `path` if it is a regular file of this user (not followed through a link).
-fn read_private(path: &Path) -> Option<Vec<u8>> {
+/// Opens `name` in the directory `dir` with `flags` (never following a link) as a `File`.
+fn open_at(dir: RawFd, name: &str, flags: nix::fcntl::OFlag) -> std::io::Result<std::fs::File> {
+    use std::os::fd::FromRawFd;
+    let flags = flags | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC;
+    let mode = nix::sys::stat::Mode::from_bits_truncate(crate::CACHE_FILE_MODE);
+    let fd = nix::fcntl::openat(Some(dir), name, flags, mode)?;
+    // SAFETY: `openat` just returned this descriptor, owned by nobody else.
+    #[allow(unsafe_code)]
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// The contents of `name` in the directory `dir` (`path`, for messages) if it is a regular
+/// file of this user: never followed through a link, and opened `O_NONBLOCK` so that a FIFO or
+/// device planted in its place is refused by the `fstat` check instead of blocking the open.
+fn read_private(dir: RawFd, name: &str, path: &Path) -> Option<Vec<u8>> {
+    use nix::fcntl::OFlag;
     use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(path)
-        .ok()?;
+    let mut file = open_at(dir, name, OFlag::O_RDONLY | OFlag::O_NONBLOCK).ok()?;
     crate::file::check_private(&file, path).ok()?;
     let mut bytes = Vec::new();
     file.read_to_end(&mut bytes).ok()?;
     Some(bytes)
 }
 
-/// Writes `bytes` to `path` atomically (a 0600 temporary file renamed over it).
-fn write_private(path: &Path, bytes: &[u8]) -> Result<(), DiskError> {
+/// Writes `bytes` to `name` in the directory `dir` (`path`, for messages) atomically: a 0600
+/// temporary file beside it, renamed over it, both relative to `dir`.
+fn write_private(dir: RawFd, name: &str, path: &Path, bytes: &[u8]) -> Result<(), DiskError> {
+    use nix::fcntl::OFlag;
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
+    let tmp = Path::new(name)
+        .with_extension("tmp")
+        .to_string_lossy()
+        .into_owned();
     let file_error = |call, source| DiskError::File {
         path: path.to_owned(),
         call,
@@ -1022,15 +1057,15 @@ fn write_private(path: &Path, bytes: &[u8]) -> Result<(), DiskError> {
     };
     // A fresh file: whatever sits at the temporary name (a planted link included) is unlinked,
     // never written through.
-    let _ = std::fs::remove_file(&tmp);
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(crate::CACHE_FILE_MODE)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)
+    let _ = nix::unistd::unlinkat(
+        Some(dir),
+        tmp.as_str(),
+        nix::unistd::UnlinkatFlags::NoRemoveDir,
+    );
+    let mut file = open_at(dir, &tmp, OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL)
         .map_err(|e| file_error("open", e))?;
     file.write_all(bytes).map_err(|e| file_error("write", e))?;
     file.sync_data().map_err(|e| file_error("fdatasync", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| file_error("rename", e))
+    nix::fcntl::renameat(Some(dir), tmp.as_str(), Some(dir), name)
+        .map_err(|e| file_error("rename", e.into()))
 }

@@ -118,3 +118,56 @@ fn a_named_directory_may_be_a_link_only_of_this_user() {
         refused(&theirs, CacheFileOptions::default(), &["symbolic link"]);
     }
 }
+
+#[test]
+fn a_fifo_planted_as_the_checkpoint_is_ignored_without_blocking() {
+    use kvbm_disk::{AlignedBuf, DiskStore, StoreOptions, CHECKPOINT_SUFFIX};
+    let options = || StoreOptions {
+        layout_fingerprint: 5,
+        payload_bytes: 4096,
+        slots: 4,
+        queue_depth: 4,
+        engine: Default::default(),
+        file: shared(),
+        write_failures_max: 8,
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_owned();
+    {
+        let (store, _) = DiskStore::open(&dir, "cache.kvbm", options()).unwrap();
+        store
+            .write(0, 100, &AlignedBuf::new(4096).unwrap())
+            .unwrap();
+        store.close().unwrap();
+    }
+    let index = dir.join(format!("cache.kvbm{CHECKPOINT_SUFFIX}"));
+    std::fs::remove_file(&index).unwrap();
+    nix::unistd::mkfifo(&index, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    // Opening a FIFO for reading blocks until a writer comes: run the recovery aside.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let opened = DiskStore::open(&dir, "cache.kvbm", options()).map(|(_, r)| r);
+        let _ = tx.send(opened.map(|r| (r.from_checkpoint, r.blocks.len())));
+    });
+    let recovered = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("recovery blocked on a FIFO planted as the checkpoint")
+        .unwrap();
+    assert_eq!(
+        recovered,
+        (false, 1),
+        "the FIFO is ignored, the headers scanned"
+    );
+}
+
+#[test]
+fn a_directory_without_read_permission_is_usable() {
+    if is_root() {
+        return; // root reads any directory: nothing to check
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("write-only");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o300)).unwrap();
+    CacheFile::open(&dir, "cache.kvbm", 1 << 16, shared()).unwrap();
+}

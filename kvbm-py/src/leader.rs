@@ -56,7 +56,7 @@ impl std::fmt::Debug for LeaderState {
 }
 
 impl Leader {
-    fn lock(&self, py: Python<'_>) -> MutexGuard<'_, LeaderState> {
+    fn lock(&self, py: Python<'_>) -> PyResult<crate::Held<MutexGuard<'_, LeaderState>>> {
         crate::lock_serialized(py, &self.state)
     }
 }
@@ -96,23 +96,23 @@ impl Leader {
 
     /// Tokens per block.
     #[getter]
-    fn block_size(&self, py: Python<'_>) -> usize {
-        let mut g = self.lock(py);
+    fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        s.inner.block_size()
+        Ok(s.inner.block_size())
     }
 
     /// The current step (incremented by `end_step`).
     #[getter]
-    fn step(&self, py: Python<'_>) -> u64 {
-        let mut g = self.lock(py);
+    fn step(&self, py: Python<'_>) -> PyResult<u64> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        s.inner.step()
+        Ok(s.inner.step())
     }
 
     /// How many of `hashes`, from the first, the host tier holds (no side effects).
     fn count_prefix(&self, py: Python<'_>, hashes: Vec<u64>) -> PyResult<usize> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| Ok(s.inner.count_prefix(&hashes)))
     }
@@ -120,7 +120,7 @@ impl Leader {
     /// (host, disk): how many of `hashes`, from the first, the host tier holds, then how many
     /// more continue on disk and can be onboarded now. No side effects.
     fn count_prefix_tiers(&self, py: Python<'_>, hashes: Vec<u64>) -> PyResult<(usize, usize)> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| Ok(s.inner.count_prefix_tiers(&hashes)))
     }
@@ -135,7 +135,7 @@ impl Leader {
         hashes: Vec<u64>,
         request_id: Option<String>,
     ) -> PyResult<(Vec<u32>, Vec<DiskRead>)> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let plan = s.inner.hold_onboard(&hashes, request_id.as_deref());
@@ -151,14 +151,14 @@ impl Leader {
     /// Drops host and disk blocks the workers reported bad (their offload or disk write failed,
     /// or a disk block failed verification); returns how many were registered.
     fn discard(&self, py: Python<'_>, host: Vec<u32>, disk: Vec<u32>) -> PyResult<usize> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| Ok(s.inner.discard(&host, &disk)))
     }
 
     /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished).
     fn release(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| Ok(s.inner.release(request_id)))
     }
@@ -168,7 +168,7 @@ impl Leader {
     /// with a readable identity joins the disk tier and is announced. Only while the disk tier
     /// is empty. Returns how many were adopted.
     fn adopt_disk(&self, py: Python<'_>, found: Vec<(u32, u64, Vec<u8>)>) -> PyResult<usize> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| s.inner.adopt_disk(found).map_err(core_err))
     }
@@ -176,7 +176,7 @@ impl Leader {
     /// The disk writes of the blocks admitted since the last call, as (host block, disk block,
     /// key, identity bytes).
     fn take_disk_writes(&self, py: Python<'_>) -> PyResult<Vec<DiskWrite>> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let writes = s.inner.take_disk_writes().map_err(core_err)?;
@@ -196,7 +196,7 @@ impl Leader {
         blocks: Vec<(u64, Option<u64>, Vec<u32>)>,
         lora_name: Option<String>,
     ) -> PyResult<Vec<Option<u32>>> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let blocks = blocks
@@ -220,7 +220,7 @@ impl Leader {
         py: Python<'py>,
         preempted: Vec<String>,
     ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let plan = s.inner.take_plan(preempted).map_err(core_err)?;
@@ -231,10 +231,10 @@ impl Leader {
     // -- vLLM's scheduler side, per request ---------------------------------------------------
 
     /// Blocks of `request` already hashed: `match_request` takes the tokens after them.
-    fn hashed_blocks(&self, py: Python<'_>, request: &str) -> usize {
-        let mut g = self.lock(py);
+    fn hashed_blocks(&self, py: Python<'_>, request: &str) -> PyResult<usize> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        s.requests.hashed_blocks(request)
+        Ok(s.requests.hashed_blocks(request))
     }
 
     /// `get_num_new_matched_tokens`: `new_tokens` are the request's tokens after its hashed
@@ -252,7 +252,7 @@ impl Leader {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<(usize, bool)> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             s.requests
@@ -271,10 +271,15 @@ impl Leader {
 
     /// `get_external_cache_hit_sources`: the `tokens` of the request's last onboard split into
     /// (from the host tier, from disk), or None when none was planned.
-    fn hit_sources(&self, py: Python<'_>, request: &str, tokens: usize) -> Option<(usize, usize)> {
-        let mut g = self.lock(py);
+    fn hit_sources(
+        &self,
+        py: Python<'_>,
+        request: &str,
+        tokens: usize,
+    ) -> PyResult<Option<(usize, usize)>> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        s.requests.hit_sources(request, tokens)
+        Ok(s.requests.hit_sources(request, tokens))
     }
 
     /// `update_state_after_alloc`: the request's GPU block ids and the external tokens vLLM
@@ -286,7 +291,7 @@ impl Leader {
         block_ids: Vec<u32>,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             s.requests
@@ -307,7 +312,7 @@ impl Leader {
         cached: Vec<CachedTuple>,
         work: Vec<(String, usize, usize)>,
     ) -> PyResult<Vec<(usize, usize, usize)>> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let mut scheduled: Vec<Scheduled> = new
@@ -341,7 +346,7 @@ impl Leader {
     /// `build_connector_meta`, second half: the tokens of each span `schedule` returned.
     /// Hashing and registration run without the GIL.
     fn offload_spans(&self, py: Python<'_>, tokens: Vec<Vec<u32>>) -> PyResult<()> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let (requests, inner) = (&mut s.requests, &mut s.inner);
@@ -352,10 +357,10 @@ impl Leader {
 
     /// `request_finished`: True when vLLM must keep the request's blocks until the workers
     /// report it.
-    fn request_finished(&self, py: Python<'_>, request: &str) -> bool {
-        let mut g = self.lock(py);
+    fn request_finished(&self, py: Python<'_>, request: &str) -> PyResult<bool> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        s.requests.finished(request)
+        Ok(s.requests.finished(request))
     }
 
     /// `update_connector_output`: asynchronous onboards that ended, finished offloads.
@@ -364,30 +369,31 @@ impl Leader {
         py: Python<'_>,
         finished_recving: Vec<String>,
         finished_sending: Vec<String>,
-    ) {
-        let mut g = self.lock(py);
+    ) -> PyResult<()> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         s.requests
             .connector_output(&mut s.inner, &finished_recving, &finished_sending);
+        Ok(())
     }
 
     /// The requests tracked (finished ones wait for their workers).
-    fn tracked_requests(&self, py: Python<'_>) -> Vec<String> {
-        let mut g = self.lock(py);
+    fn tracked_requests(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        s.requests.tracked()
+        Ok(s.requests.tracked())
     }
 
     /// kvbm-core's counters of this leader, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let mut g = self.lock(py);
-        let s = &mut *g;
-        guard(|| crate::leader_metrics(py, &s.inner.metrics().snapshot()))
+        // The dict is made once the lock is released (making it may run finalizers).
+        let snapshot = guard(|| Ok(self.lock(py)?.inner.metrics().snapshot()))?;
+        guard(|| crate::leader_metrics(py, &snapshot))
     }
 
     /// Ends a step: blocks handed out two steps ago become evictable again.
     fn end_step(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             s.inner.end_step();
@@ -397,7 +403,7 @@ impl Leader {
 
     /// Drops every held block and clears the tiers' registries (one `AllBlocksCleared`).
     fn reset(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| s.inner.reset().map_err(core_err))
     }
@@ -405,7 +411,7 @@ impl Leader {
     /// The events since the last call, as (kind, medium, hashes, parent, tokens, block size,
     /// lora name) with kind "stored", "removed" or "cleared".
     fn take_events(&self, py: Python<'_>) -> PyResult<Vec<EventTuple>> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             Ok(s.inner
@@ -441,10 +447,9 @@ impl Leader {
     /// The host tier's counts (capacity, free, registered, idle, held, evictions,
     /// deduplicated), the disk tier's (`disk_`-prefixed) and `events_lost`.
     fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let mut g = self.lock(py);
-        let s = &mut *g;
+        // The dict is made once the lock is released (making it may run finalizers).
+        let counts = guard(|| Ok(self.lock(py)?.inner.counts()))?;
         guard(|| {
-            let counts = s.inner.counts();
             let (c, d) = (counts.host, PyDict::new(py));
             if let Some(k) = counts.disk {
                 d.set_item("disk_capacity", k.capacity)?;
@@ -467,7 +472,7 @@ impl Leader {
     /// The hashes a tier ("host" or "disk") holds (for checks).
     #[pyo3(signature = (tier="host"))]
     fn registered_hashes(&self, py: Python<'_>, tier: &str) -> PyResult<Vec<u64>> {
-        let mut g = self.lock(py);
+        let mut g = self.lock(py)?;
         let s = &mut *g;
         guard(|| {
             let tier = match tier {
@@ -483,9 +488,16 @@ impl Leader {
         })
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let mut g = self.lock(py);
+    /// Calls `f` while this leader's lock is held (for tests of calls back into the leader from
+    /// Python code run under the lock, which raise `RuntimeError`).
+    fn _with_lock_held(&self, py: Python<'_>, f: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+        let _held = self.lock(py)?;
+        Ok(f.call0()?.unbind())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let mut g = self.lock(py)?;
         let s = &mut *g;
-        format!("{s:?}")
+        Ok(format!("{s:?}"))
     }
 }

@@ -92,47 +92,102 @@ pub(crate) fn guard<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
-/// Locks `mutex` for a call from Python: at once when it is free, else waiting without the GIL
-/// (so that the holder, which may need the GIL to finish, is never blocked by the waiter), then
-/// trying again with the GIL held. Calls from several Python threads on one object are thereby
-/// serialized instead of failing PyO3's borrow check. Never called while the same thread holds
-/// the lock (no Python code runs under it).
+thread_local! {
+    /// The locks (their addresses) of Leaders and Workers this thread holds now.
+    static HELD: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A guard of a Leader's or Worker's lock that marks the lock held by this thread until it is
+/// dropped, so that a call from this thread meanwhile (Python code run under the lock: a
+/// finalizer, a callback) raises instead of waiting forever on itself.
+pub(crate) struct Held<G> {
+    guard: G,
+    key: usize,
+}
+
+impl<G> Drop for Held<G> {
+    fn drop(&mut self) {
+        HELD.with(|held| {
+            let mut held = held.borrow_mut();
+            if let Some(at) = held.iter().rposition(|&k| k == self.key) {
+                held.swap_remove(at);
+            }
+        });
+    }
+}
+
+impl<G: std::ops::Deref> std::ops::Deref for Held<G> {
+    type Target = G::Target;
+    fn deref(&self) -> &G::Target {
+        &self.guard
+    }
+}
+
+impl<G: std::ops::DerefMut> std::ops::DerefMut for Held<G> {
+    fn deref_mut(&mut self) -> &mut G::Target {
+        &mut self.guard
+    }
+}
+
+/// Refuses a call on the thread that holds the lock at `key` already: waiting would never end.
+fn not_held_here(key: usize) -> PyResult<()> {
+    if HELD.with(|held| held.borrow().contains(&key)) {
+        return Err(pyo3::exceptions::PyRuntimeError::new_err(
+            "re-entrant call into a kvbm Leader or Worker from the thread inside a call on it \
+             (from Python code run meanwhile, such as a finalizer); call it once that call \
+             has returned",
+        ));
+    }
+    Ok(())
+}
+
+/// Takes the lock at `key` with `try_now`, else waiting without the GIL with `wait` (so that
+/// the holder, which may need the GIL to finish, is never blocked by the waiter), then trying
+/// again with the GIL held. A call on the thread that holds it raises `RuntimeError`.
+fn take<G>(
+    py: Python<'_>,
+    key: usize,
+    mut try_now: impl FnMut() -> Option<G>,
+    wait: impl Fn() + Send + Sync,
+) -> PyResult<Held<G>> {
+    not_held_here(key)?;
+    loop {
+        if let Some(guard) = try_now() {
+            HELD.with(|held| held.borrow_mut().push(key));
+            return Ok(Held { guard, key });
+        }
+        py.allow_threads(&wait);
+    }
+}
+
+/// Locks `mutex` for a call from Python; calls from several Python threads on one object are
+/// thereby serialized instead of failing PyO3's borrow check. No Python object is made or
+/// dropped under it; should Python code still run under it and call back from this thread, that
+/// call raises `RuntimeError` ("re-entrant call").
 pub(crate) fn lock_serialized<'a, T: Send>(
     py: Python<'_>,
     mutex: &'a parking_lot::Mutex<T>,
-) -> parking_lot::MutexGuard<'a, T> {
-    loop {
-        if let Some(guard) = mutex.try_lock() {
-            return guard;
-        }
-        py.allow_threads(|| drop(mutex.lock()));
-    }
+) -> PyResult<Held<parking_lot::MutexGuard<'a, T>>> {
+    let key = mutex as *const _ as usize;
+    take(py, key, || mutex.try_lock(), || drop(mutex.lock()))
 }
 
 /// As [`lock_serialized`], shared (several readers at once).
 pub(crate) fn read_serialized<'a, T: Send + Sync>(
     py: Python<'_>,
     lock: &'a parking_lot::RwLock<T>,
-) -> parking_lot::RwLockReadGuard<'a, T> {
-    loop {
-        if let Some(guard) = lock.try_read() {
-            return guard;
-        }
-        py.allow_threads(|| drop(lock.read()));
-    }
+) -> PyResult<Held<parking_lot::RwLockReadGuard<'a, T>>> {
+    let key = lock as *const _ as usize;
+    take(py, key, || lock.try_read(), || drop(lock.read()))
 }
 
 /// As [`lock_serialized`], exclusive.
 pub(crate) fn write_serialized<'a, T: Send + Sync>(
     py: Python<'_>,
     lock: &'a parking_lot::RwLock<T>,
-) -> parking_lot::RwLockWriteGuard<'a, T> {
-    loop {
-        if let Some(guard) = lock.try_write() {
-            return guard;
-        }
-        py.allow_threads(|| drop(lock.write()));
-    }
+) -> PyResult<Held<parking_lot::RwLockWriteGuard<'a, T>>> {
+    let key = lock as *const _ as usize;
+    take(py, key, || lock.try_write(), || drop(lock.write()))
 }
 
 /// Refuses a size argument above `max` with a `ValueError` naming it and its value.

@@ -137,31 +137,45 @@ fn check_plain_writable(name: &str, tensor: &Bound<'_, PyAny>) -> PyResult<()> {
     Ok(())
 }
 
-/// Refuses spans (of host memory, on the emulated device) that lie outside this process's
-/// writable mappings: a load into them would fault.
-fn check_writable(spans: &[(u64, usize)]) -> PyResult<()> {
-    for &(addr, len) in spans {
-        if !kvbm_core::host_range_writable(addr, len as u64).map_err(core_err)? {
-            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                "KV cache memory at {addr:#x} ({len} bytes) is not writable; kvbm loads blocks \
-                 into the KV caches"
-            )));
-        }
+/// Refuses tensors (of host memory, on the emulated device) whose bytes lie outside this
+/// process's writable mappings: a load into them would fault. `spans` holds each tensor's name
+/// and the bytes it addresses; `/proc/self/maps` is read once for all of them.
+fn check_writable(spans: &[(String, u64, usize)]) -> PyResult<()> {
+    let ranges: Vec<(u64, u64)> = spans.iter().map(|(_, a, l)| (*a, *l as u64)).collect();
+    if let Some(i) = kvbm_core::first_unwritable_range(&ranges).map_err(core_err)? {
+        let (name, addr, len) = &spans[i];
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "KV cache tensor {i} ({name:?}, {len} bytes at {addr:#x}) is not writable memory; \
+             kvbm loads blocks into the KV caches"
+        )));
     }
     Ok(())
 }
 
 /// The views of `kv_caches` (layer name -> tensor), in order, each checked by `view_of`.
-fn views_of(kv_caches: &Bound<'_, PyDict>) -> PyResult<(Vec<PyObject>, Vec<TensorView>)> {
+fn views_of(
+    kv_caches: &Bound<'_, PyDict>,
+) -> PyResult<(Vec<PyObject>, Vec<TensorView>, Vec<String>)> {
     let mut tensors = Vec::with_capacity(kv_caches.len());
     let mut views = Vec::with_capacity(kv_caches.len());
+    let mut names = Vec::with_capacity(kv_caches.len());
     for (name, tensor) in kv_caches.iter() {
         let name = name.str()?.to_string();
         views.push(view_of(&name, &tensor)?);
         check_plain_writable(&name, &tensor)?;
         tensors.push(tensor.unbind());
+        names.push(name);
     }
-    Ok((tensors, views))
+    Ok((tensors, views, names))
+}
+
+/// Each tensor's name and the bytes it addresses (address, length).
+fn named_spans(views: &[TensorView], names: Vec<String>) -> Vec<(String, u64, usize)> {
+    views
+        .iter()
+        .zip(names)
+        .filter_map(|(v, name)| v.span().map(|(a, l)| (name, a, l)))
+        .collect()
 }
 
 /// How kvbm addresses `kv_caches` (layer name -> tensor, as for `Worker`): a dict with `layout`
@@ -175,7 +189,7 @@ pub(crate) fn describe_kv_caches<'py>(
     num_blocks: usize,
 ) -> PyResult<Bound<'py, PyDict>> {
     guard(|| {
-        let (_, views) = views_of(kv_caches)?;
+        let (_, views, _) = views_of(kv_caches)?;
         let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
         let d = PyDict::new(py);
         d.set_item(
@@ -224,6 +238,7 @@ type GpuSide = (
     KvLayout,
     BlockLayout,
     String,
+    Vec<(String, u64, usize)>,
 );
 
 /// The KV caches' GPU side: the tensors (kept alive), where each block's runs lie, the KV
@@ -234,7 +249,8 @@ fn gpu_side(
     num_blocks: usize,
     outer_dim: Option<usize>,
 ) -> PyResult<GpuSide> {
-    let (tensors, views) = views_of(kv_caches)?;
+    let (tensors, views, names) = views_of(kv_caches)?;
+    let spans = named_spans(&views, names);
     if views.is_empty() {
         return Err(LayoutError::new_err("no KV cache tensor to register"));
     }
@@ -261,7 +277,7 @@ fn gpu_side(
     let layout_name = placed
         .physical
         .map_or_else(|| "per-layer tensors".to_owned(), |p| p.name().to_owned());
-    Ok((tensors, placed, kv, gpu, layout_name))
+    Ok((tensors, placed, kv, gpu, layout_name, spans))
 }
 
 impl std::fmt::Debug for WorkerState {
@@ -350,21 +366,27 @@ impl Worker {
                 u32::MAX as usize - 1,
                 "block ids are 32-bit",
             )?;
-            let (tensors, placed, kv, gpu, layout_name) =
+            let (tensors, placed, kv, gpu, layout_name, spans) =
                 gpu_side(kv_caches, num_blocks, outer_dim)?;
             // The pinned host pool must fit this machine's memory.
             let memory = kvbm_core::config::machine_memory_bytes();
             let host_bytes = (host_blocks as u64).saturating_mul(kv.host_stride_bytes() as u64);
-            if host_blocks >= u32::MAX as usize || host_bytes > memory {
+            if host_blocks >= u32::MAX as usize {
+                return Err(PyValueError::new_err(format!(
+                    "host_blocks={host_blocks}: at most {} blocks (block ids are 32-bit)",
+                    u32::MAX - 1
+                )));
+            }
+            if host_bytes > memory {
                 return Err(PyValueError::new_err(format!(
                     "host_blocks={host_blocks}: {host_blocks} host blocks of {} bytes do not fit \
-                     this machine's memory ({memory} bytes), or exceed 32-bit block ids",
+                     this machine's memory ({memory} bytes)",
                     kv.host_stride_bytes()
                 )));
             }
             let dev = kvbm_core::open_device(device, device_index).map_err(core_err)?;
             if dev.kind() == kvbm_core::DeviceKind::Emulated {
-                check_writable(&placed.spans)?;
+                check_writable(&spans)?;
             }
             #[allow(unsafe_code)]
             // SAFETY: each span is the memory one or more of `tensors` address with their
@@ -437,74 +459,74 @@ impl Worker {
 
     /// vLLM's name of the layout the tensors follow ("BLNHC", ...), or "per-layer tensors".
     #[getter]
-    fn layout_name(&self, py: Python<'_>) -> String {
-        let g = self.read(py);
+    fn layout_name(&self, py: Python<'_>) -> PyResult<String> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.layout_name.clone()
+        Ok(s.layout_name.clone())
     }
 
     /// Contiguous runs per block on the GPU side: the copies (DMAs) one block takes.
     #[getter]
-    fn runs_per_block(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn runs_per_block(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().gpu_layout().runs_per_block()
+        Ok(s.w().gpu_layout().runs_per_block())
     }
 
     /// Distinct layer pages per block (tensors addressing the same bytes count once).
     #[getter]
-    fn distinct_layers(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn distinct_layers(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().kv().num_layers
+        Ok(s.w().kv().num_layers)
     }
 
     /// Tensors (layers) registered.
     #[getter]
-    fn num_layers(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn num_layers(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().num_tensors()
+        Ok(s.w().num_tensors())
     }
 
     /// GPU blocks per layer tensor.
     #[getter]
-    fn num_blocks(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().gpu_layout().num_blocks()
+        Ok(s.w().gpu_layout().num_blocks())
     }
 
     /// Host blocks of this worker's shard.
     #[getter]
-    fn host_blocks(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn host_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().host_blocks()
+        Ok(s.w().host_blocks())
     }
 
     /// Bytes of one block on this worker (all layers, K and V).
     #[getter]
-    fn bytes_per_block(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn bytes_per_block(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().kv().bytes_per_block()
+        Ok(s.w().kv().bytes_per_block())
     }
 
     /// "cuda" or "emulated".
     #[getter]
-    fn device_kind(&self, py: Python<'_>) -> &'static str {
-        let g = self.read(py);
+    fn device_kind(&self, py: Python<'_>) -> PyResult<&'static str> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().device().kind().as_str()
+        Ok(s.w().device().kind().as_str())
     }
 
     /// Disk blocks of this worker's file (0 without a disk tier).
     #[getter]
-    fn disk_blocks(&self, py: Python<'_>) -> usize {
-        let g = self.read(py);
+    fn disk_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().disk_blocks()
+        Ok(s.w().disk_blocks())
     }
 
     // -- vLLM's step ------------------------------------------------------------------------
@@ -512,7 +534,7 @@ impl Worker {
     /// Binds a step's plan (the leader's `take_plan` bytes); returns whether it offloads
     /// anything (the caller then syncs its compute stream before `start_offloads`).
     fn bind(&self, py: Python<'_>, plan: &[u8]) -> PyResult<bool> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let plan = StepPlan::from_bytes(plan).map_err(core_err)?;
@@ -526,25 +548,26 @@ impl Worker {
     /// the disk reads that feed them): only then are the step's loads ordered after vLLM's
     /// stream.
     #[getter]
-    fn plan_has_loads(&self, py: Python<'_>) -> bool {
-        let g = self.read(py);
+    fn plan_has_loads(&self, py: Python<'_>) -> PyResult<bool> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().plan().is_some_and(|p| {
+        Ok(s.w().plan().is_some_and(|p| {
             !p.onboards.is_empty() || !p.async_onboards.is_empty() || !p.disk_reads.is_empty()
-        })
+        }))
     }
 
     /// Drops the bound plan.
-    fn clear(&self, py: Python<'_>) {
-        let mut g = self.write(py);
+    fn clear(&self, py: Python<'_>) -> PyResult<()> {
+        let mut g = self.write(py)?;
         let s = &mut *g;
         s.w_mut().clear();
+        Ok(())
     }
 
     /// Waits for the offloads of the bound plan's preempted requests; returns how many offload
     /// jobs it waited for.
     fn handle_preemptions(&self, py: Python<'_>) -> PyResult<usize> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -554,7 +577,7 @@ impl Worker {
 
     /// Starts the bound plan's onboards (disk reads, synchronous and asynchronous onboards).
     fn start_onboards(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -565,7 +588,7 @@ impl Worker {
 
     /// Starts the bound plan's offloads and queues its disk writes.
     fn start_offloads(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -578,7 +601,7 @@ impl Worker {
     /// requests whose asynchronous onboards completed, GPU blocks whose onboards failed, host
     /// blocks and disk blocks that went bad, for the leader to drop).
     fn report(&self, py: Python<'_>, finished: Vec<String>) -> PyResult<ReportTuple> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let r = s.w_mut().report(&finished);
@@ -597,7 +620,7 @@ impl Worker {
     /// stream, `torch.cuda.current_stream().cuda_stream`), on the device; the host does not
     /// wait. Nothing to do on the emulated device.
     fn order_after_stream(&self, py: Python<'_>, direction: &str, stream: u64) -> PyResult<()> {
-        let g = self.read(py);
+        let g = self.read(py)?;
         let s = &*g;
         guard(|| {
             let direction = direction_of(direction)?;
@@ -610,7 +633,7 @@ impl Worker {
     /// vLLM's sleep mode (`unregister_kv_caches`): waits for every copy touching the KV caches,
     /// then refuses any other until `restore`. Idempotent.
     fn suspend(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -621,10 +644,10 @@ impl Worker {
 
     /// Whether the KV caches are unregistered (`suspend` without `restore` since).
     #[getter]
-    fn suspended(&self, py: Python<'_>) -> bool {
-        let g = self.read(py);
+    fn suspended(&self, py: Python<'_>) -> PyResult<bool> {
+        let g = self.read(py)?;
         let s = &*g;
-        s.w().is_suspended()
+        Ok(s.w().is_suspended())
     }
 
     /// vLLM's `restore_kv_caches`: registers the KV caches again (the same layout, possibly
@@ -636,21 +659,21 @@ impl Worker {
             };
             // The tensors are read (Python code) without the lock held, then checked again.
             let (num_blocks, outer_dim) = {
-                let s = self.read(py);
+                let s = self.read(py)?;
                 if !s.w().is_suspended() {
                     return Err(suspended_error());
                 }
                 (s.w().gpu_layout().num_blocks(), s.outer_dim)
             };
-            let (tensors, placed, kv, gpu, layout_name) =
+            let (tensors, placed, kv, gpu, layout_name, spans) =
                 gpu_side(kv_caches, num_blocks, outer_dim)?;
-            let mut g = self.write(py);
+            let mut g = self.write(py)?;
             let s = &mut *g;
             if !s.w().is_suspended() {
                 return Err(suspended_error());
             }
             if s.w().device().kind() == kvbm_core::DeviceKind::Emulated {
-                check_writable(&placed.spans)?;
+                check_writable(&spans)?;
             }
             let device_index = s.device_index;
             let inner = s.w_mut();
@@ -664,8 +687,12 @@ impl Worker {
             .map_err(core_err)?;
             py.allow_threads(|| inner.remap_gpu(kv, gpu, regions))
                 .map_err(core_err)?;
-            s.tensors = tensors;
+            // The old tensors are dropped once the lock is released: dropping them may run
+            // Python code (finalizers) that calls this worker.
+            let old = std::mem::replace(&mut s.tensors, tensors);
             s.layout_name = layout_name;
+            drop(g);
+            drop(old);
             Ok(())
         })
     }
@@ -673,14 +700,14 @@ impl Worker {
     /// What this rank's disk file held when it opened, as (disk block, key, identity bytes),
     /// for the leader's `adopt_disk` (once: later calls return nothing).
     fn take_recovered_disk(&self, py: Python<'_>) -> PyResult<Vec<(u32, u64, Vec<u8>)>> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| Ok(s.w_mut().take_recovered_disk()))
     }
 
     /// Waits for everything in flight.
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -699,7 +726,7 @@ impl Worker {
         pairs: Vec<(u32, u32)>,
         requests: Vec<String>,
     ) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -711,7 +738,7 @@ impl Worker {
     /// Waits for the offloads started on behalf of any of `requests`; returns how many offload
     /// jobs it waited for.
     fn wait_offloads_of(&self, py: Python<'_>, requests: Vec<String>) -> PyResult<usize> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -721,7 +748,7 @@ impl Worker {
 
     /// Waits for every offload started so far.
     fn wait_offloads(&self, py: Python<'_>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -732,7 +759,7 @@ impl Worker {
 
     /// Requests whose offloads have all completed since the last call (without waiting).
     fn poll_offloads(&self, py: Python<'_>) -> PyResult<Vec<String>> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| Ok(s.w_mut().poll_offloads()))
     }
@@ -740,7 +767,7 @@ impl Worker {
     /// Starts onboarding host blocks into GPU blocks (`pairs` of (host, gpu)), one job per
     /// onboard stage, after the offloads into those host blocks completed.
     fn onboard(&self, py: Python<'_>, pairs: Vec<(u32, u32)>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -750,7 +777,7 @@ impl Worker {
 
     /// Waits until layer `layer`'s onboards are in place; False if any failed.
     fn wait_layer(&self, py: Python<'_>, layer: usize) -> PyResult<bool> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -761,7 +788,7 @@ impl Worker {
 
     /// Waits for every layer's onboards; False if any failed.
     fn wait_onboards(&self, py: Python<'_>) -> PyResult<bool> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let inner = s.w_mut();
@@ -771,7 +798,7 @@ impl Worker {
 
     /// GPU blocks whose onboards failed since the last call, sorted, without repeats.
     fn take_failed(&self, py: Python<'_>) -> PyResult<Vec<u32>> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| Ok(s.w_mut().take_failed()))
     }
@@ -779,7 +806,7 @@ impl Worker {
     /// Queues disk writes (`writes` of (host, disk, key, identity bytes)) after the offloads
     /// into those host blocks completed.
     fn disk_write(&self, py: Python<'_>, writes: Vec<DiskWriteTuple>) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let writes = writes
@@ -800,7 +827,7 @@ impl Worker {
     /// Reads disk blocks into host blocks now (`reads` of (disk, host, key)); returns the host
     /// blocks that missed.
     fn disk_read(&self, py: Python<'_>, reads: Vec<(u32, u32, u64)>) -> PyResult<Vec<u32>> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let reads = disk_reads(reads);
@@ -819,7 +846,7 @@ impl Worker {
         reads: Vec<(u32, u32, u64)>,
         pairs: Vec<(u32, u32)>,
     ) -> PyResult<()> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| {
             let job = AsyncOnboard {
@@ -835,7 +862,7 @@ impl Worker {
 
     /// Waits until every asynchronous onboard queued so far finished.
     fn wait_async(&self, py: Python<'_>) -> PyResult<()> {
-        let g = self.read(py);
+        let g = self.read(py)?;
         let s = &*g;
         guard(|| {
             let inner = s.w();
@@ -846,14 +873,14 @@ impl Worker {
 
     /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).
     fn poll_async(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<u32>)>> {
-        let mut g = self.write(py);
+        let mut g = self.write(py)?;
         let s = &mut *g;
         guard(|| Ok(s.w_mut().poll_async()))
     }
 
     /// Waits until every queued disk write finished.
     fn wait_disk(&self, py: Python<'_>) -> PyResult<()> {
-        let g = self.read(py);
+        let g = self.read(py)?;
         let s = &*g;
         guard(|| {
             let inner = s.w();
@@ -868,7 +895,7 @@ impl Worker {
     #[pyo3(signature = (timeout_s=300.0))]
     fn wait_host_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         let timeout = crate::timeout_of("timeout_s", timeout_s)?;
-        let g = self.read(py);
+        let g = self.read(py)?;
         let s = &*g;
         guard(|| {
             let inner = s.w();
@@ -879,10 +906,12 @@ impl Worker {
     /// Copy counters: bytes_offloaded, bytes_onboarded, offloads_in_flight, offload_waits,
     /// bad_host_blocks, host_ready_bytes, disk_writes_pending, disk_registered.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = self.read(py);
-        let s = &*g;
+        // The dict is made once the lock is released (making it may run finalizers).
+        let (st, disk_registered) = guard(|| {
+            let s = self.read(py)?;
+            Ok((s.w().stats(), s.w().disk_registered()))
+        })?;
         guard(|| {
-            let st = s.w().stats();
             let d = PyDict::new(py);
             d.set_item("bytes_offloaded", st.bytes_offloaded)?;
             d.set_item("bytes_onboarded", st.bytes_onboarded)?;
@@ -891,23 +920,22 @@ impl Worker {
             d.set_item("bad_host_blocks", st.bad_host_blocks)?;
             d.set_item("host_ready_bytes", st.host_ready_bytes)?;
             d.set_item("disk_writes_pending", st.disk_writes_pending)?;
-            d.set_item("disk_registered", s.w().disk_registered())?;
+            d.set_item("disk_registered", disk_registered)?;
             Ok(d)
         })
     }
 
     /// kvbm-core's counters of this worker, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let g = self.read(py);
-        let s = &*g;
-        guard(|| crate::worker_metrics(py, &s.w().metrics().snapshot()))
+        let snapshot = guard(|| Ok(self.read(py)?.w().metrics().snapshot()))?;
+        guard(|| crate::worker_metrics(py, &snapshot))
     }
 
     /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies
     /// until `release()` is called on the returned hold. Emulated device only; for tests that
     /// need a copy in flight for as long as they look.
     fn _hold_stream(&self, py: Python<'_>, direction: &str) -> PyResult<CopyHold> {
-        let g = self.read(py);
+        let g = self.read(py)?;
         let s = &*g;
         guard(|| {
             let direction = direction_of(direction)?;
@@ -918,9 +946,16 @@ impl Worker {
         })
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let g = self.read(py);
-        format!("Worker{:?}", &*g)
+    /// Calls `f` while this worker's lock is held (shared), for tests of calls back into the
+    /// worker from Python code run under the lock, which raise `RuntimeError`.
+    fn _with_lock_held(&self, py: Python<'_>, f: &Bound<'_, PyAny>) -> PyResult<PyObject> {
+        let _held = self.read(py)?;
+        Ok(f.call0()?.unbind())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let g = self.read(py)?;
+        Ok(format!("Worker{:?}", &*g))
     }
 }
 
@@ -943,11 +978,11 @@ fn disk_reads(reads: Vec<(u32, u32, u64)>) -> Vec<DiskRead> {
 }
 
 impl Worker {
-    fn read(&self, py: Python<'_>) -> RwLockReadGuard<'_, WorkerState> {
+    fn read(&self, py: Python<'_>) -> PyResult<crate::Held<RwLockReadGuard<'_, WorkerState>>> {
         crate::read_serialized(py, &self.state)
     }
 
-    fn write(&self, py: Python<'_>) -> RwLockWriteGuard<'_, WorkerState> {
+    fn write(&self, py: Python<'_>) -> PyResult<crate::Held<RwLockWriteGuard<'_, WorkerState>>> {
         crate::write_serialized(py, &self.state)
     }
 }

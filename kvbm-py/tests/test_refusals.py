@@ -32,9 +32,10 @@ def worker(host_blocks=2, **kwargs):
 @pytest.mark.parametrize(
     "args, name",
     [
-        ((16, 2**31), "host_blocks=2147483648"),
-        ((16, 4, 2**31), "disk_blocks=2147483648"),
-        ((16, 2**31, 2**31), "host_blocks=2147483648"),
+        # Beyond 32-bit block ids: refused on any machine, whatever its memory.
+        ((16, 2**32), "host_blocks=4294967296: at most 4294967294 blocks \\(block ids are 32-bit"),
+        ((16, 4, 2**32), "disk_blocks=4294967296: at most"),
+        ((16, 2**32, 2**32), "host_blocks=4294967296"),
         ((2**40, 4), "block_size=1099511627776"),
     ],
 )
@@ -56,8 +57,8 @@ def test_sequence_hashes_refuse_a_block_size_beyond_the_bound():
 @pytest.mark.parametrize(
     "kwargs, name",
     [
-        (dict(host_blocks=2**31), "host_blocks=2147483648"),
-        (dict(host_blocks=2**40), "host_blocks=1099511627776"),
+        (dict(host_blocks=2**32), "host_blocks=4294967296: at most 4294967294 blocks"),
+        (dict(host_blocks=2**40), "host_blocks=1099511627776: at most"),
         (dict(async_onboards_max=2**62), "async_onboards_max="),
         (dict(batch_blocks_max=2**62), "batch_blocks_max="),
         (dict(inflight_max=2**62), "inflight_max="),
@@ -67,6 +68,34 @@ def test_sequence_hashes_refuse_a_block_size_beyond_the_bound():
 def test_worker_sizes_that_do_not_fit_are_a_value_error(kwargs, name):
     with pytest.raises(ValueError, match=name):
         worker(**kwargs)
+
+
+def machine_memory_bytes():
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+LEADER_BYTES_PER_BLOCK = 128  # kvbm_core::leader::BOOKKEEPING_BYTES_PER_BLOCK
+
+
+@pytest.mark.skipif(
+    2**31 * LEADER_BYTES_PER_BLOCK <= machine_memory_bytes() // 2,
+    reason="this machine's memory would hold the bookkeeping: the leader would allocate it",
+)
+def test_leader_bookkeeping_beyond_half_of_memory_names_that_bound():
+    with pytest.raises(ValueError, match=r"host_blocks=2147483648: .*half of this machine's memory") as e:
+        kvbm.Leader(16, 2**31)
+    assert "32-bit" not in str(e.value)
+
+
+@pytest.mark.skipif(
+    2**31 * 256 <= machine_memory_bytes(),
+    reason="this machine's memory would hold the pinned pool: the worker would pin it",
+)
+def test_worker_host_pool_beyond_memory_names_that_bound():
+    # 2**31 blocks of 256 bytes (the `worker()` layout): 512 GiB.
+    with pytest.raises(ValueError, match=r"host_blocks=2147483648: .*do not fit this machine's memory") as e:
+        worker(host_blocks=2**31)
+    assert "32-bit" not in str(e.value)
 
 
 def test_token_counts_that_would_overflow_are_not_an_internal_error():
@@ -142,6 +171,10 @@ def test_a_tensor_over_read_only_memory_is_refused():
     array = np.frombuffer(read_only, np.uint16).reshape(SHAPE)
     with pytest.raises(TypeError, match="not writable"):
         kvbm.Worker({"l0": Interfaceless(array)}, 4, 2)
+    # The message names the tensor (its index and layer name), read from the maps once.
+    good = Interfaceless(np.zeros(SHAPE, np.uint16))
+    with pytest.raises(TypeError, match=r'KV cache tensor 1 \("layer.1".*not writable'):
+        kvbm.Worker({"layer.0": good, "layer.1": Interfaceless(array)}, 4, 2)
     # The same tensor over writable memory is accepted.
     writable = Interfaceless(np.zeros(SHAPE, np.uint16))
     w = kvbm.Worker({"l0": writable}, 4, 2)
@@ -276,3 +309,59 @@ def test_the_default_directory_is_created_private_and_reused(tmp_path, monkeypat
     assert made.is_dir() and not made.is_symlink()
     assert made.stat().st_mode & 0o7777 == 0o700
     assert default_dir_worker(tmp_path, monkeypatch).disk_blocks == 4
+
+
+# -- calls back into a Leader or Worker from code kvbm runs ------------------------------------
+
+
+def within(seconds, fn):
+    """`fn()` on a thread given `seconds`: a call that waits forever fails the test, not hangs it."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the call hung: it waited on a lock its own thread holds"
+    return result
+
+
+@pytest.mark.skipif(SIMULATED_GPU, reason="host tensors on the emulated device")
+def test_tensors_released_by_restore_may_call_the_worker():
+    """`restore` dropped the old tensors under the worker's lock: a finalizer calling the worker
+    waited forever on the lock its own thread held."""
+    seen = []
+
+    class Finalized(HostTensor):
+        def __del__(self):
+            try:
+                seen.append(w.stats()["bytes_offloaded"])
+            except Exception as e:  # noqa: BLE001
+                seen.append(e)
+
+    w = kvbm.Worker({"l0": Finalized(np.zeros(SHAPE, np.uint16))}, 4, 2)
+    w.suspend()
+    result = within(20, lambda: w.restore(caches_of(np.zeros(SHAPE, np.uint16))))
+    assert "error" not in result, result
+    assert seen == [0], "the finalizer ran after the lock was released and got its answer"
+
+
+def test_a_reentrant_call_raises_instead_of_waiting_forever():
+    """Python code that runs while a Leader's or Worker's lock is held (a finalizer, say) and
+    calls the same object from the same thread gets a RuntimeError, not a deadlock."""
+    leader = kvbm.Leader(4, 8)
+    result = within(20, lambda: leader._with_lock_held(leader.counts))
+    assert isinstance(result.get("error"), RuntimeError), result
+    assert "re-entrant call" in str(result["error"])
+    assert leader.counts()["capacity"] == 8, "the lock was released"
+    w = worker()
+    for call in (w.stats, w.metrics, lambda: w.suspend()):
+        result = within(20, lambda: w._with_lock_held(call))
+        assert isinstance(result.get("error"), RuntimeError), result
+        assert "re-entrant call" in str(result["error"])
+    assert w.stats()["bytes_offloaded"] == 0
