@@ -430,13 +430,9 @@ fn seconds(flag: &'static str, value: f64) -> Result<Duration, ConfigError> {
 
 /// This machine's physical memory in bytes, if known.
 fn physical_memory() -> Option<u64> {
-    // SAFETY: sysconf reads a system value; it has no preconditions and touches no memory of ours.
-    let (pages, page) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
+    use nix::unistd::{sysconf, SysconfVar};
+    let pages = sysconf(SysconfVar::_PHYS_PAGES).ok()??;
+    let page = sysconf(SysconfVar::PAGE_SIZE).ok()??;
     let (pages, page) = (u64::try_from(pages).ok()?, u64::try_from(page).ok()?);
     pages.checked_mul(page).filter(|&b| b > 0)
 }
