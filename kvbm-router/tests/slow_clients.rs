@@ -448,3 +448,56 @@ async fn a_connection_being_answered_is_never_evicted_a_newcomer_is_refused_inst
     assert_eq!(metrics.connections_evicted.get(), 0);
     server.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_a_long_answer_gives_its_slot_to_a_newcomer() {
+    // An answer far larger than the socket buffers, to a client that never reads it.
+    let app = axum::Router::new()
+        .route(
+            "/big",
+            get(|| async { axum::body::Bytes::from(vec![b'x'; 64 << 20]) }),
+        )
+        .route("/short", get(|| async { "short" }));
+    let metrics = RouterMetrics::new();
+    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    // The idle and write deadlines far off: only the eviction can free the slot in time.
+    let limits = ConnLimits {
+        idle: Duration::from_secs(60),
+        header: Duration::from_secs(10),
+        body: Duration::from_secs(10),
+    };
+    let server = tokio::spawn(kvbm_router::serve_app(
+        app,
+        listener,
+        1,
+        limits,
+        metrics.clone(),
+        std::future::pending(),
+    ));
+    let mut stalled = TcpStream::connect(addr).await.unwrap();
+    stalled
+        .write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // Its answer is produced whole and stuck in the buffers; the one slot is taken.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let asked = Instant::now();
+    let request = "GET /short HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    let (code, text) = call(addr, request, Duration::from_secs(10))
+        .await
+        .expect("the newcomer was served");
+    assert_eq!(code, 200, "{text}");
+    assert!(text.ends_with("short"), "{text}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(metrics.connections_evicted.get(), 1);
+    assert_eq!(metrics.connections_refused.get(), 0);
+    drop(stalled);
+    server.abort();
+}
