@@ -9,7 +9,12 @@
 //!   [`EVICTION_GRACE`] after it opens (time to send its request and have it read), and
 //!   newcomers are let in in turn, each waiting until the oldest candidate is that old. A flood
 //!   of slow clients thus cannot hold every slot: each newcomer, a health check included, takes
-//!   the slot of the oldest of them within about (newcomers ahead / max) x the grace.
+//!   the slot of the oldest of them within about (newcomers ahead / max) x the grace. A
+//!   connection whose request reached its handler is never cut for room, even if picked just
+//!   before: the mark is set only outside that phase and acted on only outside it. An evicted
+//!   connection still sending the end of an answer (a client reading slowly or not at all) is
+//!   cut once that is sent or [`EVICTION_FLUSH`] after the eviction, so it cannot keep the
+//!   newcomer out.
 //! - a request's headers must arrive within `--http-header-timeout-secs` of the connection (or
 //!   of the first byte of a later request on it), and its body within `--http-body-timeout-secs`
 //!   of its headers. Traffic does not extend these deadlines: a client trickling a byte at a
