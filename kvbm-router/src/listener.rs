@@ -9,7 +9,12 @@
 //!   [`EVICTION_GRACE`] after it opens (time to send its request and have it read), and
 //!   newcomers are let in in turn, each waiting until the oldest candidate is that old. A flood
 //!   of slow clients thus cannot hold every slot: each newcomer, a health check included, takes
-//!   the slot of the oldest of them within about (newcomers ahead / max) x the grace.
+//!   the slot of the oldest of them within about (newcomers ahead / max) x the grace. A
+//!   connection whose request reached its handler is never cut for room, even if picked just
+//!   before: the mark is set only outside that phase and acted on only outside it. An evicted
+//!   connection still sending the end of an answer (a client reading slowly or not at all) is
+//!   cut once that is sent or [`EVICTION_FLUSH`] after the eviction, so it cannot keep the
+//!   newcomer out.
 //! - a request's headers must arrive within `--http-header-timeout-secs` of the connection (or
 //!   of the first byte of a later request on it), and its body within `--http-body-timeout-secs`
 //!   of its headers. Traffic does not extend these deadlines: a client trickling a byte at a
@@ -54,6 +59,11 @@ pub const EVICTION_WAIT: Duration = Duration::from_secs(1);
 /// How long a connection is safe from eviction after it opened, finished an answer, or started
 /// sending a request's body: time enough for a health check to send its request and be read.
 pub const EVICTION_GRACE: Duration = Duration::from_millis(250);
+
+/// How long an evicted connection may go on sending the end of an answer it had written (a
+/// client reading slowly or not at all) before it is cut anyway: less than [`EVICTION_WAIT`], so
+/// the newcomer that evicted it gets its slot.
+pub const EVICTION_FLUSH: Duration = Duration::from_millis(500);
 
 /// The time limits of each connection.
 #[derive(Debug, Clone, Copy)]
@@ -111,8 +121,10 @@ impl LimitedListener {
                     () = tokio::time::sleep_until(ripe) => continue,
                 }
             }
-            victim.evicted.store(true, Ordering::Relaxed);
-            victim.waker.wake();
+            if !victim.evict() {
+                // It began being answered meanwhile: look for another.
+                continue;
+            }
             self.metrics.connections_evicted.inc();
             return match tokio::time::timeout(EVICTION_WAIT, self.permits.clone().acquire_owned())
                 .await
@@ -183,6 +195,7 @@ impl axum::serve::Listener for LimitedListener {
                             _permit: permit,
                             metrics: self.metrics.clone(),
                             unflushed: false,
+                            flush_deadline: None,
                             open: self.open.clone(),
                             id,
                         },
@@ -223,6 +236,8 @@ struct PhaseState {
     since: Instant,
     /// Requests whose answer is not yet sent whole.
     requests: usize,
+    /// When the listener evicted the connection, if it did.
+    evicted_at: Option<Instant>,
 }
 
 /// What a connection shares with its handlers and its listener.
@@ -232,7 +247,8 @@ struct ConnShared {
     state: Mutex<PhaseState>,
     /// Bumped at each change of `state`, so the connection looks at it only then.
     generation: AtomicU64,
-    /// Set by the listener to close the connection for room.
+    /// Set by the listener (under `state`'s lock, never while a request is being answered) to
+    /// close the connection for room; acted on only outside [`Phase::Service`].
     evicted: AtomicBool,
     /// The connection's task, woken on eviction.
     waker: AtomicWaker,
@@ -247,6 +263,7 @@ impl ConnShared {
                 phase: Phase::Headers,
                 since: Instant::now(),
                 requests: 0,
+                evicted_at: None,
             }),
             generation: AtomicU64::new(0),
             evicted: AtomicBool::new(false),
@@ -256,6 +273,25 @@ impl ConnShared {
 
     fn is_busy(&self) -> bool {
         self.busy.load(Ordering::Relaxed) > 0
+    }
+
+    /// Marks the connection evicted and wakes it, unless a request on it is being answered (then
+    /// false): the phase is looked at and the mark set under one lock, so a request that reaches
+    /// [`Phase::Service`] is either seen here or never cut for it.
+    fn evict(&self) -> bool {
+        {
+            let mut state = self.state.lock();
+            if state.phase == Phase::Service
+                || self.is_busy()
+                || self.evicted.load(Ordering::Acquire)
+            {
+                return false;
+            }
+            state.evicted_at = Some(Instant::now());
+            self.evicted.store(true, Ordering::Release);
+        }
+        self.waker.wake();
+        true
     }
 
     fn set_phase(&self, state: &mut PhaseState, phase: Phase) {
@@ -453,8 +489,11 @@ pub struct IdleIo {
     phase_seen: u64,
     /// The phase whose deadline runs, if any ("headers" or "body").
     phase_armed: Option<&'static str>,
-    /// Whether bytes were written and not yet flushed: an evicted connection first sends them.
+    /// Whether bytes were written and not yet flushed: an evicted connection first sends them,
+    /// for at most [`EVICTION_FLUSH`].
     unflushed: bool,
+    /// When an evicted connection with unflushed bytes is cut anyway.
+    flush_deadline: Option<Pin<Box<Sleep>>>,
     open: Registry,
     id: u64,
 }
@@ -484,16 +523,43 @@ impl IdleIo {
         }
     }
 
-    /// An error if the connection was evicted or its request's headers or body are late.
-    fn check_cut<T>(&mut self, cx: &mut Context<'_>) -> Option<Poll<io::Result<T>>> {
+    /// An error if the connection was evicted and no request on it is being answered: at once,
+    /// or once what it wrote is flushed, or [`EVICTION_FLUSH`] after the eviction, whichever is
+    /// first.
+    fn check_evicted<T>(&mut self, cx: &mut Context<'_>) -> Option<Poll<io::Result<T>>> {
         let shared = &self.busy.0;
         shared.waker.register(cx.waker());
-        if shared.evicted.load(Ordering::Relaxed) && !self.unflushed {
-            return Some(Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::ConnectionReset,
-                "HTTP connection closed to make room for another",
-            ))));
+        if !shared.evicted.load(Ordering::Acquire) {
+            return None;
         }
+        let evicted_at = {
+            let state = shared.state.lock();
+            if state.phase == Phase::Service {
+                // Marked before its request was read whole: it is cut once the answer is sent.
+                return None;
+            }
+            state.evicted_at.unwrap_or_else(Instant::now)
+        };
+        if self.unflushed {
+            let flush = self.flush_deadline.get_or_insert_with(|| {
+                Box::pin(tokio::time::sleep_until(evicted_at + EVICTION_FLUSH))
+            });
+            if flush.as_mut().poll(cx).is_pending() {
+                return None;
+            }
+        }
+        Some(Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::ConnectionReset,
+            "HTTP connection closed to make room for another",
+        ))))
+    }
+
+    /// An error if the connection was evicted or its request's headers or body are late.
+    fn check_cut<T>(&mut self, cx: &mut Context<'_>) -> Option<Poll<io::Result<T>>> {
+        if let Some(cut) = self.check_evicted(cx) {
+            return Some(cut);
+        }
+        let shared = &self.busy.0;
         let generation = shared.generation.load(Ordering::Acquire);
         if generation != self.phase_seen {
             self.phase_seen = generation;
@@ -570,8 +636,11 @@ impl AsyncWrite for IdleIo {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         // An evicted connection still sends what it was writing (the end of an answer whose
-        // body was done): it is cut at its next read once that is flushed.
+        // body was done), for a bounded time: it is cut once that is flushed or the time is up.
         self.unflushed = true;
+        if let Some(cut) = self.check_evicted(cx) {
+            return cut;
+        }
         match Pin::new(&mut self.stream).poll_write(cx, buf) {
             Poll::Ready(r) => {
                 self.write_stalled = false;
@@ -593,6 +662,9 @@ impl AsyncWrite for IdleIo {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if let Some(cut) = self.check_evicted(cx) {
+            return cut;
+        }
         let flushed = Pin::new(&mut self.stream).poll_flush(cx);
         if flushed.is_ready() {
             self.unflushed = false;
@@ -653,6 +725,36 @@ mod tests {
             .expect("the idle timeout fired once the request was done")
             .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    #[tokio::test]
+    async fn an_eviction_racing_the_end_of_a_request_never_cuts_its_answer() {
+        let (mut io, mut client) = pair().await;
+        let shared = io.busy.0.clone();
+        // Picked while still sending its headers, which arrive just after: being answered.
+        assert!(shared.evict());
+        shared.request_started(true);
+        // Being answered, it is not picked again.
+        assert!(!shared.evict());
+        // hyper reads on while it answers (pipelined bytes, or the client's EOF): not cut.
+        client.write_all(b"more").await.unwrap();
+        let mut buf = [0u8; 16];
+        let read = tokio::time::timeout(Duration::from_secs(5), io.read(&mut buf)).await;
+        assert_eq!(read.expect("read").expect("cut while answering"), 4);
+        io.write_all(b"answer").await.expect("cut while answering");
+        io.flush().await.expect("cut while answering");
+        // Answered: now it gives its slot back.
+        shared.request_finished();
+        let err = tokio::time::timeout(Duration::from_secs(5), io.read(&mut buf))
+            .await
+            .expect("read")
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::ConnectionReset);
+        // A connection being answered is never marked.
+        let (other, _client) = pair().await;
+        other.busy.0.request_started(true);
+        assert!(!other.busy.0.evict());
+        assert!(!other.busy.0.evicted.load(Ordering::Acquire));
     }
 
     #[tokio::test]
