@@ -66,8 +66,13 @@ fn write_device(addr: u64, bytes: &[u8]) {
 }
 
 fn mentions(addr: u64) -> bool {
+    // As a whole address: `0x1000` must not match `0x10001`, another test's address (the tests
+    // share the driver's violation list).
     let needle = format!("{addr:#x}");
-    violations::messages().iter().any(|m| m.contains(&needle))
+    violations::messages().iter().any(|m| {
+        m.match_indices(&needle)
+            .any(|(at, _)| !m[at + needle.len()..].starts_with(|c: char| c.is_ascii_hexdigit()))
+    })
 }
 
 /// Host memory registered with the driver for the life of the value.
@@ -285,7 +290,12 @@ fn offload_and_onboard_through_pinned_memory_are_byte_exact_and_clean() {
         assert_eq!(cuStreamDestroy_v2(s), CUDA_SUCCESS);
     }
     assert_eq!(host.0, original);
-    assert!(!mentions(host.addr()) && !mentions(gpu));
+    assert!(
+        !mentions(host.addr()) && !mentions(gpu),
+        "{:#x} {gpu:#x} {:?}",
+        host.addr(),
+        violations::messages()
+    );
     // SAFETY: `gpu` is live and freed once.
     assert_eq!(unsafe { cuMemFree_v2(gpu) }, CUDA_SUCCESS);
 }
