@@ -1008,17 +1008,25 @@ fn connect(
     socket
         .set_subscribe(b"")
         .map_err(|e| zmq_err("subscribe", &w.endpoint, e))?;
-    // The monitor before the connection, so that it sees the first attempt.
+    // The monitor before the connection, so that it sees the first attempt. Its reader is
+    // made and connected first (inproc allows connecting before the bind): libzmq sends monitor
+    // events with a blocking send, so a monitor must never run without a peer. Nor does it
+    // report its own stop (MONITOR_STOPPED), which is sent as the monitor is stopped and could
+    // otherwise wait on a full queue.
     let name = format!(
         "inproc://kvbm-sub-monitor-{}",
         shared.monitors.fetch_add(1, Ordering::Relaxed)
     );
-    let monitor = socket
-        .monitor(&name, i32::from(zmq::SocketEvent::ALL.to_raw()))
-        .and_then(|()| {
-            let pair = ctx.socket(zmq::PAIR)?;
+    let events = zmq::SocketEvent::ALL.to_raw() & !zmq::SocketEvent::MONITOR_STOPPED.to_raw();
+    let monitor = ctx
+        .socket(zmq::PAIR)
+        .and_then(|pair| {
             pair.set_linger(0)?;
             pair.connect(&name)?;
+            Ok(pair)
+        })
+        .and_then(|pair| {
+            socket.monitor(&name, i32::from(events))?;
             Ok(pair)
         })
         .ok();
