@@ -13,8 +13,9 @@
 //!   removals may be missing) and marks it `resync_needed` in `/workers`, until it restarts.
 //! - A lost event link suspends the worker's claims (`claims_suspended` in `/workers`): its
 //!   indexed blocks count as no overlap in queries and routing, and its predictions are
-//!   forgotten, until its next batch shows a continuation of its sequence (claims restored) or a
-//!   restart (blocks dropped). A process restarted on the same endpoint is thus never credited
+//!   forgotten, until the first batch over the new connection shows a continuation of its
+//!   sequence (`LinkResumed`: claims restored) or a restart (blocks dropped); batches the lost
+//!   connection left queued settle nothing. A process restarted on the same endpoint is thus never credited
 //!   with its predecessor's blocks, whether or not the link was seen down for long.
 //! - Registrations hold no ZMQ socket or file descriptor beyond their lifetime; `--max-workers`
 //!   is lowered at start (logged) when the open-files limit, raised to its hard limit if need
@@ -1074,7 +1075,8 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
             | SubscriberEvent::Undecodable { worker, .. }
             | SubscriberEvent::Gap { worker, .. }
             | SubscriberEvent::Restart { worker }
-            | SubscriberEvent::LinkLost { worker } => *worker,
+            | SubscriberEvent::LinkLost { worker }
+            | SubscriberEvent::LinkResumed { worker } => *worker,
         };
         let mut workers = shared.workers.lock();
         let Some(info) = workers.get_mut(&worker) else {
@@ -1112,15 +1114,6 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                 info.last_seq = Some(seq);
                 info.batches += 1;
                 info.events += batch.events.len() as u64;
-                if info.claims_suspended {
-                    // Not preceded by a restart: the same process, its blocks are its own.
-                    info.claims_suspended = false;
-                    tracing::info!(
-                        ?worker,
-                        seq,
-                        "event link back on the same sequence; the worker's blocks count again"
-                    );
-                }
             }
             SubscriberEvent::Undecodable { seq, error, .. } => {
                 m.applied("batch", "decode_error", 1);
@@ -1162,6 +1155,18 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                     info.claims_suspended = true;
                     m.claim_suspensions.inc();
                     tracing::warn!(?worker, "event link lost; the worker's blocks do not count until its next batch shows whether it restarted");
+                }
+            }
+            SubscriberEvent::LinkResumed { .. } => {
+                // The first batch over the new connection continues the sequence: the same
+                // process, its blocks are its own. (Batches the lost connection left queued
+                // settle nothing.)
+                if info.claims_suspended {
+                    info.claims_suspended = false;
+                    tracing::info!(
+                        ?worker,
+                        "event link back on the same sequence; the worker's blocks count again"
+                    );
                 }
             }
         }
