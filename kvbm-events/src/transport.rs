@@ -451,12 +451,21 @@ pub enum SubscriberEvent {
         worker: (u64, u32),
     },
     /// The connection to the worker was lost (its process may have died). Until the next
-    /// [`SubscriberEvent::Batch`] or [`SubscriberEvent::Restart`] of this worker, whether its
-    /// earlier state still stands is unknown: the first batch received over the new connection
-    /// says it, as a continuation of the sequence (or a gap above it), or as a restart (a
-    /// sequence number below the expected one, which after a lost connection is never taken for
-    /// a duplicate).
+    /// [`SubscriberEvent::LinkResumed`] or [`SubscriberEvent::Restart`] of this worker, whether
+    /// its earlier state still stands is unknown. Batches still queued from the lost connection
+    /// may follow this event (as `Batch`, settling nothing). The first batch known to have come
+    /// over the new connection says it: a continuation of the sequence (or a gap above it) is
+    /// reported as `LinkResumed` before it; a restart as `Restart`. Until the socket's queue has
+    /// been seen empty after the reconnection, any batch below the expected number is taken for
+    /// a restart, never for a duplicate.
     LinkLost {
+        /// Worker id and dp rank.
+        worker: (u64, u32),
+    },
+    /// After [`SubscriberEvent::LinkLost`]: the first batch over the new connection continues
+    /// the sequence, so the worker is the same process and its earlier state stands. Reported
+    /// just before that batch (and the gap before it, if any).
+    LinkResumed {
         /// Worker id and dp rank.
         worker: (u64, u32),
     },
@@ -1008,17 +1017,25 @@ fn connect(
     socket
         .set_subscribe(b"")
         .map_err(|e| zmq_err("subscribe", &w.endpoint, e))?;
-    // The monitor before the connection, so that it sees the first attempt.
+    // The monitor before the connection, so that it sees the first attempt. Its reader is
+    // made and connected first (inproc allows connecting before the bind): libzmq sends monitor
+    // events with a blocking send, so a monitor must never run without a peer. Nor does it
+    // report its own stop (MONITOR_STOPPED), which is sent as the monitor is stopped and could
+    // otherwise wait on a full queue.
     let name = format!(
         "inproc://kvbm-sub-monitor-{}",
         shared.monitors.fetch_add(1, Ordering::Relaxed)
     );
-    let monitor = socket
-        .monitor(&name, i32::from(zmq::SocketEvent::ALL.to_raw()))
-        .and_then(|()| {
-            let pair = ctx.socket(zmq::PAIR)?;
+    let events = zmq::SocketEvent::ALL.to_raw() & !zmq::SocketEvent::MONITOR_STOPPED.to_raw();
+    let monitor = ctx
+        .socket(zmq::PAIR)
+        .and_then(|pair| {
             pair.set_linger(0)?;
             pair.connect(&name)?;
+            Ok(pair)
+        })
+        .and_then(|pair| {
+            socket.monitor(&name, i32::from(events))?;
             Ok(pair)
         })
         .ok();
@@ -1073,7 +1090,7 @@ fn recv_frames(socket: &zmq::Socket, keep: usize) -> Result<Option<Received>, zm
 }
 
 /// Where a batch stands against the expected sequence number.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Step {
     /// The expected one.
     Next,
@@ -1097,6 +1114,20 @@ fn classify(expected: u64, seq: u64) -> Step {
         Step::Restart
     } else {
         Step::Duplicate
+    }
+}
+
+/// How a lost connection changes a message's step: below the expected number after a
+/// reconnection is a restart (a publisher does not send again what a lost connection missed);
+/// the new connection's first message, if not a restart, resumes the link (the `bool`).
+fn settle(loss: Loss, step: Step) -> (Step, bool) {
+    let below = matches!(step, Step::Duplicate | Step::Restart);
+    match loss {
+        Loss::None | Loss::Lost => (step, false),
+        Loss::Reconnected if below => (Step::Restart, false),
+        Loss::Reconnected => (step, false),
+        Loss::Drained if below => (Step::Restart, false),
+        Loss::Drained => (step, true),
     }
 }
 
@@ -1236,8 +1267,13 @@ enum Loss {
     /// The connection was lost and is not made again yet (messages still queued are the old
     /// connection's).
     Lost,
-    /// Connected again: the next message says whether the worker restarted.
+    /// Connected again, but messages of the old connection may still be queued ahead of the
+    /// new one's: a message below the expected number is a restart; one above it settles
+    /// nothing.
     Reconnected,
+    /// Connected again and the socket's queue seen empty since: the next message is the new
+    /// connection's first, and says whether the worker restarted.
+    Drained,
 }
 
 impl Follower {
@@ -1272,14 +1308,24 @@ impl Follower {
                 self.resubscribe();
                 continue;
             }
-            if sub_ready {
+            // Just reconnected: reads on, to see whether the old connection left anything
+            // queued (the new connection's first message is known only once it did not).
+            if sub_ready || self.loss.get() == Loss::Reconnected {
                 for _ in 0..RECV_BURST {
                     if self.stopping() {
                         break;
                     }
                     match recv_frames(&self.conn.sub, 3) {
                         Ok(Some(msg)) => self.receive(msg),
-                        Ok(None) | Err(_) => break,
+                        Ok(None) => {
+                            // Known reconnected before this read: what the old connection
+                            // left queued is all read.
+                            if self.loss.get() == Loss::Reconnected {
+                                self.loss.set(Loss::Drained);
+                            }
+                            break;
+                        }
+                        Err(_) => break,
                     }
                 }
             }
@@ -1511,19 +1557,20 @@ impl Follower {
             });
             return;
         };
-        if self.loss.get() != Loss::None {
-            // The monitor says whether this message came over a new connection.
+        let step = classify(self.expected, seq);
+        if step != Step::Next || self.loss.get() != Loss::None {
+            // The monitor (read without waiting) says whether the connection was lost or made
+            // again, before anything out of sequence is judged.
             self.read_monitor();
             self.report_loss();
         }
-        let mut step = classify(self.expected, seq);
-        if self.loss.get() == Loss::Reconnected {
-            // The first message over a new connection: a publisher does not send again what a
-            // lost connection missed, so a number below the expected one is a new process's.
-            if seq < self.expected {
-                step = Step::Restart;
-            }
+        let (step, resumed) = settle(self.loss.get(), step);
+        // A message of the new connection: nothing of the old one is left before it.
+        if (resumed || step == Step::Restart) && self.loss.get() != Loss::Lost {
             self.loss.set(Loss::None);
+        }
+        if resumed {
+            self.emit(SubscriberEvent::LinkResumed { worker });
         }
         match step {
             Step::Next => {}
@@ -1615,5 +1662,36 @@ impl Follower {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// After a lost connection: below the expected number is a restart once reconnected, queue
+    /// drained or not; only the first message after the drain resumes the link; queued ones of
+    /// the old connection (before the reconnection, or before the drain) settle nothing.
+    #[test]
+    fn a_lost_connection_settles_only_on_the_new_connections_first_message() {
+        let gap = Step::Gap { from: 3, to: 7 };
+        for loss in [Loss::None, Loss::Lost] {
+            assert_eq!(settle(loss, Step::Next), (Step::Next, false));
+            assert_eq!(settle(loss, Step::Duplicate), (Step::Duplicate, false));
+            assert_eq!(settle(loss, gap), (gap, false));
+        }
+        assert_eq!(settle(Loss::Reconnected, Step::Next), (Step::Next, false));
+        assert_eq!(settle(Loss::Reconnected, gap), (gap, false));
+        assert_eq!(
+            settle(Loss::Reconnected, Step::Duplicate),
+            (Step::Restart, false)
+        );
+        assert_eq!(settle(Loss::Drained, Step::Next), (Step::Next, true));
+        assert_eq!(settle(Loss::Drained, gap), (gap, true));
+        assert_eq!(
+            settle(Loss::Drained, Step::Duplicate),
+            (Step::Restart, false)
+        );
+        assert_eq!(settle(Loss::Drained, Step::Restart), (Step::Restart, false));
     }
 }

@@ -523,6 +523,8 @@ fn oversized_payloads_are_reported_and_oversized_frames_cost_a_connection() {
     peer.send_batch(5);
     assert_eq!(peer.serve_replay(), 4);
     assert_eq!(next(&rx), SubscriberEvent::LinkLost { worker: key });
+    // The first batch over the new connection continues the sequence (above a gap).
+    assert_eq!(next(&rx), SubscriberEvent::LinkResumed { worker: key });
     assert_eq!(next(&rx), gap(key, 4, 5, false));
     expect_batch(next(&rx), key, 5);
     assert_eq!(load(&sub.stats().oversized), 3);
@@ -650,5 +652,74 @@ fn after_a_lost_connection_a_lower_sequence_is_a_restart_not_a_duplicate() {
     assert_eq!(next(&rx), SubscriberEvent::Restart { worker: key });
     assert_eq!(next(&rx), gap(key, 0, 1, false));
     expect_batch(next(&rx), key, 1);
+    assert_eq!(load(&sub.stats().duplicates), 0);
+}
+
+/// Batches still queued from a lost connection, read after the loss was reported, settle
+/// nothing: no `LinkResumed` comes before the new connection's first batch, and that batch,
+/// below the expected number though within the duplicate window, is a restart (it used to be
+/// dropped as a duplicate once a queued batch of the old connection had been taken for the new
+/// connection's first).
+#[test]
+fn batches_queued_from_a_lost_connection_neither_resume_the_link_nor_hide_a_restart() {
+    let ctx = zmq::Context::new();
+    let peer = Peer::new(&ctx);
+    let endpoint = peer.endpoint.clone();
+    // Room for one event: the subscriber's thread waits on the test while ZMQ queues the rest.
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let sub = ZmqSubscriber::start(Vec::new(), tx).unwrap();
+    let key = (5, 0);
+    add_served(&sub, &peer, peer.worker(key, false), 0);
+    peer.send_batch(0);
+    expect_batch(next(&rx), key, 0);
+    // More than one receive burst, under the receive high-water mark, all sent before the
+    // process dies (the linger sees them onto the wire; TCP delivers them before the close).
+    let last = 600;
+    for seq in 1..=last {
+        peer.send_batch(seq);
+    }
+    peer.xpub.set_linger(5_000).unwrap();
+    drop(peer);
+    let xpub = ctx.socket(zmq::XPUB).unwrap();
+    xpub.set_xpub_verbose(true).unwrap();
+    xpub.set_linger(0).unwrap();
+    xpub.monitor(
+        "inproc://queued-test-monitor",
+        i32::from(zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw()),
+    )
+    .unwrap();
+    let monitor = ctx.socket(zmq::PAIR).unwrap();
+    monitor.connect("inproc://queued-test-monitor").unwrap();
+    eventually("the endpoint is free again", || {
+        xpub.bind(&endpoint).is_ok()
+    });
+    // The subscriber connected again while its thread still waits on the sink (it sends its
+    // subscription only once that thread reads the socket again).
+    assert!(monitor.poll(zmq::POLLIN, WAIT.as_millis() as i64).unwrap() > 0);
+    std::thread::sleep(Duration::from_millis(100));
+    let mut lost = false;
+    let mut expected = 1;
+    let new_process = std::thread::spawn(move || {
+        assert!(xpub.poll(zmq::POLLIN, WAIT.as_millis() as i64).unwrap() > 0);
+        assert_eq!(xpub.recv_bytes(0).unwrap().first(), Some(&1));
+        // The new process's batch 5: below the expected number, within the duplicate
+        // window.
+        let frames: [&[u8]; 3] = [b"", &5u64.to_be_bytes(), &payload(5)];
+        xpub.send_multipart(frames, 0).unwrap();
+        xpub
+    });
+    loop {
+        match next(&rx) {
+            SubscriberEvent::LinkLost { worker } if worker == key => lost = true,
+            SubscriberEvent::Restart { worker } if worker == key => break,
+            SubscriberEvent::Batch { seq, .. } if seq == expected && seq <= last => expected += 1,
+            other => panic!("after batch {expected} (lost: {lost}): {other:?}"),
+        }
+    }
+    let _xpub = new_process.join().unwrap();
+    assert!(lost, "the lost connection was reported");
+    assert_eq!(expected, last + 1, "every queued batch came first");
+    assert_eq!(next(&rx), gap(key, 0, 5, false));
+    expect_batch(next(&rx), key, 5);
     assert_eq!(load(&sub.stats().duplicates), 0);
 }

@@ -13,8 +13,9 @@
 //!   removals may be missing) and marks it `resync_needed` in `/workers`, until it restarts.
 //! - A lost event link suspends the worker's claims (`claims_suspended` in `/workers`): its
 //!   indexed blocks count as no overlap in queries and routing, and its predictions are
-//!   forgotten, until its next batch shows a continuation of its sequence (claims restored) or a
-//!   restart (blocks dropped). A process restarted on the same endpoint is thus never credited
+//!   forgotten, until the first batch over the new connection shows a continuation of its
+//!   sequence (`LinkResumed`: claims restored) or a restart (blocks dropped); batches the lost
+//!   connection left queued settle nothing. A process restarted on the same endpoint is thus never credited
 //!   with its predecessor's blocks, whether or not the link was seen down for long.
 //! - Registrations hold no ZMQ socket or file descriptor beyond their lifetime; `--max-workers`
 //!   is lowered at start (logged) when the open-files limit, raised to its hard limit if need
@@ -502,15 +503,33 @@ impl Router {
                 .collect();
             threads
                 .into_iter()
-                .map(|t| t.join().unwrap_or(Ok(())))
+                .map(|t| {
+                    // A thread that panicked may have left workers out: the start fails.
+                    t.join().unwrap_or_else(|_| {
+                        Err(RegisterError::Transport(TransportError::Zmq {
+                            call: "restore",
+                            endpoint: String::new(),
+                            error: "a thread following the dump's workers panicked".into(),
+                        }))
+                    })
+                })
                 .collect::<Result<Vec<()>, _>>()
                 .map(|_| ())
         })
     }
 
-    /// Refuses a worker not registered yet when `--max-workers` are.
+    /// Refuses a worker not registered yet when `--max-workers` are (a quick check; the one
+    /// that counts is made again as the worker is recorded, under the same lock).
     fn check_room(&self, key: WorkerKey) -> Result<(), RegisterError> {
-        let workers = self.shared.workers.lock();
+        self.room(&self.shared.workers.lock(), key)
+    }
+
+    /// Refuses a worker not in `workers` when `--max-workers` are there (counted).
+    fn room(
+        &self,
+        workers: &BTreeMap<WorkerKey, WorkerInfo>,
+        key: WorkerKey,
+    ) -> Result<(), RegisterError> {
         let max = self.shared.config.max_workers;
         if !workers.contains_key(&key) && workers.len() >= max {
             self.shared.metrics.workers_refused.inc();
@@ -520,7 +539,9 @@ impl Router {
     }
 
     /// Records the worker and subscribes to it, from the sequence number after `last_seq`
-    /// (from the start when None); forgets it again if that fails.
+    /// (from the start when None); forgets it again if that fails. Refused when `--max-workers`
+    /// are recorded: the room is checked and taken under one lock, so that registrations
+    /// running at once never overshoot.
     fn subscribe(&self, worker: WorkerSpec, last_seq: Option<u64>) -> Result<(), RegisterError> {
         let key = worker.key();
         let WorkerSpec {
@@ -532,6 +553,7 @@ impl Router {
         };
         {
             let mut workers = self.shared.workers.lock();
+            self.room(&workers, key)?;
             workers.insert(
                 key,
                 WorkerInfo {
@@ -1074,7 +1096,8 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
             | SubscriberEvent::Undecodable { worker, .. }
             | SubscriberEvent::Gap { worker, .. }
             | SubscriberEvent::Restart { worker }
-            | SubscriberEvent::LinkLost { worker } => *worker,
+            | SubscriberEvent::LinkLost { worker }
+            | SubscriberEvent::LinkResumed { worker } => *worker,
         };
         let mut workers = shared.workers.lock();
         let Some(info) = workers.get_mut(&worker) else {
@@ -1112,15 +1135,6 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                 info.last_seq = Some(seq);
                 info.batches += 1;
                 info.events += batch.events.len() as u64;
-                if info.claims_suspended {
-                    // Not preceded by a restart: the same process, its blocks are its own.
-                    info.claims_suspended = false;
-                    tracing::info!(
-                        ?worker,
-                        seq,
-                        "event link back on the same sequence; the worker's blocks count again"
-                    );
-                }
             }
             SubscriberEvent::Undecodable { seq, error, .. } => {
                 m.applied("batch", "decode_error", 1);
@@ -1164,6 +1178,78 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                     tracing::warn!(?worker, "event link lost; the worker's blocks do not count until its next batch shows whether it restarted");
                 }
             }
+            SubscriberEvent::LinkResumed { .. } => {
+                // The first batch over the new connection continues the sequence: the same
+                // process, its blocks are its own. (Batches the lost connection left queued
+                // settle nothing.)
+                if info.claims_suspended {
+                    info.claims_suspended = false;
+                    tracing::info!(
+                        ?worker,
+                        "event link back on the same sequence; the worker's blocks count again"
+                    );
+                }
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Registrations of distinct workers running at once never leave more than `--max-workers`
+    /// registered (each used to check for room before any of them was recorded).
+    #[test]
+    fn concurrent_registrations_never_overshoot_max_workers() {
+        let max = 4;
+        let config = RouterConfig {
+            max_workers: max,
+            ..RouterConfig::default()
+        };
+        let router = Router::start(config, Vec::new()).unwrap();
+        // A port nobody listens on: connecting is asynchronous, registering does not wait.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let threads = 32;
+        let barrier = std::sync::Barrier::new(threads);
+        let registered = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads as u64)
+                .map(|id| {
+                    let (router, barrier) = (&router, &barrier);
+                    scope.spawn(move || {
+                        barrier.wait();
+                        router.register(WorkerSpec {
+                            events: WorkerEndpoint {
+                                worker_id: id,
+                                dp_rank: 0,
+                                endpoint: format!("tcp://127.0.0.1:{port}"),
+                                replay: None,
+                            },
+                            http: None,
+                        })
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .filter(|r| {
+                    if let Err(e) = r {
+                        assert!(matches!(e, RegisterError::TooManyWorkers { max: 4 }), "{e}");
+                    }
+                    r.is_ok()
+                })
+                .count()
+        });
+        assert_eq!(registered, max);
+        assert_eq!(router.workers().len(), max);
+        assert_eq!(
+            router.metrics().workers_refused.get(),
+            (threads - max) as u64
+        );
     }
 }

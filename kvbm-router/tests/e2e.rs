@@ -1005,6 +1005,33 @@ fn a_vllm_worker_publishing_its_own_hashes_is_routed_to() {
     );
 }
 
+/// The hard open-files limit (RLIMIT_NOFILE) of this process, which the router started from it
+/// inherits; None where it cannot be read.
+fn hard_open_files_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the limit into the struct it is given, a live local.
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    (rc == 0).then_some(limit.rlim_max)
+}
+
+/// Whether the hard open-files limit allows `needed` files; if not, says why the test (or its
+/// part) is skipped.
+fn open_files_allow(test: &str, needed: u64) -> bool {
+    match hard_open_files_limit() {
+        Some(hard) if hard >= needed => true,
+        hard => {
+            eprintln!(
+                "skipping {test}: it needs a hard open-files limit (ulimit -Hn) of at least \
+                 {needed}, this machine's is {hard:?}"
+            );
+            false
+        }
+    }
+}
+
 /// Open file descriptors of a process.
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
@@ -1061,8 +1088,15 @@ fn registrations_release_their_sockets_and_max_workers_is_reachable() {
     assert_eq!(sockets(), sockets_before);
     register(2);
     unregister(2);
-    // The default --max-workers, all at once.
+    // The default --max-workers, all at once: the router raises its soft limit up to the hard
+    // one for them, which a machine with a tight hard limit does not allow.
     let max = kvbm_router::config::MAX_WORKERS_DEFAULT;
+    let needed = kvbm_router::state::FDS_RESERVED
+        + kvbm_router::config::MAX_CONNECTIONS_DEFAULT as u64
+        + max as u64 * kvbm_router::state::FDS_PER_WORKER;
+    if !open_files_allow("the default --max-workers part", needed) {
+        return;
+    }
     assert_eq!(router.metric("kv_router_max_workers "), max as f64);
     let fleet: Vec<u64> = (1000..1000 + max as u64 - 1).collect();
     // Four clients at a time, to keep the test short.
@@ -1253,6 +1287,13 @@ fn a_frame_over_zmqs_bound_is_counted_as_oversized_and_later_batches_apply() {
 /// lowers --max-workers to what fits, says so in /metrics, and refuses registrations beyond it.
 #[test]
 fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
+    // `ulimit -n 2048` sets the hard limit too: only possible below the current hard limit.
+    if !open_files_allow(
+        "max_workers_is_lowered_to_what_the_open_files_limit_holds",
+        2048,
+    ) {
+        return;
+    }
     let mut child = Command::new("sh")
         .args([
             "-c",
