@@ -68,13 +68,7 @@ pub const FDS_RESERVED: u64 = 256;
 
 /// The open-files limit (soft, hard); None where it cannot be read.
 fn open_files_limit() -> Option<(u64, u64)> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes the limit into the struct it is given, a live local.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
-    (rc == 0).then_some((limit.rlim_cur, limit.rlim_max))
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE).ok()
 }
 
 /// Raises the open-files limit (soft, up to hard) to what `--max-workers` workers and
@@ -90,12 +84,9 @@ pub fn fit_open_files(max_workers: usize, max_connections: usize) -> (usize, Opt
     let mut limit = soft;
     if soft < needed {
         let target = needed.min(hard);
-        let raised = libc::rlimit {
-            rlim_cur: target,
-            rlim_max: hard,
-        };
-        // SAFETY: setrlimit reads the struct it is given, a live local.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+        if nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, target, hard)
+            .is_ok()
+        {
             tracing::info!(
                 from = soft,
                 to = target,

@@ -1008,13 +1008,9 @@ fn a_vllm_worker_publishing_its_own_hashes_is_routed_to() {
 /// The hard open-files limit (RLIMIT_NOFILE) of this process, which the router started from it
 /// inherits; None where it cannot be read.
 fn hard_open_files_limit() -> Option<u64> {
-    let mut limit = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes the limit into the struct it is given, a live local.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
-    (rc == 0).then_some(limit.rlim_max)
+    nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .ok()
+        .map(|(_, hard)| hard)
 }
 
 /// Whether the hard open-files limit allows `needed` files; if not, says why the test (or its
