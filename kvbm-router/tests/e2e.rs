@@ -184,7 +184,7 @@ impl RouterProcess {
     }
 
     fn start_with(workers: &str, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
+        let child = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
             .args([
                 "--workers",
                 workers,
@@ -201,6 +201,17 @@ impl RouterProcess {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        let router = Self::listening(child);
+        assert!(
+            router.base.starts_with("http://127.0.0.1:"),
+            "{}",
+            router.base
+        );
+        router
+    }
+
+    /// A started router (stdout piped), once it printed the line that says where it listens.
+    fn listening(mut child: Child) -> Self {
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
@@ -210,7 +221,6 @@ impl RouterProcess {
             .strip_prefix("kvbm-router listening on ")
             .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
             .to_owned();
-        assert!(base.starts_with("http://127.0.0.1:"), "{base}");
         Self { child, base }
     }
 
@@ -1290,7 +1300,7 @@ fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
     ) {
         return;
     }
-    let mut child = Command::new("sh")
+    let child = Command::new("sh")
         .args([
             "-c",
             "ulimit -n 2048 && exec \"$0\" \"$@\"",
@@ -1304,16 +1314,7 @@ fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .trim()
-        .strip_prefix("kvbm-router listening on ")
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_owned();
-    let router = RouterProcess { child, base };
+    let router = RouterProcess::listening(child);
     // (2048 - 256 reserved - 64 connections) / 16 files per worker.
     let fit = (2048 - 256 - 64) / 16;
     assert_eq!(router.metric("kv_router_max_workers "), fit as f64);

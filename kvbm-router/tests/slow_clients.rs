@@ -83,6 +83,34 @@ impl Drop for Served {
     }
 }
 
+/// Serves `app` in-process on a loopback port with at most `max` connections and `limits`,
+/// until `shutdown`; its address, its metrics and the server's task.
+async fn serve_app(
+    app: axum::Router,
+    max: usize,
+    limits: ConnLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> (
+    SocketAddr,
+    RouterMetrics,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+) {
+    let metrics = RouterMetrics::new();
+    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tokio::spawn(kvbm_router::serve_app(
+        app,
+        listener,
+        max,
+        limits,
+        metrics.clone(),
+        shutdown,
+    ));
+    (addr, metrics, server)
+}
+
 /// Sends `request` whole and reads the answer until the server closes; its status code.
 async fn call(addr: SocketAddr, request: &str, within: Duration) -> Result<(u16, String), String> {
     tokio::time::timeout(within, async {
@@ -341,27 +369,16 @@ async fn a_long_answer_outlives_the_header_body_and_idle_deadlines() {
     let app = axum::Router::new()
         .route("/long", post(long_answer))
         .route("/short", get(|| async { "short" }));
-    let metrics = RouterMetrics::new();
-    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = ConnLimits {
         idle: IDLE,
         header: DEADLINE,
         body: DEADLINE,
     };
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(kvbm_router::serve_app(
-        app,
-        listener,
-        4,
-        limits,
-        metrics.clone(),
-        async move {
-            let _ = stopped.await;
-        },
-    ));
+    let (addr, metrics, server) = serve_app(app, 4, limits, async move {
+        let _ = stopped.await;
+    })
+    .await;
     let mut s = TcpStream::connect(addr).await.unwrap();
     let started = Instant::now();
     s.write_all(b"POST /long HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nprompt")
@@ -430,24 +447,12 @@ async fn a_connection_being_answered_is_never_evicted_a_newcomer_is_refused_inst
             "waited"
         }),
     );
-    let metrics = RouterMetrics::new();
-    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
     let limits = ConnLimits {
         idle: Duration::from_secs(5),
         header: DEADLINE,
         body: DEADLINE,
     };
-    let server = tokio::spawn(kvbm_router::serve_app(
-        app,
-        listener,
-        1,
-        limits,
-        metrics.clone(),
-        std::future::pending(),
-    ));
+    let (addr, metrics, server) = serve_app(app, 1, limits, std::future::pending()).await;
     let request = "GET /wait HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
     let answered = tokio::spawn(call(addr, request, Duration::from_secs(10)));
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -471,25 +476,13 @@ async fn a_client_that_never_reads_a_long_answer_gives_its_slot_to_a_newcomer() 
             get(|| async { axum::body::Bytes::from(vec![b'x'; 64 << 20]) }),
         )
         .route("/short", get(|| async { "short" }));
-    let metrics = RouterMetrics::new();
-    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
     // The idle and write deadlines far off: only the eviction can free the slot in time.
     let limits = ConnLimits {
         idle: Duration::from_secs(60),
         header: Duration::from_secs(10),
         body: Duration::from_secs(10),
     };
-    let server = tokio::spawn(kvbm_router::serve_app(
-        app,
-        listener,
-        1,
-        limits,
-        metrics.clone(),
-        std::future::pending(),
-    ));
+    let (addr, metrics, server) = serve_app(app, 1, limits, std::future::pending()).await;
     let mut stalled = TcpStream::connect(addr).await.unwrap();
     stalled
         .write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")

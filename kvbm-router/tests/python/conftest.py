@@ -67,6 +67,23 @@ def http_json(method: str, url: str, body: Any = None, timeout_s: float = 10.0) 
         return json.loads(resp.read() or b"null")
 
 
+def post_bytes(url: str, body: bytes, timeout_s: float = 600.0) -> tuple[int, bytes]:
+    """POSTs a JSON `body` (bytes); the status and the answer's bytes, an error status included."""
+    req = urllib.request.Request(url, data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def process_memory(pid: int) -> tuple[int, int]:
+    """(resident, peak resident) bytes of process `pid` (Linux /proc)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
 class Process:
     """A child process whose stdout lines are read by a thread (so the pipe never fills): each
     goes to the log file and, for `first_line`, to a queue; stderr goes to the same log."""

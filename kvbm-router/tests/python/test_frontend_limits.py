@@ -21,14 +21,12 @@ import json
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import MODEL_NAME, router_bin  # noqa: E402
+from conftest import MODEL_NAME, post_bytes as post, process_memory as memory, router_bin  # noqa: E402
 
 pytestmark = pytest.mark.skipif(router_bin() is None, reason="KVBM_ROUTER_BIN is not set")
 
@@ -37,22 +35,6 @@ SENTENCE = "the router reads every worker's events and keeps an index of blocks,
 COST_MAX = 40
 # Resident memory kept after the request, over the prompt's bytes, at most (about 90 before).
 KEPT_MAX = 10
-
-
-def post(url: str, body: bytes, timeout_s: float = 600.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-def memory(pid: int) -> tuple[int, int]:
-    """(resident, peak resident) bytes of process `pid`."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
 
 def prompt_body(nbytes: int) -> bytes:

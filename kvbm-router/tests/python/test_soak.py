@@ -31,14 +31,13 @@ import random
 import socket
 import threading
 import time
-import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-from conftest import MODEL_NAME, Process, router_bin, sync_events, wait_until
+from conftest import (MODEL_NAME, Process, post_bytes, process_memory, router_bin, sync_events,
+                      wait_until)
 
 pytestmark = pytest.mark.skipif(router_bin() is None, reason="KVBM_ROUTER_BIN is not set")
 
@@ -62,20 +61,11 @@ def proc_fds(pid: int) -> int:
 
 
 def proc_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
+    return process_memory(pid)[0] / 2**20
 
 
 def post(url: str, body: dict, timeout_s: float = 30.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    return post_bytes(url, json.dumps(body).encode(), timeout_s)
 
 
 class HostileSibling:
