@@ -60,6 +60,7 @@ fn registry(c: &mut Criterion) {
                 parent: i.checked_sub(1).map(|p| hashes[p]),
                 tokens: Arc::from(&tokens[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS]),
                 lora_name: None,
+                group: None,
             })
         })
         .collect();

@@ -335,6 +335,7 @@ pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
             parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: tokens[i * args.block_size..(i + 1) * args.block_size].into(),
             lora_name: None,
+            group: None,
         }));
         bar.inc(1);
     }

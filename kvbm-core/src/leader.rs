@@ -25,6 +25,7 @@ use std::time::Instant;
 use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 
 use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
+use crate::groups::{Groups, NULL_BLOCK};
 use crate::metrics::{add, Metrics};
 use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
 pub use crate::plan::{DiskRead, DiskWrite};
@@ -331,6 +332,125 @@ impl Leader {
         (host, disk.min(staging))
     }
 
+    /// The tier that holds `key` (the host tier first), if any; changes nothing.
+    pub fn locate(&self, key: u64) -> Option<Tier> {
+        let key = SequenceHash(key);
+        if self.host.contains(key) {
+            Some(Tier::Host)
+        } else if self.disk.as_ref().is_some_and(|d| d.contains(key)) {
+            Some(Tier::Disk)
+        } else {
+            None
+        }
+    }
+
+    /// Host blocks an onboard could stage disk reads into now, when it also holds `host_hits`
+    /// host blocks (idle ones among them stop being evictable).
+    pub fn staging_room(&self, host_hits: usize) -> usize {
+        let counts = self.host.counts();
+        (counts.free + counts.idle).saturating_sub(host_hits.min(counts.idle))
+    }
+
+    /// Counts a lookup of `looked` blocks that found `host` in the host tier and `disk` more on
+    /// disk, and `matched_tokens` tokens matched.
+    pub fn count_lookup(&self, looked: usize, host: usize, disk: usize, matched_tokens: usize) {
+        let m = &self.metrics;
+        add(&m.host_lookup_blocks, looked as u64);
+        add(&m.host_hit_blocks, host as u64);
+        if self.disk.is_some() {
+            add(&m.disk_lookup_blocks, looked.saturating_sub(host) as u64);
+            add(&m.disk_hit_blocks, disk as u64);
+        }
+        add(&m.matched_tokens, matched_tokens as u64);
+    }
+
+    /// Plans the onboard of blocks by key, each into its GPU block (`gpu`, one per key), in any
+    /// order of tiers (a hybrid model's groups need blocks that are not one prefix): a key the
+    /// host tier holds is copied from its host block; one only on disk is read into a staging
+    /// host block first. Holds as [`Self::plan_onboard`] does. A block that cannot be backed
+    /// (gone since it was counted, or no staging block to spare) goes to the plan's load errors,
+    /// or for an asynchronous onboard to the job's `unbacked` blocks (failing with the request).
+    /// Returns, per key, whether it is backed.
+    pub fn plan_onboard_keys(
+        &mut self,
+        request: &str,
+        keys: &[u64],
+        gpu: &[u32],
+        asynchronous: bool,
+    ) -> Result<Vec<bool>, CoreError> {
+        if gpu.len() != keys.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} GPU blocks for {} keys",
+                gpu.len(),
+                keys.len()
+            )));
+        }
+        let now = Instant::now();
+        let mut held_blocks = Vec::new();
+        let mut staged: Vec<StagedRead> = Vec::new();
+        let mut reads = Vec::new();
+        let mut pairs = Vec::with_capacity(keys.len());
+        let mut backed = Vec::with_capacity(keys.len());
+        let mut unbacked = Vec::new();
+        for (&key, &g) in keys.iter().zip(gpu) {
+            let key = SequenceHash(key);
+            if let Some(block) = self.host.lookup(key) {
+                self.sight(&block, now);
+                pairs.push((block.id().0, g));
+                held_blocks.push(block);
+                backed.push(true);
+                continue;
+            }
+            let on_disk = self.disk.as_ref().and_then(|d| d.lookup(key));
+            let stage = on_disk
+                .as_ref()
+                .and_then(|_| self.host.allocate_up_to(1).pop());
+            match (on_disk, stage) {
+                (Some(d), Some(stage)) => {
+                    reads.push(DiskRead {
+                        disk: d.id().0,
+                        host: stage.id().0,
+                        key: key.0,
+                    });
+                    pairs.push((stage.id().0, g));
+                    staged.push((stage, d.identity()));
+                    held_blocks.push(d);
+                    backed.push(true);
+                }
+                _ => {
+                    unbacked.push(g);
+                    backed.push(false);
+                }
+            }
+        }
+        if asynchronous {
+            let entry = self.pinned.entry(request.to_owned()).or_default();
+            entry.0.extend(held_blocks);
+            entry.1.extend(staged);
+            self.plan.async_onboards.push(AsyncOnboard {
+                request: request.to_owned(),
+                disk_reads: reads,
+                pairs,
+                unbacked,
+            });
+        } else {
+            self.plan.load_errors.extend(unbacked);
+            self.keep(held_blocks);
+            if !staged.is_empty() {
+                self.staging
+                    .push_back((self.step, staged.into_iter().map(|(b, _)| b).collect()));
+            }
+            if !pairs.is_empty() {
+                self.plan.disk_reads.extend(reads);
+                self.plan.onboards.push(Onboard {
+                    request: request.to_owned(),
+                    pairs,
+                });
+            }
+        }
+        Ok(backed)
+    }
+
     /// Holds what an onboard of `hashes` needs: the host blocks of the held prefix, then for the
     /// blocks continuing it on disk, the disk block, a staging host block to read it into, and
     /// its key. Shorter than asked when blocks were evicted since they were counted or no
@@ -606,6 +726,7 @@ impl Leader {
                 parent: b.parent.map(SequenceHash),
                 tokens: Arc::from(b.tokens),
                 lora_name: lora.clone(),
+                group: None,
             })
             .collect();
         Ok(self.register_blocks(planned)?.host)
@@ -662,6 +783,7 @@ impl Leader {
                     parent: prev.map(SequenceHash),
                     tokens: Arc::from(block),
                     lora_name: lora.clone(),
+                    group: None,
                 });
                 prev = Some(*hash);
             }
@@ -711,6 +833,7 @@ impl Leader {
                 request: request.to_owned(),
                 disk_reads: plan.disk_reads,
                 pairs,
+                unbacked: Vec::new(),
             });
         } else if !pairs.is_empty() {
             self.plan.disk_reads.extend(plan.disk_reads);
@@ -763,6 +886,73 @@ impl Leader {
                 self.plan.offloads.push(Offload { request, pairs });
             }
             out.push((o.hashes, n));
+        }
+        Ok(out)
+    }
+
+    /// [`Self::plan_offloads`] for a hybrid model: per request, the run of its blocks that
+    /// became complete and, per KV cache group, the GPU blocks holding them (one per block,
+    /// vLLM's null block where the group keeps none). Each group's copy of a block is
+    /// registered under its group's key ([`Groups::key`]); only the primary group's are
+    /// announced. Returns per run its blocks' sequence hashes and how many copies the plan
+    /// offloads.
+    pub fn plan_offloads_grouped(
+        &mut self,
+        groups: &Groups,
+        runs: Vec<(String, TokenRun, Vec<Vec<u32>>)>,
+    ) -> Result<Vec<(Vec<u64>, usize)>, CoreError> {
+        let b = self.block_size;
+        if let Some((r, _, ids)) = runs.iter().find(|(_, run, ids)| {
+            ids.len() != groups.len() || ids.iter().any(|g| run.tokens.len() != g.len() * b)
+        }) {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {r}: GPU blocks of {} groups for a model of {} groups, or not one per \
+                 block of {b} tokens",
+                ids.len(),
+                groups.len()
+            )));
+        }
+        let token_runs: Vec<TokenRun> = runs.iter().map(|(_, run, _)| run.clone()).collect();
+        let hashed = Self::hash_runs(b, &token_runs)?;
+        let mut planned = Vec::new();
+        // (request index, GPU block) per planned copy, in order.
+        let mut targets = Vec::new();
+        for (ri, ((_, run, ids), hashes)) in runs.iter().zip(&hashed).enumerate() {
+            let lora: Option<Arc<str>> = run.lora_name.as_deref().map(Arc::from);
+            for (g, group_ids) in ids.iter().enumerate() {
+                let group = (g != groups.primary()).then_some(g as u16);
+                let mut prev = run.parent;
+                for ((hash, block), &gpu) in
+                    hashes.iter().zip(run.tokens.chunks_exact(b)).zip(group_ids)
+                {
+                    if gpu != NULL_BLOCK {
+                        planned.push(BlockIdentity {
+                            sequence_hash: SequenceHash(groups.key(g, *hash)),
+                            parent: prev.map(|p| SequenceHash(groups.key(g, p))),
+                            tokens: Arc::from(block),
+                            lora_name: lora.clone(),
+                            group,
+                        });
+                        targets.push((ri, gpu));
+                    }
+                    prev = Some(*hash);
+                }
+            }
+        }
+        let host = self.register_blocks(planned)?.host;
+        let mut pairs: Vec<Vec<(u32, u32)>> = vec![Vec::new(); runs.len()];
+        for ((ri, gpu), h) in targets.into_iter().zip(host) {
+            if let Some(h) = h {
+                pairs[ri].push((gpu, h));
+            }
+        }
+        let mut out = Vec::with_capacity(runs.len());
+        for (((request, _, _), hashes), pairs) in runs.into_iter().zip(hashed).zip(pairs) {
+            let n = pairs.len();
+            if n > 0 {
+                self.plan.offloads.push(Offload { request, pairs });
+            }
+            out.push((hashes, n));
         }
         Ok(out)
     }

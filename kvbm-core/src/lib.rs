@@ -18,6 +18,7 @@ pub mod copy;
 pub mod disk;
 mod error;
 pub mod eviction;
+pub mod groups;
 pub mod layout;
 pub mod leader;
 pub mod manager;
@@ -34,6 +35,7 @@ pub use disk::{
 };
 pub use error::CoreError;
 pub use eviction::{EvictionPolicy, LruPriority};
+pub use groups::{GroupKind, Groups, NULL_BLOCK};
 pub use layout::{
     BlockLayout, GpuLayout, KvLayout, LayerShape, LayoutKind, PagedShape, PhysicalLayout, Run,
     TensorView, ViewsLayout, BLOCK_ALIGN_BYTES, HEADER_ROOM_BYTES, RUNS_PER_BLOCK_MAX,

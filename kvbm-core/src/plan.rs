@@ -55,6 +55,11 @@ pub struct AsyncOnboard {
     pub disk_reads: Vec<DiskRead>,
     /// `(host block, GPU block)` pairs, staging blocks included.
     pub pairs: Vec<(u32, u32)>,
+    /// GPU blocks of the request's hit the leader could not back (evicted since matched): they
+    /// fail with the job, which reports them with the request (a hybrid model's onboard, where
+    /// vLLM takes only a failed request, never block-level load errors).
+    #[serde(default)]
+    pub unbacked: Vec<u32>,
 }
 
 /// A request's offload: GPU blocks that became complete into host blocks, `(gpu, host)`.
@@ -187,6 +192,7 @@ mod tests {
                 request: "b".into(),
                 disk_reads: vec![],
                 pairs: vec![(4, 5)],
+                unbacked: vec![8],
             }],
             offloads: vec![Offload {
                 request: "c".into(),

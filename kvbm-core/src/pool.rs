@@ -51,6 +51,10 @@ pub struct BlockIdentity {
     pub tokens: Arc<[u32]>,
     /// The LoRA adapter the block was computed with.
     pub lora_name: Option<Arc<str>>,
+    /// The KV cache group of a hybrid model's block outside its primary group (see
+    /// [`crate::groups`]): such blocks are kept like any other but never announced (a prefix
+    /// is routable while the primary group holds it). None: the primary group's, announced.
+    pub group: Option<u16>,
 }
 
 /// A block's lifecycle state.
@@ -128,8 +132,8 @@ struct PoolState {
 
 impl PoolState {
     /// Returns a registered block nobody holds to `Free` and drops it from the registry (an
-    /// eviction); returns its hash for the `BlockRemoved` event.
-    fn free_registered(&mut self, id: BlockId) -> SequenceHash {
+    /// eviction); returns its hash for the `BlockRemoved` event (None: a block never announced).
+    fn free_registered(&mut self, id: BlockId) -> Option<SequenceHash> {
         let slot = &mut self.slots[id.index()];
         debug_assert!(slot.state == BlockState::Registered && slot.holders == 0);
         let identity = slot
@@ -145,19 +149,22 @@ impl PoolState {
         }
         self.free.push(id);
         self.evictions += 1;
-        identity.sequence_hash
+        identity.group.is_none().then_some(identity.sequence_hash)
     }
 
-    /// Evicts up to `max_blocks` idle blocks by policy; returns their hashes.
-    fn evict(&mut self, max_blocks: usize) -> Vec<SequenceHash> {
+    /// Evicts up to `max_blocks` idle blocks by policy; returns how many, and the hashes of
+    /// those announced.
+    fn evict(&mut self, max_blocks: usize) -> (usize, Vec<SequenceHash>) {
         let mut removed = Vec::new();
-        while removed.len() < max_blocks {
+        let mut n = 0;
+        while n < max_blocks {
             let Some(id) = self.policy.pop_victim() else {
                 break;
             };
-            removed.push(self.free_registered(id));
+            n += 1;
+            removed.extend(self.free_registered(id));
         }
-        removed
+        (n, removed)
     }
 
     /// Returns a block that is being written, or complete but unregistered, to `Free`.
@@ -364,8 +371,8 @@ impl BlockPool {
         }
         let shortfall = count.saturating_sub(state.free.len());
         if shortfall > 0 {
-            let removed = state.evict(shortfall);
-            debug_assert_eq!(removed.len(), shortfall, "counted as evictable");
+            let (n, removed) = state.evict(shortfall);
+            debug_assert_eq!(n, shortfall, "counted as evictable");
             self.publish_removed(removed);
         }
         let mut blocks = Vec::with_capacity(count);
@@ -455,6 +462,13 @@ impl BlockPool {
         identity: &BlockIdentity,
     ) -> Option<BlockStored> {
         self.shared.events.as_ref()?;
+        if identity.group.is_some() {
+            // Never announced: close the run so that no announced block chains onto it.
+            if let Some(stored) = run {
+                self.publish(KvEvent::BlockStored(stored));
+            }
+            return None;
+        }
         match run {
             Some(mut stored)
                 if stored.block_hashes.last().copied() == identity.parent
@@ -592,8 +606,11 @@ impl BlockPool {
             if state.index.get(&block.hash) == Some(&id) {
                 state.index.remove(&block.hash);
                 state.discarded += 1;
+                let announced = slot_announced(&state, id);
                 // Published under the lock, like every pool event.
-                publish_removed(&self.shared, vec![block.hash]);
+                if announced {
+                    publish_removed(&self.shared, vec![block.hash]);
+                }
             }
         }
         drop(state);
@@ -603,8 +620,7 @@ impl BlockPool {
     /// Evicts up to `max_blocks` idle blocks by policy; returns how many left.
     pub fn evict_idle(&self, max_blocks: usize) -> usize {
         let mut state = self.shared.state.lock();
-        let removed = state.evict(max_blocks);
-        let n = removed.len();
+        let (n, removed) = state.evict(max_blocks);
         // Published under the lock, like every pool event.
         self.publish_removed(removed);
         drop(state);
@@ -788,6 +804,14 @@ fn release_locked(state: &mut PoolState, id: BlockId) {
     // Its removal was announced when it was discarded.
     state.discarded -= 1;
     state.free_registered(id);
+}
+
+/// Whether the registered block `id` is announced (not a non-primary group's).
+fn slot_announced(state: &PoolState, id: BlockId) -> bool {
+    state.slots[id.index()]
+        .identity
+        .as_ref()
+        .is_none_or(|i| i.group.is_none())
 }
 
 fn publish_removed(pool: &PoolShared, hashes: Vec<SequenceHash>) {

@@ -15,13 +15,15 @@ use std::collections::HashMap;
 
 use kvbm_events::{BlockHasher, SequenceHash};
 
+use crate::groups::{Groups, NULL_BLOCK};
 use crate::leader::{Leader, TokenRun};
-use crate::CoreError;
+use crate::{CoreError, Tier};
 
 /// What the leader tracks of one request.
 #[derive(Debug, Default, Clone)]
 struct Request {
-    block_ids: Vec<u32>,
+    /// GPU block ids per KV cache group (one list for a model of one group).
+    block_ids: Vec<Vec<u32>>,
     computed: usize,
     hashes: Vec<u64>,
     /// Blocks (from the first) already in the host tier or offloaded.
@@ -47,8 +49,8 @@ pub enum Scheduled {
     New {
         /// vLLM's request id.
         request: String,
-        /// Its GPU block ids (first KV cache group).
-        block_ids: Vec<u32>,
+        /// Its GPU block ids, per KV cache group.
+        block_ids: Vec<Vec<u32>>,
         /// `num_computed_tokens`.
         computed: usize,
         /// LoRA adapter name.
@@ -61,8 +63,8 @@ pub enum Scheduled {
     Cached {
         /// vLLM's request id.
         request: String,
-        /// Block ids added in this step (None: none).
-        new_block_ids: Option<Vec<u32>>,
+        /// Block ids added in this step, per KV cache group (None: none).
+        new_block_ids: Option<Vec<Vec<u32>>>,
         /// Whether it resumed after a preemption (its block ids start over).
         resumed: bool,
         /// `num_computed_tokens`.
@@ -83,9 +85,10 @@ pub struct TokenSpan {
 }
 
 /// The leader's requests.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Requests {
     block_size: usize,
+    groups: Groups,
     by_id: HashMap<String, Request>,
     /// The step's completions, from `schedule` to `offload_spans`: (request, first block, end
     /// block).
@@ -93,12 +96,25 @@ pub struct Requests {
 }
 
 impl Requests {
-    /// Requests of blocks of `block_size` tokens.
+    /// Requests of blocks of `block_size` tokens, for a model of one full-attention group.
     pub fn new(block_size: usize) -> Self {
+        Self::with_groups(Groups::single(block_size))
+    }
+
+    /// Requests of a model with the KV cache groups `groups` (a hybrid model's: see
+    /// [`crate::groups`]).
+    pub fn with_groups(groups: Groups) -> Self {
         Self {
-            block_size,
-            ..Default::default()
+            block_size: groups.block_size(),
+            groups,
+            by_id: HashMap::new(),
+            pending: Vec::new(),
         }
+    }
+
+    /// The model's KV cache groups.
+    pub fn groups(&self) -> &Groups {
+        &self.groups
     }
 
     /// Blocks of `request` whose hashes are known (the caller passes the tokens after them).
@@ -123,7 +139,7 @@ impl Requests {
         salt: Option<&str>,
     ) -> Result<(usize, bool), CoreError> {
         let b = self.block_size;
-        let r = self.entry(request, lora, salt);
+        let r = entry_in(&mut self.by_id, request, lora, salt);
         let start = num_computed / b;
         // Never the whole prompt: vLLM computes at least the last token.
         let limit = num_tokens.saturating_sub(1) / b;
@@ -131,6 +147,9 @@ impl Requests {
         if limit <= start {
             r.matched = None;
             return Ok((0, false));
+        }
+        if !self.groups.is_single_full() {
+            return Ok(match_groups(&self.groups, leader, r, start, limit));
         }
         let (on_host, on_disk) = leader.count_prefix_tiers(&r.hashes[start..limit]);
         let found = on_host + on_disk;
@@ -145,13 +164,18 @@ impl Requests {
         &mut self,
         leader: &mut Leader,
         request: &str,
-        block_ids: Vec<u32>,
+        block_ids: Vec<Vec<u32>>,
         num_external_tokens: usize,
     ) -> Result<bool, CoreError> {
         let b = self.block_size;
+        check_groups(&self.groups, request, &block_ids)?;
+        let groups = self.groups.clone();
         let r = self.entry(request, None, None);
-        if !block_ids.is_empty() {
+        if block_ids.iter().any(|ids| !ids.is_empty()) {
             r.block_ids = block_ids;
+        }
+        if !groups.is_single_full() {
+            return allocated_groups(&groups, leader, request, r, num_external_tokens);
         }
         let matched = r.matched.take();
         r.hit_blocks = (0, 0);
@@ -161,10 +185,11 @@ impl Requests {
             return Ok(false);
         };
         let wanted = found.min(num_external_tokens / b);
-        if r.block_ids.len() < start + wanted || r.hashes.len() < start + wanted {
+        let primary_len = r.block_ids.first().map_or(0, Vec::len);
+        if primary_len < start + wanted || r.hashes.len() < start + wanted {
             tracing::warn!(
                 request,
-                blocks = r.block_ids.len(),
+                blocks = primary_len,
                 wanted,
                 start,
                 "too few GPU blocks for the matched blocks; not onboarding"
@@ -174,7 +199,7 @@ impl Requests {
         let got = leader.plan_onboard(
             request,
             &r.hashes[start..start + wanted],
-            &r.block_ids[start..start + wanted],
+            &r.block_ids[0][start..start + wanted],
             asynchronous,
         )?;
         if got < wanted {
@@ -215,8 +240,24 @@ impl Requests {
         &mut self,
         scheduled: Vec<Scheduled>,
         work: &[(String, usize, usize)],
-    ) -> Vec<TokenSpan> {
+    ) -> Result<Vec<TokenSpan>, CoreError> {
         let b = self.block_size;
+        for s in &scheduled {
+            let (request, ids) = match s {
+                Scheduled::New {
+                    request, block_ids, ..
+                } => (request, Some(block_ids)),
+                Scheduled::Cached {
+                    request,
+                    new_block_ids,
+                    ..
+                } => (request, new_block_ids.as_ref()),
+            };
+            if let Some(ids) = ids {
+                check_groups(&self.groups, request, ids)?;
+            }
+        }
+        let primary = self.groups.primary();
         for s in scheduled {
             match s {
                 Scheduled::New {
@@ -241,7 +282,12 @@ impl Requests {
                     };
                     match (resumed, new_block_ids) {
                         (true, ids) => r.block_ids = ids.unwrap_or_default(),
-                        (false, Some(ids)) => r.block_ids.extend(ids),
+                        (false, Some(ids)) => {
+                            r.block_ids.resize(ids.len(), Vec::new());
+                            for (have, new) in r.block_ids.iter_mut().zip(ids) {
+                                have.extend(new);
+                            }
+                        }
                         (false, None) => {}
                     }
                     r.computed = computed;
@@ -256,7 +302,7 @@ impl Requests {
             };
             // Saturating: counts from the engine are not trusted not to overflow.
             let mut full = (r.computed.saturating_add(*scheduled) / b)
-                .min(r.block_ids.len())
+                .min(r.block_ids.get(primary).map_or(0, Vec::len))
                 .min(num_tokens / b);
             if let Some(from) = r.unbacked_from {
                 if r.computed > from.saturating_mul(b) {
@@ -275,7 +321,7 @@ impl Requests {
                 self.pending.push((request.clone(), first, full));
             }
         }
-        spans
+        Ok(spans)
     }
 
     /// `build_connector_meta`, second half: the tokens of each span [`Self::schedule`] returned,
@@ -297,6 +343,16 @@ impl Requests {
         for ((request, first, full), tokens) in pending.iter().zip(tokens) {
             let r = &self.by_id[request];
             let parent = first.checked_sub(1).and_then(|p| r.hashes.get(p).copied());
+            // Per group, its blocks of the span (a shorter list ends in null blocks).
+            let ids: Vec<Vec<u32>> = r
+                .block_ids
+                .iter()
+                .map(|ids| {
+                    (*first..*full)
+                        .map(|i| ids.get(i).copied().unwrap_or(NULL_BLOCK))
+                        .collect()
+                })
+                .collect();
             runs.push((
                 request.clone(),
                 TokenRun {
@@ -305,10 +361,20 @@ impl Requests {
                     lora_name: r.lora.clone(),
                     salt: r.salt.clone(),
                 },
-                r.block_ids[*first..*full].to_vec(),
+                ids,
             ));
         }
-        let done = leader.plan_offloads(runs)?;
+        let done = if self.groups.is_single_full() {
+            leader.plan_offloads(
+                runs.into_iter()
+                    .map(|(request, run, ids)| {
+                        (request, run, ids.into_iter().next().unwrap_or_default())
+                    })
+                    .collect(),
+            )?
+        } else {
+            leader.plan_offloads_grouped(&self.groups, runs)?
+        };
         for ((request, first, full), (hashes, offloaded)) in pending.into_iter().zip(done) {
             let r = self.by_id.get_mut(&request).expect("tracked");
             r.hashes.truncate(first);
@@ -366,14 +432,152 @@ impl Requests {
     }
 
     fn entry(&mut self, request: &str, lora: Option<&str>, salt: Option<&str>) -> &mut Request {
-        self.by_id
-            .entry(request.to_owned())
-            .or_insert_with(|| Request {
-                lora: lora.map(str::to_owned),
-                salt: salt.map(str::to_owned),
-                ..Default::default()
-            })
+        entry_in(&mut self.by_id, request, lora, salt)
     }
+}
+
+fn entry_in<'a>(
+    by_id: &'a mut HashMap<String, Request>,
+    request: &str,
+    lora: Option<&str>,
+    salt: Option<&str>,
+) -> &'a mut Request {
+    {
+        by_id.entry(request.to_owned()).or_insert_with(|| Request {
+            lora: lora.map(str::to_owned),
+            salt: salt.map(str::to_owned),
+            ..Default::default()
+        })
+    }
+}
+
+/// Refuses GPU block ids for another number of KV cache groups than the model has.
+fn check_groups(groups: &Groups, request: &str, ids: &[Vec<u32>]) -> Result<(), CoreError> {
+    if ids.len() == groups.len() || ids.iter().all(Vec::is_empty) {
+        return Ok(());
+    }
+    Err(CoreError::InvalidArgument(format!(
+        "request {request}: GPU block ids of {} KV cache groups for a model of {}",
+        ids.len(),
+        groups.len()
+    )))
+}
+
+/// [`Requests::match_prefix`] for a hybrid model: the longest hit every group accepts
+/// ([`Groups::longest_hit`]) whose disk reads fit the staging room, asynchronous when any of its
+/// blocks is read from disk.
+fn match_groups(
+    groups: &Groups,
+    leader: &Leader,
+    r: &mut Request,
+    start: usize,
+    limit: usize,
+) -> (usize, bool) {
+    let b = groups.block_size();
+    // Where each group's copy of each block is, from `start` on.
+    let tiers: Vec<Vec<Option<Tier>>> = (0..groups.len())
+        .map(|g| {
+            r.hashes[start..limit]
+                .iter()
+                .map(|&h| leader.locate(groups.key(g, h)))
+                .collect()
+        })
+        .collect();
+    let present = |g: usize, i: usize| tiers[g][i - start].is_some();
+    let mut end = groups.longest_hit(start, limit, present);
+    while end > start {
+        let (mut host, mut disk) = (0, 0);
+        for (g, tiers) in tiers.iter().enumerate() {
+            for i in groups.needed(g, start, end) {
+                match tiers[i - start] {
+                    Some(Tier::Host) => host += 1,
+                    _ => disk += 1,
+                }
+            }
+        }
+        if disk <= leader.staging_room(host) {
+            break;
+        }
+        // Too many disk reads to stage now: a shorter hit needs fewer.
+        end = groups.longest_hit(start, end - 1, present);
+    }
+    let found = end - start;
+    let primary_host = (start..end)
+        .take_while(|&i| tiers[groups.primary()][i - start] == Some(Tier::Host))
+        .count();
+    let primary_disk = found - primary_host;
+    leader.count_lookup(limit - start, primary_host, primary_disk, found * b);
+    // Always asynchronous: vLLM copies a Mamba state out of the hit block before a synchronous
+    // load would land (`preprocess_mamba` runs before `start_load_kv`), and with several groups
+    // a load can fail only as a whole request of an asynchronous load (`failed_recving`;
+    // `_handle_invalid_blocks` refuses block-level load errors).
+    let asynchronous = found > 0;
+    r.matched = (found > 0).then_some((start, found, asynchronous, primary_host));
+    (found * b, asynchronous)
+}
+
+/// [`Requests::allocated`] for a hybrid model: plans, per group, the onboard of the blocks the
+/// granted hit needs ([`Groups::needed`]) into that group's GPU blocks.
+fn allocated_groups(
+    groups: &Groups,
+    leader: &mut Leader,
+    request: &str,
+    r: &mut Request,
+    num_external_tokens: usize,
+) -> Result<bool, CoreError> {
+    let b = groups.block_size();
+    let matched = r.matched.take();
+    r.hit_blocks = (0, 0);
+    let Some((start, found, asynchronous, on_host)) = matched.filter(|_| num_external_tokens > 0)
+    else {
+        return Ok(false);
+    };
+    let end = start + found.min(num_external_tokens / b);
+    let mut keys = Vec::new();
+    let mut gpu = Vec::new();
+    // (block index) per planned copy, for the first block that could not be backed.
+    let mut blocks = Vec::new();
+    for g in 0..groups.len() {
+        let ids = r.block_ids.get(g).map_or(&[][..], Vec::as_slice);
+        let needed = groups.needed(g, start, end);
+        if ids.len() < needed.end || r.hashes.len() < needed.end {
+            tracing::warn!(
+                request,
+                group = g,
+                blocks = ids.len(),
+                end,
+                "too few GPU blocks for the matched blocks; not onboarding"
+            );
+            return Ok(false);
+        }
+        for i in needed {
+            if ids[i] == NULL_BLOCK {
+                // vLLM keeps no block there: nothing to load (and never the null block).
+                continue;
+            }
+            keys.push(groups.key(g, r.hashes[i]));
+            gpu.push(ids[i]);
+            blocks.push(i);
+        }
+    }
+    let backed = leader.plan_onboard_keys(request, &keys, &gpu, asynchronous)?;
+    // Blocks from the first that was not backed on: vLLM recomputes them (the plan reports the
+    // GPU blocks as load errors), so nothing from there is offloaded before it did.
+    let first_bad = blocks
+        .iter()
+        .zip(&backed)
+        .filter(|(_, ok)| !**ok)
+        .map(|(&i, _)| i)
+        .min();
+    let got = first_bad.map_or(end, |i| i.max(start));
+    if got < end {
+        r.unbacked_from = Some(got);
+    }
+    let from_host = on_host.min(got - start);
+    r.hit_blocks = (from_host, got - start - from_host);
+    r.onboarding |= asynchronous;
+    r.offloaded_blocks = r.offloaded_blocks.max(got);
+    Ok(asynchronous)
 }
 
 /// Extends `r`'s hashes with those of `tokens` (whole blocks after the hashed ones), up to

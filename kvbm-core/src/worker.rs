@@ -451,6 +451,9 @@ impl LoaderContext {
                 .partition(|(h, _)| missed.contains(h) || bad.host.contains(h))
         };
         let mut failed: Vec<u32> = bad.iter().map(|&(_, g)| g).collect();
+        // Blocks the leader promised but could not back fail with the job (a hybrid model's
+        // onboard: vLLM takes no block-level load error then, only a failed request).
+        failed.extend(&job.unbacked);
         if good.is_empty() {
             return failed;
         }
@@ -949,10 +952,13 @@ impl Worker {
                 job.pairs.iter().map(|&(_, g)| g).collect(),
             );
             let staged: Vec<u32> = job.disk_reads.iter().map(|r| r.host).collect();
+            let unbacked = job.unbacked.clone();
             if let Err(e) = self.onboard_async(job) {
                 // Its disk reads never run: the staging blocks hold nothing.
                 self.bad.lock().staging_unfilled(staged);
                 let loaders = self.loaders.as_ref().expect("present until dropped");
+                let mut gpu = gpu;
+                gpu.extend(unbacked);
                 loaders.context.done.lock().push((request, gpu));
                 first_error.get_or_insert(e);
             }

@@ -269,13 +269,25 @@ fn identities_round_trip_through_disk_metadata() {
         parent: Some(SequenceHash(8)),
         tokens: vec![1, 2, 3, u32::MAX].into(),
         lora_name: Some("adapter-α".into()),
+        group: None,
     };
     let bare = BlockIdentity {
         parent: None,
         lora_name: None,
+        group: None,
         ..with_all.clone()
     };
-    for id in [with_all, bare] {
+    // A hybrid model's non-primary group block keeps its group across a restart (so it stays
+    // unannounced).
+    let grouped = BlockIdentity {
+        group: Some(3),
+        ..with_all.clone()
+    };
+    let grouped_bare = BlockIdentity {
+        group: Some(0),
+        ..bare.clone()
+    };
+    for id in [with_all, bare, grouped, grouped_bare] {
         assert_eq!(
             decode_identity(id.sequence_hash, &encode_identity(&id)),
             Some(id.clone())

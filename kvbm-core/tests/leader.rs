@@ -209,7 +209,7 @@ mod requests {
             .iter()
             .map(|(r, n, t)| (r.clone(), *n, t.len()))
             .collect();
-        let spans = req.schedule(scheduled, &w);
+        let spans = req.schedule(scheduled, &w).unwrap();
         let toks = spans
             .iter()
             .map(|s| work[s.index].2[s.first_token..s.end_token].to_vec())
@@ -229,13 +229,15 @@ mod requests {
                 .unwrap(),
             (0, false)
         );
-        assert!(!req.allocated(&mut leader, "a", vec![0, 1, 2], 0).unwrap());
+        assert!(!req
+            .allocated(&mut leader, "a", vec![vec![0, 1, 2]], 0)
+            .unwrap());
         let plan = step(
             &mut req,
             &mut leader,
             vec![Scheduled::New {
                 request: "a".into(),
-                block_ids: vec![0, 1, 2],
+                block_ids: vec![vec![0, 1, 2]],
                 computed: 0,
                 lora: None,
                 salt: None,
@@ -284,7 +286,7 @@ mod requests {
             (12, false)
         );
         assert!(!req
-            .allocated(&mut leader, "b", vec![5, 6, 7, 8], 12)
+            .allocated(&mut leader, "b", vec![vec![5, 6, 7, 8]], 12)
             .unwrap());
         let plan = leader.take_plan(vec![]).unwrap();
         assert_eq!(
@@ -303,7 +305,7 @@ mod requests {
     fn scheduled_new(request: &str, block_ids: Vec<u32>, computed: usize) -> Scheduled {
         Scheduled::New {
             request: request.into(),
-            block_ids,
+            block_ids: vec![block_ids],
             computed,
             lora: None,
             salt: None,
@@ -340,7 +342,7 @@ mod requests {
             .unwrap();
         assert_eq!((found, asynchronous), (12, true));
         assert!(req
-            .allocated(&mut leader, "b", vec![10, 11, 12, 13], 12)
+            .allocated(&mut leader, "b", vec![vec![10, 11, 12, 13]], 12)
             .unwrap());
         assert_eq!(req.hit_sources("b", 12), Some((0, 12)));
         let plan = leader.take_plan(vec![]).unwrap();
@@ -411,14 +413,14 @@ mod requests {
         let a = tokens(0, 13);
         req.match_prefix(&leader, "a", &a[..12], 0, 13, None, None)
             .unwrap();
-        req.allocated(&mut leader, "a", vec![0, 1, 2, 3], 0)
+        req.allocated(&mut leader, "a", vec![vec![0, 1, 2, 3]], 0)
             .unwrap();
         step(
             &mut req,
             &mut leader,
             vec![Scheduled::New {
                 request: "a".into(),
-                block_ids: vec![0, 1, 2, 3],
+                block_ids: vec![vec![0, 1, 2, 3]],
                 computed: 0,
                 lora: None,
                 salt: None,
@@ -442,14 +444,14 @@ mod requests {
             &mut leader,
             vec![Scheduled::New {
                 request: "x".into(),
-                block_ids: vec![20, 21, 22, 23],
+                block_ids: vec![vec![20, 21, 22, 23]],
                 computed: 0,
                 lora: None,
                 salt: None,
             }],
             &[("x".into(), 16, other)],
         );
-        req.allocated(&mut leader, "b", vec![8, 9, 10, 11], 12)
+        req.allocated(&mut leader, "b", vec![vec![8, 9, 10, 11]], 12)
             .unwrap();
         let plan = leader.take_plan(vec![]).unwrap();
         assert_eq!(
@@ -464,7 +466,7 @@ mod requests {
             &mut leader,
             vec![Scheduled::New {
                 request: "b".into(),
-                block_ids: vec![8, 9, 10, 11],
+                block_ids: vec![vec![8, 9, 10, 11]],
                 computed: 12,
                 lora: None,
                 salt: None,

@@ -178,6 +178,7 @@ fn identity(h: u64) -> BlockIdentity {
         parent: None,
         tokens: Arc::from(vec![h as u32; 4]),
         lora_name: None,
+        group: None,
     }
 }
 
@@ -491,6 +492,7 @@ fn chained_registrations_publish_one_stored_event_per_run() {
         parent: parent.map(SequenceHash),
         tokens: Arc::from(vec![h as u32; 4]),
         lora_name: None,
+        group: None,
     };
     let blocks = pool.allocate(4).unwrap();
     let complete: Vec<_> = blocks

@@ -69,16 +69,18 @@ fn each_bound_is_named_on_its_own() {
 #[test]
 fn token_counts_that_would_overflow_saturate() {
     let mut requests = Requests::new(4);
-    let spans = requests.schedule(
-        vec![Scheduled::New {
-            request: "r".into(),
-            block_ids: vec![0, 1],
-            computed: usize::MAX,
-            lora: None,
-            salt: None,
-        }],
-        &[("r".into(), usize::MAX, 8)],
-    );
+    let spans = requests
+        .schedule(
+            vec![Scheduled::New {
+                request: "r".into(),
+                block_ids: vec![vec![0, 1]],
+                computed: usize::MAX,
+                lora: None,
+                salt: None,
+            }],
+            &[("r".into(), usize::MAX, 8)],
+        )
+        .unwrap();
     assert_eq!(spans.len(), 1);
     assert_eq!(spans[0].end_token, 8);
 }

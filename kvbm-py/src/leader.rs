@@ -31,9 +31,9 @@ type DiskRead = (u32, u32, u64);
 type DiskWrite = (u32, u32, u64, Vec<u8>);
 
 /// A new request: (id, GPU block ids, computed tokens, LoRA name, cache salt).
-type NewTuple = (String, Vec<u32>, usize, Option<String>, Option<String>);
+type NewTuple = (String, Vec<Vec<u32>>, usize, Option<String>, Option<String>);
 /// A cached request: (id, new GPU block ids or None, resumed, computed tokens).
-type CachedTuple = (String, Option<Vec<u32>>, bool, usize);
+type CachedTuple = (String, Option<Vec<Vec<u32>>>, bool, usize);
 
 /// The scheduler side's host and disk tiers (kvbm-core's leader). Calls from several threads
 /// are serialized: each waits, without the GIL, for the one before it.
@@ -66,13 +66,19 @@ impl Leader {
     /// A host tier of `host_blocks` blocks of `block_size` tokens, and a disk tier of
     /// `disk_blocks` (0: none). Host blocks go to disk when seen twice (registered, then matched
     /// again) within about ten minutes, or at once with `disk_filter_disabled`.
+    ///
+    /// `groups`: a hybrid model's KV cache groups in vLLM's order, each `(kind, window
+    /// tokens)` with kind `"full_attention"`, `"sliding_window"` (with its window) or
+    /// `"mamba"` (vLLM's `align` mode); None: one full-attention group. Block ids are then
+    /// given per group everywhere.
     #[new]
-    #[pyo3(signature = (block_size, host_blocks, disk_blocks=0, disk_filter_disabled=false))]
+    #[pyo3(signature = (block_size, host_blocks, disk_blocks=0, disk_filter_disabled=false, groups=None))]
     fn new(
         block_size: usize,
         host_blocks: usize,
         disk_blocks: usize,
         disk_filter_disabled: bool,
+        groups: Option<Vec<(String, usize)>>,
     ) -> PyResult<Self> {
         guard(|| {
             // Sizes that do not fit are the caller's values: a ValueError naming the argument.
@@ -83,11 +89,23 @@ impl Leader {
                 kvbm_core::config::machine_memory_bytes(),
             )
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
+            let groups = match groups {
+                None => kvbm_core::Groups::single(block_size),
+                Some(list) => {
+                    let kinds = list
+                        .into_iter()
+                        .enumerate()
+                        .map(|(g, (kind, window))| group_kind(g, &kind, window))
+                        .collect::<PyResult<Vec<_>>>()?;
+                    kvbm_core::Groups::new(kinds, block_size)
+                        .map_err(|e| PyValueError::new_err(e.to_string()))?
+                }
+            };
             core::Leader::new(block_size, host_blocks, disk_blocks, disk_filter_disabled)
                 .map(|inner| Self {
                     state: Mutex::new(LeaderState {
                         inner,
-                        requests: Requests::new(block_size),
+                        requests: Requests::with_groups(groups),
                     }),
                 })
                 .map_err(core_err)
@@ -288,7 +306,7 @@ impl Leader {
         &self,
         py: Python<'_>,
         request: &str,
-        block_ids: Vec<u32>,
+        block_ids: Vec<Vec<u32>>,
         num_external_tokens: usize,
     ) -> PyResult<bool> {
         let mut g = self.lock(py)?;
@@ -337,6 +355,7 @@ impl Leader {
             ));
             Ok(s.requests
                 .schedule(scheduled, &work)
+                .map_err(core_err)?
                 .into_iter()
                 .map(|s| (s.index, s.first_token, s.end_token))
                 .collect())
@@ -499,5 +518,21 @@ impl Leader {
         let mut g = self.lock(py)?;
         let s = &mut *g;
         Ok(format!("{s:?}"))
+    }
+}
+
+/// A group's kind from its name (`Leader(groups=...)`); an unknown one is a ValueError naming
+/// the group.
+fn group_kind(group: usize, kind: &str, window: usize) -> PyResult<kvbm_core::GroupKind> {
+    match kind {
+        "full_attention" => Ok(kvbm_core::GroupKind::Full),
+        "sliding_window" => Ok(kvbm_core::GroupKind::SlidingWindow {
+            window_tokens: window,
+        }),
+        "mamba" => Ok(kvbm_core::GroupKind::MambaAlign),
+        other => Err(PyValueError::new_err(format!(
+            "KV cache group {group}: kind {other:?} is not one kvbm serves \
+             (full_attention, sliding_window, mamba)"
+        ))),
     }
 }

@@ -853,6 +853,7 @@ impl Worker {
                 request,
                 disk_reads: disk_reads(reads),
                 pairs,
+                unbacked: Vec::new(),
             };
             let inner = s.w_mut();
             py.allow_threads(|| inner.onboard_async(job))
@@ -1061,6 +1062,7 @@ pub(crate) fn encode_plan<'py>(
                     request,
                     disk_reads: self::disk_reads(reads),
                     pairs,
+                    unbacked: Vec::new(),
                 })
                 .collect(),
             offloads: offloads

@@ -100,7 +100,7 @@ def test_worker_host_pool_beyond_memory_names_that_bound():
 
 def test_token_counts_that_would_overflow_are_not_an_internal_error():
     leader = kvbm.Leader(4, 8)
-    spans = leader.schedule([("r", [0, 1], 2**64 - 1, None, None)], [], [("r", 2**64 - 1, 8)])
+    spans = leader.schedule([("r", [[0, 1]], 2**64 - 1, None, None)], [], [("r", 2**64 - 1, 8)])
     assert spans == [(0, 0, 8)]
 
 

@@ -119,12 +119,14 @@ impl Admission {
 }
 
 /// The metadata kvbm keeps with a disk block: enough to announce it after a restart.
-/// `version 1 u8 | flags u8 (1 = parent, 2 = lora) | parent u64 | tokens u32 count, u32 each |
-/// lora length u16, bytes`, little-endian.
+/// `version 1 u8 | flags u8 (1 = parent, 2 = lora, 4 = group) | parent u64 | tokens u32 count,
+/// u32 each | lora length u16, bytes | group u16 (with flag 4)`, little-endian.
 pub fn encode_identity(identity: &BlockIdentity) -> Vec<u8> {
     let mut out = Vec::with_capacity(16 + identity.tokens.len() * 4);
     out.push(1);
-    let flags = u8::from(identity.parent.is_some()) | (u8::from(identity.lora_name.is_some()) << 1);
+    let flags = u8::from(identity.parent.is_some())
+        | (u8::from(identity.lora_name.is_some()) << 1)
+        | (u8::from(identity.group.is_some()) << 2);
     out.push(flags);
     out.extend_from_slice(&identity.parent.map_or(0, |p| p.0).to_le_bytes());
     out.extend_from_slice(&(identity.tokens.len() as u32).to_le_bytes());
@@ -134,6 +136,9 @@ pub fn encode_identity(identity: &BlockIdentity) -> Vec<u8> {
     let lora = identity.lora_name.as_deref().unwrap_or("").as_bytes();
     out.extend_from_slice(&(lora.len().min(u16::MAX as usize) as u16).to_le_bytes());
     out.extend_from_slice(&lora[..lora.len().min(u16::MAX as usize)]);
+    if let Some(group) = identity.group {
+        out.extend_from_slice(&group.to_le_bytes());
+    }
     out
 }
 
@@ -141,7 +146,7 @@ pub fn encode_identity(identity: &BlockIdentity) -> Vec<u8> {
 pub fn decode_identity(hash: SequenceHash, bytes: &[u8]) -> Option<BlockIdentity> {
     let (&version, rest) = bytes.split_first()?;
     let (&flags, rest) = rest.split_first()?;
-    if version != 1 || flags & !3 != 0 {
+    if version != 1 || flags & !7 != 0 {
         return None;
     }
     let parent = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
@@ -154,8 +159,16 @@ pub fn decode_identity(hash: SequenceHash, bytes: &[u8]) -> Option<BlockIdentity
         .collect();
     let lora_len =
         u16::from_le_bytes(rest.get(tokens_end..tokens_end + 2)?.try_into().ok()?) as usize;
-    let lora = rest.get(tokens_end + 2..tokens_end + 2 + lora_len)?;
-    if rest.len() != tokens_end + 2 + lora_len {
+    let lora_end = tokens_end + 2 + lora_len;
+    let lora = rest.get(tokens_end + 2..lora_end)?;
+    let group = if flags & 4 != 0 {
+        Some(u16::from_le_bytes(
+            rest.get(lora_end..lora_end + 2)?.try_into().ok()?,
+        ))
+    } else {
+        None
+    };
+    if rest.len() != lora_end + 2 * usize::from(group.is_some()) {
         return None;
     }
     Some(BlockIdentity {
@@ -167,6 +180,7 @@ pub fn decode_identity(hash: SequenceHash, bytes: &[u8]) -> Option<BlockIdentity
         } else {
             None
         },
+        group,
     })
 }
 

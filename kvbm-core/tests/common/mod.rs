@@ -80,6 +80,7 @@ pub fn identities(tokens: &[u32]) -> Vec<BlockIdentity> {
             parent: i.checked_sub(1).map(|p| hashes[p]),
             tokens: Arc::from(&tokens[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS]),
             lora_name: None,
+            group: None,
         })
         .collect()
 }

@@ -48,15 +48,17 @@ def _tokens(request: Any):
     return tokens
 
 
-def _group0(block_ids: Any) -> List[int]:
-    """GPU block ids of the first KV cache group (kvbm manages one group)."""
+def _per_group(block_ids: Any) -> List[List[int]]:
+    """GPU block ids per KV cache group, from vLLM's ``KVCacheBlocks`` (``get_block_ids()``: a
+    tuple with one list per group) or the scheduler output's tuple of lists; a flat list is one
+    group's."""
     if block_ids is None:
         return []
     if hasattr(block_ids, "get_block_ids"):
         block_ids = block_ids.get_block_ids()
     if len(block_ids) and isinstance(block_ids[0], (list, tuple)):
-        return list(block_ids[0])
-    return list(block_ids)
+        return [list(ids) for ids in block_ids]
+    return [list(block_ids)]
 
 
 class KvbmLeader:
@@ -71,10 +73,14 @@ class KvbmLeader:
         disk_filter_disabled: bool = False,
         metrics: Optional[Metrics] = None,
         recovery: Optional[Tuple[str, int, str]] = None,
+        groups: Optional[List[Tuple[str, int]]] = None,
     ) -> None:
         self.block_size = int(block_size)
+        #: The model's KV cache groups ((kind, window tokens) each), None for one
+        #: full-attention group.
+        self.groups = groups
         self._native = _kvbm.Leader(
-            self.block_size, int(host_blocks), int(disk_blocks), bool(disk_filter_disabled)
+            self.block_size, int(host_blocks), int(disk_blocks), bool(disk_filter_disabled), groups
         )
         #: Disk blocks adopted from the workers' files at start.
         self.adopted_disk_blocks = 0
@@ -151,7 +157,7 @@ class KvbmLeader:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._objs[request.request_id] = request
-        self._native.allocated(request.request_id, _group0(blocks), max(0, int(num_external_tokens)))
+        self._native.allocated(request.request_id, _per_group(blocks), max(0, int(num_external_tokens)))
 
     def hit_sources(self, request: Any, num_external_tokens: int) -> Dict[str, int]:
         """``get_external_cache_hit_sources``: the external tokens vLLM granted the request's
@@ -177,7 +183,7 @@ class KvbmLeader:
             new.append(
                 (
                     req.req_id,
-                    _group0(req.block_ids),
+                    _per_group(req.block_ids),
                     req.num_computed_tokens,
                     getattr(lora, "lora_name", None) if lora is not None else None,
                     getattr(objs[req.req_id], "cache_salt", None),
@@ -188,7 +194,7 @@ class KvbmLeader:
         if cached is not None:
             resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
             for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
-                ids = None if new_ids is None else _group0(new_ids)
+                ids = None if new_ids is None else _per_group(new_ids)
                 cached_out.append((rid, ids, rid in resumed, computed))
         work = []
         get = objs.get
