@@ -25,7 +25,7 @@ use std::time::Instant;
 use kvbm_events::{BlockHasher, EventPublisher, EventSubscriber, KvEvent, SequenceHash, Tier};
 
 use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
-use crate::groups::{Groups, NULL_BLOCK};
+use crate::groups::{GroupKind, Groups, NULL_BLOCK};
 use crate::metrics::{add, Metrics};
 use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
 pub use crate::plan::{DiskRead, DiskWrite};
@@ -933,7 +933,7 @@ impl Leader {
                             lora_name: lora.clone(),
                             group,
                         });
-                        targets.push((ri, gpu));
+                        targets.push((ri, gpu, g));
                     }
                     prev = Some(*hash);
                 }
@@ -941,9 +941,11 @@ impl Leader {
         }
         let host = self.register_blocks(planned)?.host;
         let mut pairs: Vec<Vec<(u32, u32)>> = vec![Vec::new(); runs.len()];
-        for ((ri, gpu), h) in targets.into_iter().zip(host) {
+        for ((ri, gpu, group), h) in targets.into_iter().zip(host) {
             if let Some(h) = h {
                 pairs[ri].push((gpu, h));
+                // vLLM frees such a group's blocks mid-request, unannounced.
+                self.plan.fence_offloads |= groups.kinds()[group] != GroupKind::Full;
             }
         }
         let mut out = Vec::with_capacity(runs.len());

@@ -92,6 +92,12 @@ pub struct StepPlan {
     /// GPU blocks promised to vLLM that the leader could not back (evicted since they were
     /// matched): reported as load errors so that vLLM recomputes them.
     pub load_errors: Vec<u32>,
+    /// Some offloads read GPU blocks vLLM may free and reuse from the next step on without
+    /// telling the connector (a hybrid model's sliding-window and Mamba groups:
+    /// `remove_skipped_blocks` in every `allocate_slots`): the engine's later GPU work must be
+    /// ordered after this step's offloads.
+    #[serde(default)]
+    pub fence_offloads: bool,
 }
 
 impl StepPlan {
@@ -205,6 +211,7 @@ mod tests {
                 identity: vec![0, 1, 255],
             }],
             load_errors: vec![11],
+            fence_offloads: true,
         }
     }
 

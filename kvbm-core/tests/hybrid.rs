@@ -103,6 +103,7 @@ fn every_group_offloads_its_own_gpu_blocks_under_its_own_keys() {
     let ids = vec![(100..106).collect(), (200..206).collect()];
     let plan = prefill(&mut req, &mut leader, "a", &prompt, ids, 0);
     let pairs = offloaded(&plan);
+    assert!(plan.fence_offloads, "window blocks can be reused next step");
     let gpu: BTreeSet<u32> = pairs.keys().copied().collect();
     assert_eq!(
         gpu,

@@ -1079,6 +1079,7 @@ pub(crate) fn encode_plan<'py>(
                 })
                 .collect(),
             load_errors,
+            fence_offloads: false,
         };
         Ok(plan_bytes(py, &plan))
     })
