@@ -53,6 +53,13 @@ pub enum GroupKind {
         /// The window, in tokens.
         window_tokens: usize,
     },
+    /// The blocks of the hit point's attention chunk before it: from `floor(n / chunk) * chunk`
+    /// tokens on (vLLM's `ChunkedLocalAttentionSpec`;
+    /// `ChunkedLocalAttentionManager.find_longest_cache_hit`).
+    ChunkedLocal {
+        /// The attention chunk, in tokens.
+        chunk_tokens: usize,
+    },
     /// The state at the hit point, which vLLM's `align` mode keeps in the last block before it
     /// (`MambaSpec`; `MambaManager.find_longest_cache_hit`).
     MambaAlign,
@@ -64,6 +71,7 @@ impl GroupKind {
         match self {
             GroupKind::Full => "full_attention",
             GroupKind::SlidingWindow { .. } => "sliding_window",
+            GroupKind::ChunkedLocal { .. } => "chunked_local_attention",
             GroupKind::MambaAlign => "mamba",
         }
     }
@@ -74,6 +82,9 @@ impl fmt::Display for GroupKind {
         match self {
             GroupKind::SlidingWindow { window_tokens } => {
                 write!(f, "sliding_window({window_tokens})")
+            }
+            GroupKind::ChunkedLocal { chunk_tokens } => {
+                write!(f, "chunked_local_attention({chunk_tokens})")
             }
             other => f.write_str(other.name()),
         }
@@ -107,13 +118,15 @@ impl Groups {
         if block_size == 0 {
             return Err(CoreError::InvalidArgument("block size 0".into()));
         }
-        if let Some((g, k)) = kinds
-            .iter()
-            .enumerate()
-            .find(|(_, k)| matches!(k, GroupKind::SlidingWindow { window_tokens: 0 }))
-        {
+        if let Some((g, k)) = kinds.iter().enumerate().find(|(_, k)| {
+            matches!(
+                k,
+                GroupKind::SlidingWindow { window_tokens: 0 }
+                    | GroupKind::ChunkedLocal { chunk_tokens: 0 }
+            )
+        }) {
             return Err(CoreError::InvalidArgument(format!(
-                "KV cache group {g} ({k}): a sliding window of 0 tokens"
+                "KV cache group {g} ({k}): a window of 0 tokens"
             )));
         }
         let primary = kinds
@@ -166,6 +179,7 @@ impl Groups {
         let kind = self.kinds[group];
         let window = match kind {
             GroupKind::SlidingWindow { window_tokens } => window_tokens as u64,
+            GroupKind::ChunkedLocal { chunk_tokens } => chunk_tokens as u64,
             _ => 0,
         };
         let mut bytes = [0u8; 32];
@@ -188,6 +202,10 @@ impl Groups {
             GroupKind::SlidingWindow { window_tokens } => {
                 let blocks = (window_tokens - 1).div_ceil(self.block_size);
                 end.saturating_sub(blocks).max(start)..end
+            }
+            GroupKind::ChunkedLocal { chunk_tokens } => {
+                let chunk_start = end * self.block_size / chunk_tokens * chunk_tokens;
+                (chunk_start / self.block_size).max(start)..end
             }
             GroupKind::MambaAlign => end - 1..end,
         }
@@ -253,6 +271,7 @@ fn kind_code(kind: GroupKind) -> u64 {
         GroupKind::Full => 1,
         GroupKind::SlidingWindow { .. } => 2,
         GroupKind::MambaAlign => 3,
+        GroupKind::ChunkedLocal { .. } => 4,
     }
 }
 
@@ -303,6 +322,19 @@ mod tests {
         assert_eq!(g.needed(0, 5, 5), 5..5);
         let mamba = Groups::new(vec![GroupKind::MambaAlign, GroupKind::Full], 16).unwrap();
         assert_eq!(mamba.needed(0, 2, 9), 8..9);
+        // Llama 4's chunks of 8192 tokens, blocks of 16: a hit at 8200 tokens needs only the
+        // blocks from 8192 on; a hit at a chunk boundary needs none.
+        let local = Groups::new(
+            vec![
+                GroupKind::ChunkedLocal { chunk_tokens: 8192 },
+                GroupKind::Full,
+            ],
+            16,
+        )
+        .unwrap();
+        assert_eq!(local.needed(0, 0, 513), 512..513);
+        assert_eq!(local.needed(0, 0, 512), 512..512);
+        assert_eq!(local.needed(0, 0, 100), 0..100);
     }
 
     #[test]
@@ -329,6 +361,7 @@ mod tests {
         prop_oneof![
             Just(GroupKind::Full),
             (1usize..80).prop_map(|w| GroupKind::SlidingWindow { window_tokens: w }),
+            (1usize..80).prop_map(|c| GroupKind::ChunkedLocal { chunk_tokens: c }),
             Just(GroupKind::MambaAlign),
         ]
     }

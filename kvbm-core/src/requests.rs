@@ -550,7 +550,11 @@ fn allocated_groups(
             );
             return Ok(false);
         }
-        for i in needed {
+        // Every real block vLLM allocated for the hit gets its bytes (vLLM does not zero the
+        // blocks of a group an asynchronous load fills: `get_loaded_kv_cache_group_ids`), which
+        // for vLLM's own allocation are exactly the blocks the hit needs
+        // (`allocate_external_computed_blocks` pads the others with the null block).
+        for i in start..needed.end {
             if ids[i] == NULL_BLOCK {
                 // vLLM keeps no block there: nothing to load (and never the null block).
                 continue;

@@ -68,8 +68,9 @@ impl Leader {
     /// again) within about ten minutes, or at once with `disk_filter_disabled`.
     ///
     /// `groups`: a hybrid model's KV cache groups in vLLM's order, each `(kind, window
-    /// tokens)` with kind `"full_attention"`, `"sliding_window"` (with its window) or
-    /// `"mamba"` (vLLM's `align` mode); None: one full-attention group. Block ids are then
+    /// tokens)` with kind `"full_attention"`, `"sliding_window"` (with its window),
+    /// `"chunked_local_attention"` (with its chunk) or `"mamba"` (vLLM's `align` mode); None:
+    /// one full-attention group. Block ids are then
     /// given per group everywhere.
     #[new]
     #[pyo3(signature = (block_size, host_blocks, disk_blocks=0, disk_filter_disabled=false, groups=None))]
@@ -529,10 +530,13 @@ fn group_kind(group: usize, kind: &str, window: usize) -> PyResult<kvbm_core::Gr
         "sliding_window" => Ok(kvbm_core::GroupKind::SlidingWindow {
             window_tokens: window,
         }),
+        "chunked_local_attention" => Ok(kvbm_core::GroupKind::ChunkedLocal {
+            chunk_tokens: window,
+        }),
         "mamba" => Ok(kvbm_core::GroupKind::MambaAlign),
         other => Err(PyValueError::new_err(format!(
             "KV cache group {group}: kind {other:?} is not one kvbm serves \
-             (full_attention, sliding_window, mamba)"
+             (full_attention, sliding_window, chunked_local_attention, mamba)"
         ))),
     }
 }
