@@ -16,6 +16,7 @@ import torch
 
 import vllm033 as v
 from vllm.config import CacheConfig, VllmConfig
+from vllm.platforms import current_platform
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
@@ -188,14 +189,6 @@ def test_register_kv_caches_tensors_real_shapes(name):
             _check_attention_view(tensor, p, layer, 4)
 
 
-def _page_bytes(block_view: torch.Tensor) -> torch.Tensor:
-    """One block of a layer view as its bytes in memory order (a view, never a copy):
-    the logical [H, N, C] attention view is token-major in memory (LBNHC), so it is
-    permuted to descending strides first; .view(-1) fails if that is not dense."""
-    order = sorted(range(block_view.dim()), key=lambda d: -block_view.stride(d))
-    return block_view.permute(*order).view(torch.int8).view(-1)
-
-
 @pytest.mark.parametrize(
     "shape,layer_a,layer_b",
     [
@@ -221,14 +214,14 @@ def test_groups_alias_one_buffer(tiny, shape, layer_a, layer_b):
     buf.zero_()
     pattern = torch.arange(end - start, dtype=torch.int64).remainder(251).add(1).to(torch.int8)
     # write a's block N through its own view
-    va = _page_bytes(kv[a][block])
+    va = v.page_bytes(kv[a][block])
     n = va.numel()
     va.copy_(pattern[:n])
     # the raw buffer holds it at the placement's byte range, nothing outside
     assert torch.equal(buf[start : start + n], pattern[:n])
     assert int(buf[:start].count_nonzero()) == 0 and int(buf[end:].count_nonzero()) == 0
     # group b's same-position layer reads the same bytes for the same block id
-    vb = _page_bytes(kv[b][block])
+    vb = v.page_bytes(kv[b][block])
     m = min(n, vb.numel())
     assert torch.equal(vb[:m], pattern[:m])
     # and a different block id is elsewhere
@@ -321,13 +314,16 @@ def test_sliding_window_blocks_outside_window_are_null(tiny):
     mgr.free(req)
 
 
-def test_sliding_window_hit_keeps_only_window_blocks(tiny):
+@pytest.mark.parametrize("shape", [v.TINY_GPT_OSS, v.TINY_GEMMA3], ids=lambda s: s.name)
+def test_sliding_window_hit_keeps_only_window_blocks(tiny, shape):
     """SlidingWindowManager.find_longest_cache_hit with the default sparse retention
     (CacheConfig.prefix_cache_retention_interval = 0, reachable_block_mask): a sliding
     group caches only the window's blocks before the request's replay boundary
     (prompt - 1, block-aligned), so a second request's hit stops there even though the
-    full group holds the whole prompt; older sliding positions are the null block."""
-    p = tiny["tiny-gpt-oss"].plan
+    full group holds the whole prompt; older sliding positions are the null block.
+    HybridKVCacheCoordinator.find_longest_cache_hit gives every group the same hit
+    length."""
+    p = tiny[shape.name].plan
     bs = 16
     mgr = v.make_manager(p)
     null = mgr.block_pool.null_block.block_id
@@ -337,13 +333,18 @@ def test_sliding_window_hit_keeps_only_window_blocks(tiny):
     second = v.prefill(mgr, v.make_request(p, "b", prompt + _tokens(40, seed=9)), chunk_tokens=64)
     hit = (len(prompt) - 1) // bs * bs
     assert second.num_hit_tokens == hit == 144
-    sw_hit, full_hit = second.hit_block_ids
-    assert full_hit == first.block_ids[1][: hit // bs]
-    window_blocks = cdiv(v.TINY_GPT_OSS.sliding_window - 1, bs)
-    assert len(sw_hit) == hit // bs
-    assert null not in sw_hit[-window_blocks:]
-    assert sw_hit[-window_blocks:] == first.block_ids[0][hit // bs - window_blocks : hit // bs]
-    assert set(sw_hit[:-window_blocks]) == {null}
+    window_blocks = cdiv(shape.sliding_window - 1, bs)
+    kinds = [v.group_kind(g.kv_cache_spec) for g in p.groups]
+    assert "sliding" in kinds and "full" in kinds
+    for g, kind in enumerate(kinds):
+        got, had = second.hit_block_ids[g], first.block_ids[g]
+        assert len(got) == hit // bs
+        if kind == "full":
+            assert got == had[: hit // bs]
+        else:
+            assert null not in got[-window_blocks:]
+            assert got[-window_blocks:] == had[hit // bs - window_blocks : hit // bs]
+            assert set(got[:-window_blocks]) == {null}
 
 
 def test_mamba_align_hit_is_block_aligned_state(tiny):
@@ -381,3 +382,105 @@ def test_capacity_hma_on_exceeds_off(full_plans):
         on, _ = v.plan(shape, 10 * GiB).capacity()
         off, _ = v.plan(shape, 10 * GiB, hma=False).capacity()
         assert on > off
+
+
+def test_stand_in_platform_mirrors_cuda(monkeypatch):
+    """VllmConfig.__post_init__ turns HMA off on a platform whose
+    support_hybrid_kv_cache() is False (the base Platform in
+    vllm/platforms/interface.py); install_hybrid_platform gives it CUDA's answer
+    (CudaPlatformBase.support_hybrid_kv_cache, vllm/platforms/cuda.py) and HMA stays
+    on. monkeypatch restores the platform class afterwards."""
+    cls = type(current_platform)
+    monkeypatch.setattr(cls, "support_hybrid_kv_cache", classmethod(lambda _c: False))
+    off = VllmConfig(cache_config=CacheConfig(block_size=16))
+    assert off.scheduler_config.disable_hybrid_kv_cache_manager is True
+    v.install_hybrid_platform()
+    on = VllmConfig(cache_config=CacheConfig(block_size=16))
+    assert on.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+@pytest.mark.parametrize("shape", v.TINY_SHAPES, ids=lambda s: s.name)
+def test_group_block_ids_address_only_their_group(tiny, shape):
+    """allocate_kv_cache + KVCacheManager.get_block_ids: writing each group's blocks
+    through that group's own ids (kv_cache_groups[g].layer_names) never touches another
+    group's blocks, and every group reads back its own bytes. Reading a group's layers
+    at another group's ids returns the other group's bytes: one group's ids used for
+    all layers loads wrong data."""
+    t = tiny[shape.name]
+    p, kv = t.plan, t.kv
+    t.buf.zero_()
+    mgr = v.make_manager(p)
+    null = mgr.block_pool.null_block.block_id
+    req = v.make_request(p, "r", _tokens(96, seed=17))
+    ids = v.prefill(mgr, req, chunk_tokens=32).block_ids
+
+    def fill(g, pos, b):
+        return (g * 37 + pos * 5 + b) % 120 + 1
+
+    live = {g: [(pos, b) for pos, b in enumerate(ids[g]) if b != null] for g in range(len(ids))}
+    # each page is the layer's placement in the backing buffer (KVCacheTensor offset,
+    # layer_stride, block_stride), in the group's layer order
+    base = t.buf.data_ptr()
+    for g, blocks in live.items():
+        for _, b in blocks:
+            pages = v.group_block_bytes(p, kv, g, b)
+            for name, page in zip(p.groups[g].layer_names, pages):
+                start, end = v.block_byte_range(p, name, b)
+                assert page.data_ptr() - base == start and page.numel() <= end - start
+    for g, blocks in live.items():
+        assert blocks
+        for pos, b in blocks:
+            for page in v.group_block_bytes(p, kv, g, b):
+                page.fill_(fill(g, pos, b))
+    for g, blocks in live.items():
+        for pos, b in blocks:
+            for page in v.group_block_bytes(p, kv, g, b):
+                assert bool((page == fill(g, pos, b)).all())
+    # cross-group: group 0's layers at the last group's ids hold the last group's bytes
+    last = len(ids) - 1
+    pos, b = live[last][0]
+    page = v.group_block_bytes(p, kv, 0, b)[0]
+    assert bool((page == fill(last, pos, b)).all())
+    assert b not in ids[0]
+    mgr.free(req)
+
+
+def test_hma_off_manager_has_one_group_without_null_blocks():
+    """With HMA off (connector without SupportsHMA) the manager has one group
+    (UnitaryKVCacheCoordinator) and keeps every block of the sliding layers: nothing
+    is dropped outside the window."""
+    p = v.plan(v.TINY_GPT_OSS, TINY_MEMORY, hma=False)
+    mgr = v.make_manager(p)
+    null = mgr.block_pool.null_block.block_id
+    req = v.make_request(p, "r", _tokens(160, seed=2))
+    ids = v.prefill(mgr, req, chunk_tokens=32).block_ids
+    mgr.remove_skipped_blocks(req.request_id, 160)
+    assert len(ids) == 1 and len(ids[0]) == 10 and null not in ids[0]
+    assert mgr.get_block_ids(req.request_id) == (ids[0],)
+
+
+@pytest.mark.parametrize("shape", [v.GPT_OSS_20B, v.QWEN3_NEXT_80B], ids=lambda s: s.name)
+def test_tp2_rank_shapes(shape):
+    """One TP=2 rank: KV heads halved (ModelConfig.get_num_kv_heads), GDN state halved
+    (gated_delta_net_state_shape divides heads and conv channels by TP); for
+    Qwen3-Next the block size stays 544 (Platform._align_hybrid_block_size on the
+    halved state and halved attention page)."""
+    p1 = v.plan(shape, 64 << 20)
+    p2 = v.plan(shape, 64 << 20, tp=2)
+    assert [v.group_kind(g.kv_cache_spec) for g in p2.groups] == [
+        v.group_kind(g.kv_cache_spec) for g in p1.groups
+    ]
+    for name, spec in p2.specs.items():
+        spec1 = p1.specs[name]
+        if isinstance(spec, MambaSpec):
+            assert spec.state_content_size_bytes * 2 == spec1.state_content_size_bytes
+        else:
+            assert spec.num_kv_heads * 2 == spec1.num_kv_heads
+    assert p2.vllm_config.cache_config.block_size == p1.vllm_config.cache_config.block_size
+    # half the bytes per page, so about twice the blocks in the same memory
+    for g1, g2 in zip(p1.groups, p2.groups):
+        assert g2.kv_cache_spec.page_size_bytes * 2 == g1.kv_cache_spec.page_size_bytes
+    assert p2.kv_cache_config.num_blocks in (
+        2 * p1.kv_cache_config.num_blocks,
+        2 * p1.kv_cache_config.num_blocks + 1,
+    )

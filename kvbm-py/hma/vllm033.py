@@ -252,7 +252,8 @@ class _ModelConfigStandIn(SimpleNamespace):
     config from the hub; nothing here reaches it."""
 
     def get_num_kv_heads(self, parallel_config) -> int:
-        return self.num_kv_heads // parallel_config.tensor_parallel_size
+        # ModelConfig.get_num_kv_heads: heads split over TP ranks, at least one.
+        return max(1, self.num_kv_heads // parallel_config.tensor_parallel_size)
 
     def get_head_size(self) -> int:
         return self.head_size
@@ -266,6 +267,7 @@ def make_vllm_config(
     max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192,
     enable_prefix_caching: bool = True,
+    tp: int = 1,
 ) -> VllmConfig:
     """A ``VllmConfig`` for ``shape`` as vLLM 0.33 would resolve it on CUDA.
 
@@ -275,11 +277,15 @@ def make_vllm_config(
     and ``mamba_block_size`` the block size (``MambaModelConfig.verify_and_update_config``
     in ``vllm/model_executor/models/config.py``), and the block size is raised so an
     attention page holds the state (``Platform._align_hybrid_block_size``).
+    ``tp`` is one rank's view of a tensor-parallel model: KV heads and GDN heads are
+    divided by it, as ``ModelConfig.get_num_kv_heads`` and the state-shape functions do.
     """
     install_hybrid_platform()
     max_model_len = max_model_len or shape.max_model_len
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     vllm_config = VllmConfig(cache_config=cache_config)
+    # Set after construction: ParallelConfig would otherwise check for the ranks.
+    vllm_config.parallel_config.tensor_parallel_size = tp
     sched = vllm_config.scheduler_config
     sched.max_num_batched_tokens = max_num_batched_tokens
     sched.max_model_len = max_model_len
@@ -345,20 +351,21 @@ def layer_specs(shape: ModelShape, vllm_config: VllmConfig) -> dict[str, KVCache
     (``QwenGatedDeltaNet.get_kv_cache_spec``)."""
     cc = vllm_config.cache_config
     block_size = cc.block_size
+    num_kv_heads = vllm_config.model_config.get_num_kv_heads(vllm_config.parallel_config)
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(shape.kinds):
         name = shape.layer_name(i)
         if kind == "full":
             specs[name] = FullAttentionSpec(
                 block_size=block_size,
-                num_kv_heads=shape.num_kv_heads,
+                num_kv_heads=num_kv_heads,
                 head_size=shape.head_size,
                 dtype=shape.dtype,
             )
         elif kind == "sliding":
             per_token = SlidingWindowSpec(
                 block_size=1,
-                num_kv_heads=shape.num_kv_heads,
+                num_kv_heads=num_kv_heads,
                 head_size=shape.head_size,
                 dtype=shape.dtype,
                 sliding_window=shape.sliding_window,
@@ -368,7 +375,7 @@ def layer_specs(shape: ModelShape, vllm_config: VllmConfig) -> dict[str, KVCache
             )
             specs[name] = SlidingWindowSpec(
                 block_size=sw_block,
-                num_kv_heads=shape.num_kv_heads,
+                num_kv_heads=num_kv_heads,
                 head_size=shape.head_size,
                 dtype=shape.dtype,
                 sliding_window=shape.sliding_window,
@@ -433,14 +440,17 @@ def plan(
     block_size: int = 16,
     max_model_len: int | None = None,
     max_num_batched_tokens: int = 8192,
+    tp: int = 1,
 ) -> Plan:
-    """Group and place ``shape``'s layers in ``memory_bytes`` with vLLM's planner."""
+    """Group and place ``shape``'s layers in ``memory_bytes`` (one rank's memory) with
+    vLLM's planner."""
     vllm_config = make_vllm_config(
         shape,
         hma=hma,
         block_size=block_size,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
+        tp=tp,
     )
     specs = layer_specs(shape, vllm_config)
     supported = [layout.name for layout in get_supported_kv_cache_layouts(backends_for(shape))]
@@ -510,6 +520,23 @@ def block_byte_range(p: Plan, layer_name: str, block_id: int) -> tuple[int, int]
                 spec = spec.kv_cache_specs[layer_name]
             return start, start + spec.page_size_bytes
     raise KeyError(layer_name)
+
+
+def page_bytes(block_view: torch.Tensor) -> torch.Tensor:
+    """One block of one layer's view (``kv_caches[layer][block_id]``) as its bytes in
+    memory order, as a view (never a copy). The attention view is logically
+    ``[H, N, C]`` but token-major in memory (LBNHC), so it is permuted to descending
+    strides first; ``.view(-1)`` raises if the block is not one dense run."""
+    order = sorted(range(block_view.dim()), key=lambda d: -block_view.stride(d))
+    return block_view.permute(*order).view(torch.int8).view(-1)
+
+
+def group_block_bytes(
+    p: Plan, kv_caches: dict[str, torch.Tensor], group: int, block_id: int
+) -> list[torch.Tensor]:
+    """The bytes block ``block_id`` means for ``group``: one view per layer of the
+    group, in the group's layer order (``kv_cache_groups[group].layer_names``)."""
+    return [page_bytes(kv_caches[name][block_id]) for name in p.groups[group].layer_names]
 
 
 # ---------------------------------------------------------------------------------------
@@ -644,6 +671,8 @@ __all__ = [
     "plan",
     "allocate",
     "backing_buffer",
+    "page_bytes",
+    "group_block_bytes",
     "block_byte_range",
     "make_manager",
     "make_request",
