@@ -175,15 +175,28 @@ class KvbmLeader:
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         objs = self._objs
+        # A hybrid model's current block tables: vLLM nulls and frees sliding-window and Mamba
+        # blocks in place, so a table kept by appending new block ids goes stale (vLLM 0.33's
+        # scheduler offers the current ones during this call only:
+        # SchedulerOutput.kv_connector_block_state, vllm/v1/core/sched/output.py).
+        state = getattr(scheduler_output, "kv_connector_block_state", None) if self.groups else None
+
+        def current(rid: str) -> Optional[List[List[int]]]:
+            if state is None:
+                return None
+            ids = state.get_block_ids(rid)
+            return None if ids is None else _per_group(ids)
+
         new = []
         for req in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             if req.req_id not in objs:
                 objs[req.req_id] = req  # never asked about (e.g. no prompt blocks): tokens from here
             lora = getattr(req, "lora_request", None)
+            tables = current(req.req_id)
             new.append(
                 (
                     req.req_id,
-                    _per_group(req.block_ids),
+                    tables if tables is not None else _per_group(req.block_ids),
                     req.num_computed_tokens,
                     getattr(lora, "lora_name", None) if lora is not None else None,
                     getattr(objs[req.req_id], "cache_salt", None),
@@ -194,6 +207,11 @@ class KvbmLeader:
         if cached is not None:
             resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
             for rid, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+                tables = current(rid)
+                if tables is not None:
+                    # The whole current table replaces the kept one, as for a resumed request.
+                    cached_out.append((rid, tables, True, computed))
+                    continue
                 ids = None if new_ids is None else _per_group(new_ids)
                 cached_out.append((rid, ids, rid in resumed, computed))
         work = []

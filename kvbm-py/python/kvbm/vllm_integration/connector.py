@@ -14,7 +14,7 @@ connector then raises with the command that installs vLLM.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional, Set, Tuple
+from typing import Any, Iterable, List, Optional, Set, Tuple
 
 from .. import _kvbm
 from ..leader import KvbmLeader
@@ -41,6 +41,15 @@ except ImportError:  # vLLM absent: importable, not usable.
     KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
     KVConnectorRole = None  # type: ignore[assignment]
 
+try:
+    # vLLM keeps its hybrid KV cache manager on only for connectors of this class
+    # (vllm/config/vllm.py; KVConnectorFactory.supports_hma_config: issubclass).
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA  # type: ignore
+except ImportError:
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        """Stand-in where vLLM (or its hybrid support) is absent."""
+
 
 def _role_name(role: Any) -> str:
     name = getattr(role, "name", str(role))
@@ -48,10 +57,19 @@ def _role_name(role: Any) -> str:
 
 
 def _bytes_per_block(kv_cache_config: Any, block_size: int) -> int:
-    """Bytes of one block on one rank, from vLLM's KV cache config (first group)."""
+    """Bytes of one block on one rank, from vLLM's KV cache config: what one GPU block id
+    addresses. With several groups that is every group's share of the one buffer they overlay
+    (vllm/v1/core/kv_cache_planning.py, get_kv_cache_config_from_groups: every tensor spans the
+    buffer, ``num_blocks`` blocks), as vLLM's own OffloadingConnector sizes it
+    (``kv_cache_tensors[0].size // num_blocks``); with one group, its pages."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
     if not groups:
         raise _kvbm.LayoutError("kv_cache_config has no KV cache group: cannot size kvbm's tiers")
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
+    num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    if len(groups) > 1 and tensors and num_blocks > 0:
+        # Every tensor of a hybrid plan spans the whole buffer (the groups alias from byte 0).
+        return int(tensors[0].size) // num_blocks
     group = groups[0]
     spec = group.kv_cache_spec
     layers = len(getattr(group, "layer_names", []) or []) or 1
@@ -59,6 +77,68 @@ def _bytes_per_block(kv_cache_config: Any, block_size: int) -> int:
     if page is None:
         page = 2 * block_size * spec.num_kv_heads * spec.head_size * spec.dtype.itemsize
     return int(page) * layers
+
+
+#: vLLM's KV cache spec classes kvbm serves, by name, with the group kind kvbm plans them as
+#: (vllm/v1/kv_cache_interface.py). A subclass of one of them that is not listed (RSWASpec,
+#: SinkFullAttentionSpec, HiddenStateCacheSpec, ...) changes the hit or free rules and is refused.
+_SERVED_SPECS = {
+    "FullAttentionSpec": "full_attention",
+    "MLAAttentionSpec": "full_attention",
+    "SlidingWindowSpec": "sliding_window",
+    "SlidingWindowMLASpec": "sliding_window",
+    "ChunkedLocalAttentionSpec": "chunked_local_attention",
+    "MambaSpec": "mamba",
+}
+
+
+def _group_kinds(kv_cache_config: Any, block_size: int) -> Optional[List[Tuple[str, int]]]:
+    """The KV cache groups of vLLM's hybrid KV cache manager as kvbm's leader plans them:
+    ``(kind, window tokens)`` per group in vLLM's order, or None for a model of one
+    full-attention group (the plain path). A group kvbm cannot serve is refused with a
+    ConfigError naming the group and its spec, never served wrongly."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    kinds: List[Tuple[str, int]] = []
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        kind = _SERVED_SPECS.get(name)
+        where = f"KV cache group {g} ({name}, layers {list(getattr(group, 'layer_names', []))[:3]}...)"
+        if kind is None:
+            if name == "UniformTypeKVCacheSpecs":
+                inner = {type(s).__name__ for s in (getattr(spec, "kv_cache_specs", None) or {}).values()}
+                if inner and all(_SERVED_SPECS.get(n) == "full_attention" for n in inner):
+                    kinds.append(("full_attention", 0))
+                    continue
+            raise _kvbm.ConfigError(f"{where}: kvbm does not serve this kind of KV cache group")
+        if getattr(group, "enable_kv_transfer", True) is False or getattr(spec, "prefix_cacheable", True) is False:
+            raise _kvbm.ConfigError(f"{where}: vLLM does not transfer or prefix-cache it")
+        spec_block = int(getattr(spec, "block_size", block_size) or block_size)
+        if spec_block != block_size:
+            raise _kvbm.ConfigError(
+                f"{where}: blocks of {spec_block} tokens where the scheduler's are {block_size}; "
+                "kvbm needs one block size for every group"
+            )
+        if kind == "sliding_window":
+            # The blocks vLLM allocates real for a hit reach ``extra_retained_tokens`` below the
+            # window (allocate_external_computed_blocks): the window kvbm loads covers them.
+            window = int(spec.sliding_window) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+            kinds.append((kind, window))
+        elif kind == "chunked_local_attention":
+            kinds.append((kind, int(spec.attention_chunk_size)))
+        elif kind == "mamba":
+            mode = getattr(spec, "mamba_cache_mode", "none")
+            if mode != "align":
+                raise _kvbm.ConfigError(
+                    f"{where}: Mamba cache mode {mode!r}; kvbm serves Mamba states in vLLM's "
+                    "'align' mode only (enable prefix caching: --enable-prefix-caching)"
+                )
+            kinds.append((kind, 0))
+        else:
+            kinds.append((kind, 0))
+    if len(kinds) <= 1 and all(k == "full_attention" for k, _ in kinds):
+        return None
+    return kinds
 
 
 def _struct_fields(cls) -> frozenset:
@@ -124,8 +204,12 @@ def _as_cache_hit_sources(split):
     return {CacheHitSource(k): v for k, v in split.items()}
 
 
-class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
-    """kvbm's vLLM KV connector (scheduler and worker roles)."""
+class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,valid-type]
+    """kvbm's vLLM KV connector (scheduler and worker roles).
+
+    A ``SupportsHMA`` connector: vLLM 0.33 keeps its hybrid KV cache manager on with it, and
+    kvbm's leader plans every KV cache group with that group's own block ids and hit rule
+    (kvbm-core's ``groups``)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if not HAVE_VLLM:
@@ -149,6 +233,10 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         # so that block ids agree; a worker without one sizes from its tensors.
         host_blocks: Optional[int] = None
         disk_blocks: Optional[int] = None
+        #: The hybrid model's KV cache groups (None: one full-attention group).
+        self._groups = _group_kinds(kv_cache_config, block_size) if kv_cache_config is not None else None
+        if self._groups is not None:
+            log.info("kvbm: KV cache groups %s", ", ".join(f"{g}: {k}" + (f"({w})" if w else "") for g, (k, w) in enumerate(self._groups)))
         if self._role == "scheduler" or getattr(kv_cache_config, "kv_cache_groups", None):
             per_block = _bytes_per_block(kv_cache_config, block_size)
             host_blocks = config.host_blocks(per_block, world)
@@ -168,6 +256,7 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
                 disk_blocks=disk_blocks,
                 disk_filter_disabled=config.disk_offload_filter_disabled,
                 recovery=(config.disk_dir, world, instance_id) if instance_id else None,
+                groups=self._groups,
             )
             log.info(
                 "kvbm leader: %d host and %d disk blocks of %d tokens",
@@ -220,6 +309,12 @@ class DynamoConnector(KVConnectorBase_V1):  # type: ignore[misc,valid-type]
         self._lead().update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[dict]]:
+        return self._lead().request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> Tuple[bool, Optional[dict]]:
+        # vLLM 0.33 calls this (and never request_finished) for a SupportsHMA connector
+        # (vllm/v1/core/sched/scheduler.py, _connector_finished): True keeps every group's
+        # blocks until the workers report the request in finished_sending.
         return self._lead().request_finished(request, block_ids)
 
     def take_events(self) -> Iterable[Any]:
