@@ -18,6 +18,7 @@ Run: PYTHONPATH=.vllm-0.33:kvbm-py/hma .venv-vllm/bin/python -m pytest kvbm-py/h
 
 from __future__ import annotations
 
+import pickle
 import zlib
 from types import SimpleNamespace
 from typing import Dict, List
@@ -28,6 +29,7 @@ import torch
 import vllm033 as v
 from vllm.v1.core.sched.output import KVConnectorBlockState
 
+import kvbm
 from kvbm.leader import KvbmLeader
 from kvbm.vllm_integration.connector import _group_kinds
 from kvbm.worker import KvbmWorker
@@ -39,37 +41,49 @@ def prefix_key(tokens: List[int]) -> int:
     return zlib.crc32(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
 
 
-def page_pattern(layer: str, tokens: List[int], nbytes: int) -> torch.Tensor:
-    """The bytes one layer's page holds for a block whose prefix is ``tokens``."""
-    seed = zlib.crc32(layer.encode(), prefix_key(tokens))
+def page_pattern(layer: str, tokens: List[int], nbytes: int, rank: int = 0) -> torch.Tensor:
+    """The bytes one layer's page holds on ``rank`` for a block whose prefix is ``tokens``."""
+    seed = zlib.crc32(f"{layer}@{rank}".encode(), prefix_key(tokens))
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-128, 128, (nbytes,), generator=g, dtype=torch.int8)
 
 
 class Engine:
-    """One vLLM instance's scheduler-side block manager and KV cache, with kvbm's leader and
-    one worker (tensor-parallel size 1) in this process on kvbm's emulated device."""
+    """One vLLM instance's scheduler-side block manager and, per tensor-parallel rank, its KV
+    cache (one rank's shard, as vLLM plans it for that TP size) with a kvbm worker, all in this
+    process on kvbm's emulated device; kvbm's leader plans for all of them."""
 
-    def __init__(self, shape: v.ModelShape, host_blocks: int = 256):
+    def __init__(self, shape: v.ModelShape, host_blocks: int = 256, disk_blocks: int = 0, disk_dir=None, tp: int = 1):
         v.install_hybrid_platform()
-        self.p = v.plan(shape, MEMORY)
-        self.kv = v.allocate(self.p)
+        self.p = v.plan(shape, MEMORY, tp=tp)
         self.bs = self.p.scheduler_block_size
         kcc = self.p.kv_cache_config
         self.groups = _group_kinds(kcc, self.bs)
         assert self.groups is not None, "a hybrid model plans its groups"
         self.manager = v.make_manager(self.p)
-        self.leader = KvbmLeader(self.bs, host_blocks, groups=self.groups)
-        self.worker = KvbmWorker(host_blocks=host_blocks, disk_blocks=0, kv_cache_config=kcc, device="emulated")
-        self.worker.register_kv_caches(self.kv)
-        self.requests: Dict[str, object] = {}
+        self.leader = KvbmLeader(self.bs, host_blocks, disk_blocks=disk_blocks, disk_filter_disabled=True, groups=self.groups)
+        self.ranks = []
+        for rank in range(tp):
+            kv = v.allocate(self.p)
+            config = None
+            if disk_blocks:
+                d = disk_dir / f"rank{rank}"
+                d.mkdir()
+                config = kvbm.Config.from_env({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks), "DYN_KVBM_DISK_CACHE_DIR": str(d)})
+            worker = KvbmWorker(
+                host_blocks=host_blocks, disk_blocks=disk_blocks, kv_cache_config=kcc, device="emulated",
+                config=config, world_size=tp, rank=rank,
+            )
+            worker.register_kv_caches(kv)
+            self.ranks.append((kv, worker))
+        self.kv = self.ranks[0][0]
 
     # -- vLLM's side ----------------------------------------------------------------------
 
     def forward(self, request, start: int, end: int) -> None:
-        """What the model writes for tokens [start, end) of ``request``: every attention
-        layer's pages of the blocks those tokens complete or touch, and every Mamba layer's
-        state block at ``end``."""
+        """What the model writes for tokens [start, end) of ``request`` on every rank: every
+        attention layer's pages of the blocks those tokens complete or touch, and every Mamba
+        layer's state block at ``end``."""
         tables = self.manager.get_block_ids(request.request_id)
         tokens = list(request.all_token_ids)
         for g, group in enumerate(self.p.groups):
@@ -85,14 +99,19 @@ class Engine:
 
     def _write(self, group, block_id: int, tokens: List[int]) -> None:
         assert block_id != 0, "vLLM never hands out the null block to write"
-        for name in group.layer_names:
-            page = v.page_bytes(self.kv[name][block_id])
-            page.copy_(page_pattern(name, tokens, page.numel()))
+        for rank, (kv, _) in enumerate(self.ranks):
+            for name in group.layer_names:
+                page = v.page_bytes(kv[name][block_id])
+                page.copy_(page_pattern(name, tokens, page.numel(), rank))
 
-    def expected(self, group, tokens: List[int]) -> List[torch.Tensor]:
-        return [page_pattern(name, tokens, v.page_bytes(self.kv[name][1]).numel()) for name in group.layer_names]
+    def expected(self, group, tokens: List[int], rank: int = 0) -> List[torch.Tensor]:
+        kv = self.ranks[rank][0]
+        return [page_pattern(name, tokens, v.page_bytes(kv[name][1]).numel(), rank) for name in group.layer_names]
 
-    def scheduler_output(self, new=(), scheduled: Dict[str, int] = None):
+    def scheduler_output(self, new=(), cached=(), scheduled: Dict[str, int] = None):
+        """vLLM's SchedulerOutput as a connector reads it: new requests with every group's
+        table, cached ones with the block ids added this step (None when no group got one),
+        and the current tables (kv_connector_block_state)."""
         return SimpleNamespace(
             scheduled_new_reqs=[
                 SimpleNamespace(
@@ -103,44 +122,78 @@ class Engine:
                 )
                 for r in new
             ],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set()),
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r.request_id for r, _ in cached],
+                new_block_ids=[ids for _, ids in cached],
+                num_computed_tokens=[r.num_computed_tokens for r, _ in cached],
+                resumed_req_ids=set(),
+            ),
             num_scheduled_tokens=dict(scheduled or {}),
             preempted_req_ids=set(),
             kv_connector_block_state=KVConnectorBlockState(
-                req_ids={r.request_id for r in new},
+                req_ids={r.request_id for r in new} | {r.request_id for r, _ in cached},
                 resolve_block_ids=lambda rid: tuple(self.manager.get_block_ids(rid)),
                 boundary_state_offloads={},
             ),
         )
 
     def step(self, out) -> None:
-        """The connector's calls around one forward pass, then the workers' report."""
-        meta = self.leader.build_connector_meta(out)
-        self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
-        self.worker.wait_for_save()
-        self.worker.clear_connector_metadata()
+        """The connector's calls around one forward pass on every rank (vLLM pickles the
+        metadata to each worker process)."""
+        meta = pickle.loads(pickle.dumps(self.leader.build_connector_meta(out)))
+        for _, worker in self.ranks:
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
 
     def finished(self, finished_ids=()):
-        sending, recving = self.worker.get_finished(set(finished_ids))
+        """The workers' reports, aggregated as vLLM's KVOutputAggregator does: a request is
+        finished once every rank reported it."""
+        if not hasattr(self, "_seen"):
+            self._seen = {"sending": {}, "recving": {}}
+        done = {"sending": set(), "recving": set()}
+        for rank, (_, worker) in enumerate(self.ranks):
+            sending, recving = worker.get_finished(set(finished_ids))
+            for kind, ids in (("sending", sending), ("recving", recving)):
+                for rid in ids or ():
+                    seen = self._seen[kind].setdefault(rid, set())
+                    seen.add(rank)
+                    if len(seen) == len(self.ranks):
+                        done[kind].add(rid)
+                        del self._seen[kind][rid]
         self.leader.update_connector_output(
-            SimpleNamespace(finished_sending=sending or set(), finished_recving=recving or set(), kv_connector_worker_meta=None)
+            SimpleNamespace(finished_sending=done["sending"], finished_recving=done["recving"], kv_connector_worker_meta=None)
         )
-        return sending or set(), recving or set()
+        return done["sending"], done["recving"]
 
     # -- whole requests ---------------------------------------------------------------------
 
     def prefill_and_offload(self, rid: str, tokens: List[int]) -> None:
+        """Prefills ``tokens`` in two steps, as vLLM's scheduler splits a prompt for a Mamba
+        hybrid (``Scheduler._mamba_block_aligned_split``: the first chunk ends at the last block
+        boundary before the prompt's last token, where the state is cached), then finishes."""
         req = v.make_request(self.p, rid, tokens)
         self.manager.new_step_starts()
         computed, hit, _ = self.manager.get_computed_blocks(req)
         assert hit == 0
         assert self.leader.get_num_new_matched_tokens(req, 0) == (0, False)
-        assert self.manager.allocate_slots(req, len(tokens)) is not None
-        self.leader.update_state_after_alloc(req, self.manager.get_blocks(rid), 0)
-        self.forward(req, 0, len(tokens))
-        self.step(self.scheduler_output(new=[req], scheduled={rid: len(tokens)}))
-        req.num_computed_tokens = len(tokens)
+        boundary = (len(tokens) - 1) // self.bs * self.bs
+        first = True
+        for start, end in ((0, boundary), (boundary, len(tokens))):
+            added = self.manager.allocate_slots(req, end - start)
+            assert added is not None
+            if first:
+                self.leader.update_state_after_alloc(req, self.manager.get_blocks(rid), 0)
+            self.forward(req, start, end)
+            if first:
+                out = self.scheduler_output(new=[req], scheduled={rid: end - start})
+            else:
+                out = self.scheduler_output(cached=[(req, added.get_block_ids(allow_none=True))], scheduled={rid: end - start})
+            self.step(out)
+            req.num_computed_tokens = end
+            self.manager.new_step_starts()
+            first = False
         # Finished: vLLM keeps every group's blocks until the workers report the offloads.
         delay, _ = self.leader.request_finished(req, self.manager.get_block_ids(rid))
         assert delay
@@ -157,7 +210,8 @@ class Engine:
         """vLLM's own prefix cache forgets everything and the device memory is cleared, so only
         kvbm can serve what follows."""
         assert self.manager.reset_prefix_cache()
-        v.backing_buffer(self.kv).zero_()
+        for kv, _ in self.ranks:
+            v.backing_buffer(kv).zero_()
 
     def load(self, rid: str, tokens: List[int]):
         """A request whose prefix kvbm holds, as vLLM's scheduler admits an asynchronous load."""
@@ -192,6 +246,44 @@ def tokens_of(seed: int, n: int) -> List[int]:
 SHAPES = [v.TINY_GPT_OSS, v.TINY_GEMMA3, v.TINY_QWEN3_NEXT]
 
 
+def check_loaded(e: Engine, rid: str, tokens: List[int], blocks: int) -> int:
+    """Every real block of every group vLLM allocated for ``rid``'s hit of ``blocks`` blocks
+    holds, on every rank, its layers' bytes for its prefix; the null block and every block
+    outside the hit hold nothing. Returns how many pages were compared."""
+    bs = e.bs
+    tables = e.manager.get_block_ids(rid)
+    checked = 0
+    for g, group in enumerate(e.p.groups):
+        kind = v.group_kind(group.kv_cache_spec)
+        ids = tables[g][:blocks]
+        real = [i for i, b_id in enumerate(ids) if b_id != 0]
+        if kind == "full":
+            assert real == list(range(blocks))
+        elif kind == "sliding":
+            # vLLM keeps the window's blocks before the hit only (allocate_external_computed_blocks).
+            window = group.kv_cache_spec.sliding_window
+            assert real == list(range(blocks - (window - 1 + bs - 1) // bs, blocks))
+        else:
+            # Mamba align mode: the state at the hit lives in its last block.
+            assert real == [blocks - 1]
+        for rank, (kv, _) in enumerate(e.ranks):
+            for i in real:
+                want = e.expected(group, tokens[: (i + 1) * bs], rank)
+                got = [v.page_bytes(kv[name][ids[i]]) for name in group.layer_names]
+                for name, w, x in zip(group.layer_names, want, got):
+                    assert torch.equal(w, x), f"rank {rank} group {g} ({kind}) block {i} (id {ids[i]}) layer {name}"
+                    checked += 1
+    loaded = {b_id for t in tables for b_id in t[:blocks] if b_id}
+    for kv, _ in e.ranks:
+        for name in kv:
+            assert not v.page_bytes(kv[name][0]).any(), f"null block written in {name}"
+        untouched = [b_id for b_id in range(1, e.p.kv_cache_config.num_blocks) if b_id not in loaded][:64]
+        for name in list(kv)[:2]:
+            for b_id in untouched:
+                assert not v.page_bytes(kv[name][b_id]).any(), f"block {b_id} of {name} written"
+    return checked
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: s.name)
 def test_every_loaded_block_of_every_group_holds_its_own_bytes(shape):
     e = Engine(shape)
@@ -201,37 +293,65 @@ def test_every_loaded_block_of_every_group_holds_its_own_bytes(shape):
     e.drop_gpu_cache()
     # B shares A's first 10 blocks and goes on differently.
     b = prompt[: 10 * bs] + tokens_of(2, 7)
-    req, found = e.load("b", b)
+    _, found = e.load("b", b)
     assert found == 10 * bs, (found, e.groups)
-    tables = e.manager.get_block_ids("b")
-    checked = 0
-    for g, group in enumerate(e.p.groups):
-        kind = v.group_kind(group.kv_cache_spec)
-        ids = tables[g][:10]
-        real = [i for i, b_id in enumerate(ids) if b_id != 0]
-        if kind == "full":
-            assert real == list(range(10))
-        elif kind == "sliding":
-            # vLLM keeps the window's blocks before the hit only (allocate_external_computed_blocks).
-            window = group.kv_cache_spec.sliding_window
-            assert real == list(range(10 - (window - 1 + bs - 1) // bs, 10))
-        else:
-            # Mamba align mode: the state at the hit lives in its last block.
-            assert real == [9]
-        for i in real:
-            want = e.expected(group, b[: (i + 1) * bs])
-            got = v.group_block_bytes(e.p, e.kv, g, ids[i])
-            for name, w, x in zip(group.layer_names, want, got):
-                assert torch.equal(w, x), f"group {g} ({kind}) block {i} (id {ids[i]}) layer {name}"
-                checked += 1
-    assert checked > 0
-    # The null block was never written.
-    for name in e.kv:
-        assert not v.page_bytes(e.kv[name][0]).any(), f"null block written in {name}"
-    # Nothing outside the loaded blocks was written either.
-    loaded = {b_id for t in tables for b_id in t[:10] if b_id}
-    pages = {b_id for b_id in range(1, e.p.kv_cache_config.num_blocks) if b_id not in loaded}
-    for name in list(e.kv)[:2]:
-        for b_id in list(pages)[:64]:
-            assert not v.page_bytes(e.kv[name][b_id]).any(), f"block {b_id} of {name} written"
+    assert check_loaded(e, "b", b, 10) > 0
 
+
+@pytest.mark.parametrize("shape", [v.TINY_GPT_OSS, v.TINY_QWEN3_NEXT], ids=lambda s: s.name)
+def test_two_tensor_parallel_ranks_each_load_their_own_shard(shape):
+    e = Engine(shape, tp=2)
+    bs = e.bs
+    prompt = tokens_of(5, 6 * bs + 3)
+    e.prefill_and_offload("a", prompt)
+    e.drop_gpu_cache()
+    b = prompt[: 6 * bs] + tokens_of(6, 4)
+    _, found = e.load("b", b)
+    assert found == 6 * bs
+    assert check_loaded(e, "b", b, 6) > 0
+
+
+@pytest.mark.parametrize("shape", [v.TINY_GEMMA3, v.TINY_QWEN3_NEXT], ids=lambda s: s.name)
+def test_blocks_evicted_from_host_memory_come_back_from_disk(shape, tmp_path):
+    groups_blocks = None
+    e = Engine(shape, host_blocks=96, disk_blocks=512, disk_dir=tmp_path)
+    bs = e.bs
+    prompt = tokens_of(7, 8 * bs + 1)
+    e.prefill_and_offload("a", prompt)
+    # Other prompts push A's blocks out of the host tier (they stay on disk).
+    for k in range(3):
+        e.prefill_and_offload(f"x{k}", tokens_of(100 + k, 8 * bs + 1))
+    def from_disk():
+        return sum(w.native.metrics().get("kvbm_onboard_blocks_d2d", 0) for _, w in e.ranks)
+
+    before = from_disk()
+    e.drop_gpu_cache()
+    b = prompt[: 8 * bs] + tokens_of(8, 5)
+    _, found = e.load("b", b)
+    assert found == 8 * bs
+    assert from_disk() > before, "the hit came from disk"
+    assert check_loaded(e, "b", b, 8) > 0
+    del groups_blocks
+
+
+def test_older_window_blocks_may_go_but_the_windows_own_may_not():
+    # vLLM's SlidingWindowManager accepts a hit where the window's blocks before it are cached,
+    # whatever happened to older ones (find_longest_cache_hit); kvbm reports the same.
+    e = Engine(v.TINY_GPT_OSS, host_blocks=24)
+    bs = e.bs
+    window_blocks = (e.p.groups[0].kv_cache_spec.sliding_window - 1 + bs - 1) // bs
+    prompt = tokens_of(9, 10 * bs + 5)  # 10 blocks x 2 groups = 20 of 24 host blocks
+    e.prefill_and_offload("a", prompt)
+    b = prompt[: 10 * bs] + tokens_of(11, 3)
+    # Another prompt of 6 blocks (12 host blocks) evicts A's 8 oldest: its window group's
+    # blocks 0..7, registered first, which no hit at 10 blocks needs.
+    e.prefill_and_offload("x", tokens_of(10, 6 * bs + 1))
+    found, _ = e.leader.get_num_new_matched_tokens(v.make_request(e.p, "b1", b), 0)
+    assert found == 10 * bs
+    # One more block (2 host blocks) evicts the window's own blocks 8 and 9: no group-wide hit
+    # remains (a shorter one would need blocks 6 and 7, gone too), though full attention still
+    # holds all ten.
+    assert window_blocks == 2
+    e.prefill_and_offload("y", tokens_of(12, bs + 1))
+    found, _ = e.leader.get_num_new_matched_tokens(v.make_request(e.p, "b2", b), 0)
+    assert found == 0
