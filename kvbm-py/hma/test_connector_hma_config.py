@@ -114,3 +114,27 @@ def test_a_group_kvbm_cannot_serve_is_refused_naming_it(bad, says):
 def test_chunked_local_attention_is_planned_with_its_chunk():
     cfg = config_of(attn(ChunkedLocalAttentionSpec, attention_chunk_size=8192), attn())
     assert _group_kinds(cfg, 16) == [("chunked_local_attention", 8192), ("full_attention", 0)]
+
+
+def test_kvbms_own_events_carry_the_primary_groups_fields():
+    # vLLM 0.33's BlockStored / BlockRemoved carry group_idx (and the spec kind on stores,
+    # vllm/distributed/kv_events.py); kvbm announces its primary group's blocks only, under
+    # that group's index and kind, encoded by vLLM's own classes.
+    from kvbm.vllm_integration.connector import _event_group, _to_vllm_events
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    p = v.plan(v.TINY_GPT_OSS, 4 << 20)
+    kinds = _group_kinds(p.kv_cache_config, p.scheduler_block_size)
+    group = _event_group(p.kv_cache_config, kinds)
+    assert group == {"group_idx": 1, "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None}
+    stored = SimpleNamespace(block_hashes=[7, 8], parent_block_hash=None, token_ids=list(range(32)), block_size=16, medium="CPU_PINNED", lora_name=None)
+    removed = SimpleNamespace(block_hashes=[7], medium="CPU_PINNED")
+    # The converter dispatches on the class name, as kvbm.events' classes are named.
+    Stored = type("BlockStored", (SimpleNamespace,), {})
+    Removed = type("BlockRemoved", (SimpleNamespace,), {})
+    out = _to_vllm_events([Stored(**vars(stored)), Removed(**vars(removed))], group)
+    assert isinstance(out[0], BlockStored) and out[0].group_idx == 1 and out[0].kv_cache_spec_kind == "full_attention"
+    assert isinstance(out[1], BlockRemoved) and out[1].group_idx == 1
+    # Without groups (HMA off): the fields keep vLLM's defaults.
+    plain = _to_vllm_events([Stored(**vars(stored))], None)
+    assert plain[0].group_idx is None

@@ -145,7 +145,27 @@ def _struct_fields(cls) -> frozenset:
     return frozenset(getattr(cls, "__struct_fields__", ()) or ())
 
 
-def _to_vllm_events(events):
+def _event_group(kv_cache_config: Any, kinds: Optional[List[Tuple[str, int]]]) -> Optional[dict]:
+    """For a hybrid model, the group fields kvbm's own events carry (vLLM 0.33's
+    ``BlockStored.group_idx`` / ``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``,
+    ``BlockRemoved.group_idx``): kvbm announces its primary group's blocks only (the first
+    full-attention group, else group 0; kvbm-core ``groups``), so a router counts them as that
+    group's, as it counts vLLM's own events of it."""
+    if not kinds:
+        return None
+    primary = next((g for g, (k, _) in enumerate(kinds) if k == "full_attention"), 0)
+    spec = kv_cache_config.kv_cache_groups[primary].kv_cache_spec
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind  # type: ignore
+
+        kind = get_kv_cache_spec_kind(spec).value
+    except (ImportError, AttributeError):
+        kind = kinds[primary][0]
+    window = getattr(spec, "sliding_window", None) if kinds[primary][0] == "sliding_window" else None
+    return {"group_idx": primary, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
+
+
+def _to_vllm_events(events, group: Optional[dict] = None):
     """kvbm's events as vLLM's KV cache event classes (host and disk media), built with the
     fields the installed vLLM's classes have (vllm/distributed/kv_events.py: 0.32 and 0.33 both
     require ``lora_name``). An event that cannot be built is dropped with a warning, never
@@ -171,12 +191,15 @@ def _to_vllm_events(events):
                     "lora_id": None,
                     "medium": e.medium,
                     "lora_name": e.lora_name,
+                    **(group or {}),
                 }
                 if stored_fields:
                     fields = {k: v for k, v in fields.items() if k in stored_fields}
                 out.append(ve.BlockStored(**fields))
             elif kind == "BlockRemoved":
                 fields = {"block_hashes": list(e.block_hashes), "medium": e.medium}
+                if group:
+                    fields["group_idx"] = group["group_idx"]
                 if removed_fields:
                     fields = {k: v for k, v in fields.items() if k in removed_fields}
                 out.append(ve.BlockRemoved(**fields))
@@ -235,6 +258,7 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
         disk_blocks: Optional[int] = None
         #: The hybrid model's KV cache groups (None: one full-attention group).
         self._groups = _group_kinds(kv_cache_config, block_size) if kv_cache_config is not None else None
+        self._event_group = _event_group(kv_cache_config, self._groups)
         if self._groups is not None:
             log.info("kvbm: KV cache groups %s", ", ".join(f"{g}: {k}" + (f"({w})" if w else "") for g, (k, w) in enumerate(self._groups)))
         if self._role == "scheduler" or getattr(kv_cache_config, "kv_cache_groups", None):
@@ -320,7 +344,7 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
     def take_events(self) -> Iterable[Any]:
         if self._leader is None:
             return ()
-        return _to_vllm_events(self._leader.take_events())
+        return _to_vllm_events(self._leader.take_events(), self._event_group)
 
     def reset_cache(self) -> Optional[bool]:
         if self._leader is None:
