@@ -105,9 +105,50 @@ pub enum DeviceArg {
     Emulated,
 }
 
+/// Model shapes as vLLM 0.33 lays out one KV cache block of them (`--model`).
+///
+/// A hybrid model's block is one KV cache group's share of the buffer every group overlays
+/// (`vllm/v1/core/kv_cache_planning.py`, `_get_kv_cache_groups_uniform_page_size`): as many
+/// layers as a group has, whatever the group's kind, since a Mamba group's state pages are
+/// padded to the attention page.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum ModelArg {
+    /// Qwen3-0.6B (one group): 28 layers, 8 KV heads of 128, 16-token blocks.
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+    /// gpt-oss-20b with vLLM's hybrid manager: groups of 12 layers (sliding window 128 and
+    /// full attention), 8 KV heads of 64, 16-token blocks.
+    #[value(name = "gpt-oss-20b")]
+    GptOss20b,
+    /// Gemma-3-12B with vLLM's hybrid manager: 6 groups of 8 layers (5 sliding window 1024,
+    /// 1 full), 8 KV heads of 256, 16-token blocks.
+    #[value(name = "gemma-3-12b")]
+    Gemma3_12b,
+    /// Qwen3-Next-80B-A3B with vLLM's hybrid manager: groups of 12 layers (3 gated-delta-net
+    /// state groups, 1 full attention), 2 KV heads of 256, blocks raised to 544 tokens so that
+    /// an attention page holds a state (`Platform._align_hybrid_block_size`).
+    #[value(name = "qwen3-next-80b")]
+    Qwen3Next80b,
+}
+
+impl ModelArg {
+    /// (layers per block, KV heads, head size, block size in tokens).
+    fn shape(self) -> (usize, usize, usize, usize) {
+        match self {
+            ModelArg::Qwen3_0_6b => (28, 8, 128, 16),
+            ModelArg::GptOss20b => (12, 8, 64, 16),
+            ModelArg::Gemma3_12b => (8, 8, 256, 16),
+            ModelArg::Qwen3Next80b => (12, 2, 256, 544),
+        }
+    }
+}
+
 /// The default model shape is Qwen3-0.6B: 28 layers, 8 KV heads of 128, bf16, 16-token blocks.
 #[derive(Args, Debug)]
 pub struct OffloadArgs {
+    /// A model's block shape (sets --layers, --kv-heads, --head-size and --block-size, bf16).
+    #[arg(long, value_enum)]
+    model: Option<ModelArg>,
     /// Blocks moved in each direction.
     #[arg(long, default_value_t = 1024)]
     blocks: usize,
@@ -227,7 +268,20 @@ fn wait_with_progress(
     ticket.wait()
 }
 
-pub fn run(args: OffloadArgs) -> anyhow::Result<bool> {
+pub fn run(mut args: OffloadArgs) -> anyhow::Result<bool> {
+    if let Some(model) = args.model {
+        let (layers, kv_heads, head_size, block_size) = model.shape();
+        (args.layers, args.kv_heads, args.head_size, args.block_size) =
+            (layers, kv_heads, head_size, block_size);
+        args.dtype_bytes = 2;
+        args.mla = false;
+        println!(
+            "model {}: {layers} layers per block, {kv_heads} KV heads of {head_size}, {block_size}-token blocks",
+            model
+                .to_possible_value()
+                .map_or_else(String::new, |v| v.get_name().to_owned()),
+        );
+    }
     if args.blocks == 0 || args.iterations == 0 {
         bail!("--blocks and --iterations must be at least 1");
     }
