@@ -537,30 +537,31 @@ fn allocated_groups(
     let mut gpu = Vec::new();
     // (block index) per planned copy, for the first block that could not be backed.
     let mut blocks = Vec::new();
-    for g in 0..groups.len() {
-        let ids = r.block_ids.get(g).map_or(&[][..], Vec::as_slice);
+    for (g, ids) in r.block_ids.iter().enumerate().take(groups.len()) {
         let needed = groups.needed(g, start, end);
         if ids.len() < needed.end || r.hashes.len() < needed.end {
+            // Never seen from vLLM; planned anyway (an asynchronous onboard is always
+            // reported), with what exists.
             tracing::warn!(
                 request,
                 group = g,
                 blocks = ids.len(),
                 end,
-                "too few GPU blocks for the matched blocks; not onboarding"
+                "too few GPU blocks for the matched blocks"
             );
-            return Ok(false);
         }
         // Every real block vLLM allocated for the hit gets its bytes (vLLM does not zero the
         // blocks of a group an asynchronous load fills: `get_loaded_kv_cache_group_ids`), which
         // for vLLM's own allocation are exactly the blocks the hit needs
         // (`allocate_external_computed_blocks` pads the others with the null block).
-        for i in start..needed.end {
-            if ids[i] == NULL_BLOCK {
+        let last = needed.end.min(ids.len()).min(r.hashes.len());
+        for (i, &id) in ids.iter().enumerate().take(last).skip(start) {
+            if id == NULL_BLOCK {
                 // vLLM keeps no block there: nothing to load (and never the null block).
                 continue;
             }
             keys.push(groups.key(g, r.hashes[i]));
-            gpu.push(ids[i]);
+            gpu.push(id);
             blocks.push(i);
         }
     }
