@@ -38,7 +38,13 @@ try:
     HAVE_VLLM = True
 except ImportError:  # vLLM absent: importable, not usable.
     HAVE_VLLM = False
-    KVConnectorBase_V1 = object  # type: ignore[misc,assignment]
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        """Stand-in where vLLM is absent (creating a connector then raises)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
     KVConnectorRole = None  # type: ignore[assignment]
 
 try:
@@ -104,6 +110,10 @@ def _group_kinds(kv_cache_config: Any, block_size: int) -> Optional[List[Tuple[s
         name = type(spec).__name__
         kind = _SERVED_SPECS.get(name)
         where = f"KV cache group {g} ({name}, layers {list(getattr(group, 'layer_names', []))[:3]}...)"
+        if kind is None and len(groups) == 1:
+            # One group of another kind of attention: every block of the prefix, as before
+            # hybrid support (vLLM with its hybrid manager off unifies every layer's spec).
+            return None
         if kind is None:
             if name == "UniformTypeKVCacheSpecs":
                 inner = {type(s).__name__ for s in (getattr(spec, "kv_cache_specs", None) or {}).values()}
