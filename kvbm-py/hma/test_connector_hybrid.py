@@ -144,7 +144,7 @@ class Engine:
         kv = self.ranks[rank][0]
         return [page_pattern(name, tokens, v.page_bytes(kv[name][1]).numel(), rank) for name in group.layer_names]
 
-    def scheduler_output(self, new=(), cached=(), scheduled: Dict[str, int] = None):
+    def scheduler_output(self, new=(), cached=(), scheduled: Dict[str, int] = None, preempted=()):
         """vLLM's SchedulerOutput as a connector reads it: new requests with every group's
         table, cached ones with the block ids added this step (None when no group got one),
         and the current tables (kv_connector_block_state)."""
@@ -165,7 +165,7 @@ class Engine:
                 resumed_req_ids=set(),
             ),
             num_scheduled_tokens=dict(scheduled or {}),
-            preempted_req_ids=set(),
+            preempted_req_ids=set(preempted),
             kv_connector_block_state=KVConnectorBlockState(
                 req_ids={r.request_id for r in new} | {r.request_id for r, _ in cached},
                 resolve_block_ids=lambda rid: tuple(self.manager.get_block_ids(rid)),
@@ -178,6 +178,8 @@ class Engine:
         metadata to each worker process)."""
         meta = pickle.loads(pickle.dumps(self.leader.build_connector_meta(out)))
         for _, worker in self.ranks:
+            # vLLM 0.33 calls it first, with the step's metadata (ActiveKVConnector.pre_forward).
+            worker.handle_preemptions(meta)
             worker.bind_connector_metadata(meta)
             worker.start_load_kv(None)
             worker.wait_for_save()
@@ -278,7 +280,7 @@ def tokens_of(seed: int, n: int) -> List[int]:
 SHAPES = [v.TINY_GPT_OSS, v.TINY_GEMMA3, v.TINY_QWEN3_NEXT]
 
 
-def check_loaded(e: Engine, rid: str, tokens: List[int], blocks: int) -> int:
+def check_loaded(e: Engine, rid: str, tokens: List[int], blocks: int, untouched: bool = True) -> int:
     """Every real block of every group vLLM allocated for ``rid``'s hit of ``blocks`` blocks
     holds, on every rank, its layers' bytes for its prefix; the null block and every block
     outside the hit hold nothing. Returns how many pages were compared."""
@@ -306,7 +308,7 @@ def check_loaded(e: Engine, rid: str, tokens: List[int], blocks: int) -> int:
                     assert torch.equal(w, x), f"rank {rank} group {g} ({kind}) block {i} (id {ids[i]}) layer {name}"
                     checked += 1
     loaded = {b_id for t in tables for b_id in t[:blocks] if b_id}
-    for kv, _ in e.ranks:
+    for kv, _ in e.ranks if untouched else ():
         for name in kv:
             assert not v.page_bytes(kv[name][0]).any(), f"null block written in {name}"
         untouched = [b_id for b_id in range(1, e.p.kv_cache_config.num_blocks) if b_id not in loaded][:64]
@@ -387,3 +389,53 @@ def test_older_window_blocks_may_go_but_the_windows_own_may_not():
     e.prefill_and_offload("y", tokens_of(12, bs + 1))
     found, _ = e.leader.get_num_new_matched_tokens(v.make_request(e.p, "b2", b), 0)
     assert found == 0
+
+
+@pytest.mark.parametrize("shape", [v.TINY_GPT_OSS, v.TINY_QWEN3_NEXT], ids=lambda s: s.name)
+def test_a_preempted_request_resumes_from_what_kvbm_offloaded(shape):
+    # vLLM preempts a running request (Scheduler._preempt_request: its blocks freed right after
+    # the workers' handle_preemptions, num_computed_tokens back to 0); when it is scheduled again
+    # kvbm serves what it offloaded before, and it resumes (vLLM 0.33's V2 runner sends it as a
+    # new request with its whole tables).
+    e = Engine(shape)
+    bs = e.bs
+    prompt = tokens_of(13, 10 * bs + 5)
+    req = v.make_request(e.p, "a", prompt)
+    e.manager.new_step_starts()
+    assert e.leader.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert e.manager.allocate_slots(req, 10 * bs) is not None
+    e.leader.update_state_after_alloc(req, e.manager.get_blocks("a"), 0)
+    e.forward(req, 0, 10 * bs)
+    e.step(e.scheduler_output(new=[req], scheduled={"a": 10 * bs}))
+    req.num_computed_tokens = 10 * bs
+    # Preempted in the next step: the workers finish its offloads before vLLM reuses its blocks.
+    e.step(e.scheduler_output(preempted=["a"]))
+    e.manager.free(req)
+    req.num_computed_tokens = 0
+    e.drop_gpu_cache()
+    # Scheduled again: kvbm's hit, loaded asynchronously.
+    e.manager.new_step_starts()
+    computed, local, _ = e.manager.get_computed_blocks(req)
+    assert local == 0
+    found, asynchronous = e.leader.get_num_new_matched_tokens(req, 0)
+    assert (found, asynchronous) == (10 * bs, True)
+    assert e.manager.allocate_slots(
+        req, 0, num_new_computed_tokens=0, new_computed_blocks=computed,
+        num_external_computed_tokens=found, delay_cache_blocks=True,
+    ) is not None
+    e.leader.update_state_after_alloc(req, e.manager.get_blocks("a"), found)
+    e.step(e.scheduler_output())
+    deadline = time.monotonic() + 60
+    while "a" not in e.finished()[1]:
+        assert time.monotonic() < deadline, "load never reported"
+        e.step(e.scheduler_output())
+        time.sleep(0.002)
+    assert check_loaded(e, "a", prompt, 10) > 0
+    # It resumes: the rest of its prompt, as a new request with its whole tables.
+    req.num_computed_tokens = found
+    e.manager.new_step_starts()
+    assert e.manager.allocate_slots(req, 5) is not None
+    e.forward(req, found, found + 5)
+    e.step(e.scheduler_output(new=[req], scheduled={"a": 5}))
+    assert check_loaded(e, "a", prompt, 10, untouched=False) > 0
+
