@@ -30,6 +30,9 @@
 //! - `kv_router_subscriber_sockets`, `kv_router_subscriber_zmq_contexts` (ZMQ resources held
 //!   for the registered workers), `kv_router_max_workers` (--max-workers as in force, lowered at
 //!   start when the open-files limit cannot hold it), `kv_router_open_files_limit`.
+//! - `kv_router_events_by_group_kind_total{kind, event_type}`: events of vLLM's KV cache groups
+//!   (`group_idx` given) by the group's kind as vLLM names it (`full_attention`,
+//!   `sliding_window`, `mamba`, ...; `unknown` for a group never described) and type.
 //! - `kv_router_claim_suspensions_total`, `kv_router_claims_suspended`: workers whose event link
 //!   was lost, their blocks not counted until their next batch shows whether they restarted.
 //! - OpenAI front end ([`FrontendMetrics`]): Dynamo's `dynamo_frontend_requests_total{model,
@@ -115,6 +118,8 @@ pub struct RouterMetrics {
     pub subscriber_sockets: IntGauge,
     /// `kv_router_subscriber_zmq_contexts`: ZMQ contexts open (one per 200 workers).
     pub subscriber_contexts: IntGauge,
+    /// `kv_router_events_by_group_kind_total{kind, event_type}`: events of KV cache groups.
+    pub events_by_group_kind: IntCounterVec,
     /// `kv_router_claim_suspensions_total`: times a worker's event link was lost and its blocks
     /// stopped counting until its next batch.
     pub claim_suspensions: IntCounter,
@@ -354,6 +359,14 @@ impl RouterMetrics {
             subscriber_contexts: gauge(
                 "kv_router_subscriber_zmq_contexts",
                 "ZMQ contexts the event subscriber holds open (one per 200 workers)",
+            ),
+            events_by_group_kind: counter_vec(
+                "kv_router_events_by_group_kind_total",
+                "KV cache events of vLLM's KV cache groups (group_idx given), by the group's kind \
+                 (kv_cache_spec_kind as vLLM names it; unknown for a group never described) and \
+                 event type. Only full-attention-like groups' blocks are claims; sliding-window \
+                 and Mamba groups' blocks cut a worker's match where vLLM would cut its hit",
+                &["kind", "event_type"],
             ),
             claim_suspensions: counter(
                 "kv_router_claim_suspensions_total",

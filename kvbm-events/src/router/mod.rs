@@ -7,6 +7,7 @@
 //! routing decision predicts on its worker ([`predict`]). The
 //! service around them is the `kvbm-router` crate.
 
+mod groups;
 pub mod index;
 pub mod load;
 mod mapped;

@@ -177,6 +177,14 @@ impl Names {
         refusal
     }
 
+    /// Counts `n` more references to a known engine hash (stores of another KV cache group that
+    /// named it without its tokens); its identity, or `None` when the map does not hold it.
+    pub fn retain(&mut self, engine: u64, n: u32) -> Option<u64> {
+        let name = self.map.get_mut(&engine)?;
+        name.refs = name.refs.saturating_add(n);
+        Some(name.ours)
+    }
+
     /// Takes a removal in: the identities of the engine hashes it knows (one reference each),
     /// written into `out`; returns how many it did not know.
     pub fn remove(&mut self, engine_hashes: &[u64], out: &mut Vec<u64>) -> usize {
