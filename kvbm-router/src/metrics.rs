@@ -3,8 +3,9 @@
 //! - `kv_cache_events_applied{event_type, status}`: events by type (`stored`, `removed`,
 //!   `cleared`, plus `batch` for whole payloads and `unknown` for event types not understood) and
 //!   outcome (`ok`, `not_local`, `block_not_found`, `worker_full`, `parent_unknown`,
-//!   `block_size_mismatch`, `malformed`, `unhashable`, `hash_conflict`, `placeholder_skipped`,
-//!   `unknown_event`, `decode_error`, `unregistered_worker`).
+//!   `block_size_mismatch` (neither the router's block size nor a divisor of it), `malformed`,
+//!   `unhashable`, `hash_conflict`, `placeholder_skipped`, `unknown_event`, `decode_error`,
+//!   `unregistered_worker`).
 //! - `kv_router_blocks{worker_id, dp_rank, tier}`: blocks indexed per worker and tier (set at
 //!   each scrape).
 //! - `kv_router_gaps_total{filled}`, `kv_router_replays_total`, `kv_router_decode_errors_total`,

@@ -19,6 +19,8 @@
 //!   where they start). Their events never add or remove a claim. Group-tagged events of those
 //!   groups off the GPU tier, and of groups not modelled, are counted and not indexed. kvbm's
 //!   own host and disk events carry no group: they are claims of their tier, as before.
+//! - Pages that divide the router's block (SGLang's default page size 1) are regrouped into its
+//!   blocks ([`crate::router::regroup`]): a block is claimed when its last page is stored.
 //!
 //! Layout, chosen for the two hot paths (applying a store, matching a 512-block prompt):
 //! - Every distinct block is a node in an arena of parallel arrays (its hash, its holder set).
@@ -38,6 +40,7 @@ use std::collections::HashMap;
 
 use crate::router::groups::WorkerGroups;
 use crate::router::mapped::MappedVec;
+use crate::router::regroup::Pages;
 use crate::router::selector::{Overlap, WorkerKey};
 use crate::router::table::BlockTable;
 use crate::router::translate::{Names, Refusal, StoredBlocks};
@@ -70,7 +73,8 @@ pub enum ApplyStatus {
     WorkerFull,
     /// A store whose parent's engine hash the worker never stored (or removed since): refused.
     ParentUnknown,
-    /// A store with another block size than the router's: refused.
+    /// A store with a block size that is neither the router's nor a divisor of it (pages that
+    /// divide it, such as SGLang's page size 1, are regrouped): refused.
     BlockSizeMismatch,
     /// A store whose tokens are not its blocks: refused.
     Malformed,
@@ -353,6 +357,8 @@ pub struct KvIndex {
     names: Vec<Names>,
     /// Per worker (same index), its KV cache groups.
     groups: Vec<WorkerGroups>,
+    /// Per worker (same index), its pages smaller than the router's blocks.
+    pages: Vec<Pages>,
     /// Tokens per block of the router: stores of another size are refused.
     block_size: u32,
     /// Scratch for translated hashes.
@@ -390,6 +396,7 @@ impl KvIndex {
         Self {
             names: Vec::new(),
             groups: Vec::new(),
+            pages: Vec::new(),
             block_size,
             scratch: Vec::new(),
             hashes: MappedVec::new(),
@@ -489,6 +496,7 @@ impl KvIndex {
                 self.workers.push(WorkerState::default());
                 self.names.push(Names::new());
                 self.groups.push(WorkerGroups::default());
+                self.pages.push(Pages::default());
                 self.workers.len() - 1
             }
         };
@@ -499,6 +507,7 @@ impl KvIndex {
         };
         self.names[i].clear();
         self.groups[i].clear();
+        self.pages[i].clear();
         self.by_key.insert(key, i as u32);
         i as u32
     }
@@ -554,20 +563,32 @@ impl KvIndex {
                     return self.store_sparse(w, g, block_hashes);
                 }
                 let mut ours = std::mem::take(&mut self.scratch);
-                let refusal = self.names[w].store(
-                    &StoredBlocks {
-                        engine_hashes: block_hashes,
-                        parent: *parent,
-                        token_ids,
-                        block_size: *block_size,
-                        lora_name: lora_name.as_deref(),
-                        cache_salt: cache_salt.as_deref(),
-                        unhashable_from: *unhashable_from,
-                    },
-                    self.block_size,
-                    self.blocks_per_worker_max,
-                    &mut ours,
-                );
+                let blocks = StoredBlocks {
+                    engine_hashes: block_hashes,
+                    parent: *parent,
+                    token_ids,
+                    block_size: *block_size,
+                    lora_name: lora_name.as_deref(),
+                    cache_salt: cache_salt.as_deref(),
+                    unhashable_from: *unhashable_from,
+                };
+                let refusal =
+                    if cut_group.is_none() && Pages::regroups(*block_size, self.block_size) {
+                        // Pages (SGLang's page size 1): the blocks they complete.
+                        self.pages[w].store(
+                            &blocks,
+                            self.block_size,
+                            self.blocks_per_worker_max,
+                            &mut ours,
+                        )
+                    } else {
+                        self.names[w].store(
+                            &blocks,
+                            self.block_size,
+                            self.blocks_per_worker_max,
+                            &mut ours,
+                        )
+                    };
                 let status = if ours.is_empty() {
                     ApplyStatus::Ok
                 } else if let Some(g) = cut_group {
@@ -620,6 +641,28 @@ impl KvIndex {
                             ApplyStatus::BlockNotFound
                         } else {
                             ApplyStatus::Ok
+                        }
+                    }
+                    None if !self.pages[w].is_empty() => {
+                        // Pages and blocks of one worker: each hash by the map that holds it.
+                        let mut unknown = 0;
+                        let mut status = ApplyStatus::Ok;
+                        for &engine in block_hashes {
+                            unknown += if self.pages[w].contains(engine) {
+                                self.pages[w].remove(&[engine], &mut ours)
+                            } else {
+                                self.names[w].remove(&[engine], &mut ours)
+                            };
+                            if !ours.is_empty()
+                                && self.remove(worker, *tier, &ours) != ApplyStatus::Ok
+                            {
+                                status = ApplyStatus::BlockNotFound;
+                            }
+                        }
+                        if unknown > 0 {
+                            ApplyStatus::BlockNotFound
+                        } else {
+                            status
                         }
                     }
                     None => {
@@ -699,6 +742,13 @@ impl KvIndex {
         self.by_key
             .get(&worker)
             .map_or(0, |&w| self.groups[w as usize].len())
+    }
+
+    /// Pages smaller than a block `worker` has stored and not removed (SGLang's page size 1).
+    pub fn pages(&self, worker: WorkerKey) -> usize {
+        self.by_key
+            .get(&worker)
+            .map_or(0, |&w| self.pages[w as usize].len())
     }
 
     /// Engine hashes `worker` has stored and not removed.
@@ -903,6 +953,7 @@ impl KvIndex {
         self.workers[w as usize] = WorkerState::default();
         self.names[w as usize].clear();
         self.groups[w as usize].clear();
+        self.pages[w as usize].clear();
     }
 
     /// Blocks `worker` holds in `tier`.

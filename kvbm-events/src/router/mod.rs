@@ -12,6 +12,7 @@ pub mod index;
 pub mod load;
 mod mapped;
 pub mod predict;
+mod regroup;
 pub mod selector;
 mod table;
 pub mod translate;
