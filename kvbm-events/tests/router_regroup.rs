@@ -156,3 +156,22 @@ fn pages_that_divide_the_block_are_regrouped_and_others_refused() {
     assert_eq!(index.apply(W, &one), ApplyStatus::Ok);
     assert_eq!(index.apply(W, &other), ApplyStatus::HashConflict);
 }
+
+#[test]
+fn pages_travel_with_a_snapshot() {
+    let a: Vec<u32> = (500..540).collect();
+    let mut b = a[..20].to_vec();
+    b.extend(900..925);
+    let mut first = KvIndex::new(1 << 20, BLOCK);
+    apply(&mut first, &node_payload(&[], &a, 1, false));
+    let snapshot = first.snapshot(&[]);
+    assert_eq!(snapshot[0].pages.len(), 40);
+    let mut index = KvIndex::new(1 << 20, BLOCK);
+    assert_eq!(index.restore(&snapshot[0]), ApplyStatus::Ok);
+    assert_eq!(gpu(&index, &a), 2);
+    // The stream goes on from the restored pages: b's pages chain onto a's.
+    apply(&mut index, &node_payload(&b[..20], &b[20..], 1, false));
+    assert_eq!(gpu(&index, &b), 2);
+    apply(&mut index, &node_payload(&a[..20], &a[20..], 1, true));
+    assert_eq!(gpu(&index, &a), 1);
+}

@@ -192,3 +192,79 @@ fn without_groups_the_streams_route_prefixes_vllm_does_not_hit() {
         assert!(wrong > 0, "{shape}: every probe agreed without groups");
     }
 }
+
+#[test]
+fn a_replica_restored_from_a_dump_mid_stream_answers_as_vllm_hits() {
+    // A sibling's dump taken halfway (both forms), restored, then the rest of the stream: the
+    // groups, their blocks and the stores still pending travel with the worker.
+    for shape in ["gpt-oss", "gemma3", "qwen3-next"] {
+        let stream = load(shape);
+        let half = stream.checkpoints.len() / 2;
+        let split = stream.checkpoints[half]["batches"].as_u64().unwrap() as usize;
+        let mut first = KvIndex::new(BLOCKS_PER_WORKER_MAX_DEFAULT, stream.block_size);
+        for batch in &stream.batches[..split] {
+            for event in &batch.events {
+                first.apply(WORKER, event);
+            }
+        }
+        let snapshot = first.snapshot(&[]);
+        assert!(!snapshot[0].groups.is_empty() && !snapshot[0].group_holdings.is_empty());
+        let dump = kvbm_router::dump::Dump {
+            block_size: stream.block_size as usize,
+            workers: vec![(
+                kvbm_router::dump::DumpWorker {
+                    worker_id: WORKER.0,
+                    dp_rank: WORKER.1,
+                    endpoint: "tcp://127.0.0.1:5557".into(),
+                    replay_endpoint: None,
+                    last_seq: Some(split as u64 - 1),
+                    http_url: None,
+                },
+                snapshot[0].clone(),
+            )],
+        };
+        let mut ndjson = Vec::new();
+        kvbm_router::dump::write(&dump, &mut ndjson).unwrap();
+        let mut msgpack = Vec::new();
+        kvbm_router::dump::write_msgpack(&dump, &mut msgpack).unwrap();
+        let bs = stream.block_size as usize;
+        let read = [
+            kvbm_router::dump::read(&ndjson[..], bs, 1 << 20).unwrap(),
+            kvbm_router::dump::read_msgpack(&msgpack[..], bs, 1 << 20).unwrap(),
+        ];
+        for back in read {
+            let mut index = KvIndex::new(BLOCKS_PER_WORKER_MAX_DEFAULT, stream.block_size);
+            assert_eq!(index.restore(&back.workers[0].1).label(), "ok");
+            for batch in &stream.batches[split..] {
+                for event in &batch.events {
+                    assert_eq!(index.apply(WORKER, event).label(), "ok", "{shape}");
+                }
+            }
+            let hasher = BlockHasher::new(bs, None, None);
+            let last = stream.checkpoints.last().unwrap();
+            for probe in last["probes"].as_array().unwrap() {
+                let tokens: Vec<u32> = probe["tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect();
+                let hashes: Vec<u64> = hasher
+                    .sequence_hashes(None, &tokens)
+                    .into_iter()
+                    .map(|h| h.0)
+                    .collect();
+                let gpu = index
+                    .find_matches(&hashes)
+                    .into_iter()
+                    .find(|(k, _)| *k == WORKER)
+                    .map_or(0, |(_, o)| o.gpu);
+                assert_eq!(
+                    (gpu * bs) as u64,
+                    probe["vllm_hit_tokens"].as_u64().unwrap(),
+                    "{shape}"
+                );
+            }
+        }
+    }
+}

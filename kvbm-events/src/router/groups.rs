@@ -31,6 +31,7 @@ use std::collections::HashMap;
 
 use foldhash::quality::RandomState;
 
+use crate::router::index::{GroupEntry, GroupHolding};
 use crate::{GroupKind, GroupRole};
 
 /// Group indices a worker may describe; events of higher ones are ignored.
@@ -117,6 +118,9 @@ impl WorkerGroups {
 
     /// [`Self::store`], `n` times over.
     pub fn store_n(&mut self, g: u32, blocks: &[u64], n: u32, blocks_max: usize) -> bool {
+        if g >= GROUPS_MAX {
+            return false;
+        }
         let g = g as usize;
         if self.held.len() <= g {
             self.held.resize_with(g + 1, Held::default);
@@ -139,15 +143,56 @@ impl WorkerGroups {
     /// Group `g` stored engine hash `engine`, not yet named; false when the worker's limit
     /// refused it.
     pub fn pend(&mut self, engine: u64, g: u32, blocks_max: usize) -> bool {
+        self.pend_n(engine, g, 1, blocks_max)
+    }
+
+    /// [`Self::pend`], `n` times over.
+    pub fn pend_n(&mut self, engine: u64, g: u32, n: u32, blocks_max: usize) -> bool {
+        if g >= GROUPS_MAX {
+            return false;
+        }
         match self.pending.entry((engine, g)) {
-            Entry::Occupied(mut o) => *o.get_mut() = o.get().saturating_add(1),
+            Entry::Occupied(mut o) => *o.get_mut() = o.get().saturating_add(n),
             Entry::Vacant(_) if self.total >= blocks_max => return false,
             Entry::Vacant(v) => {
-                v.insert(1);
+                v.insert(n);
                 self.total += 1;
             }
         }
         true
+    }
+
+    /// The groups described, for a snapshot.
+    pub fn specs(&self) -> impl Iterator<Item = GroupEntry> + '_ {
+        self.specs.iter().enumerate().filter_map(|(g, spec)| {
+            spec.map(|(kind, window)| GroupEntry {
+                group: g as u32,
+                kind,
+                window,
+            })
+        })
+    }
+
+    /// The blocks held and the stores pending, for a snapshot.
+    pub fn holdings(&self) -> impl Iterator<Item = GroupHolding> + '_ {
+        let held = self.held.iter().enumerate().flat_map(|(g, h)| {
+            h.blocks.iter().map(move |(&hash, &count)| GroupHolding {
+                group: g as u32,
+                hash,
+                count,
+                pending: false,
+            })
+        });
+        let pending = self
+            .pending
+            .iter()
+            .map(|(&(hash, group), &count)| GroupHolding {
+                group,
+                hash,
+                count,
+                pending: true,
+            });
+        held.chain(pending)
     }
 
     /// Takes one pending store of `engine` by `g` back (its removal); false when there is none.

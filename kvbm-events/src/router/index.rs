@@ -140,6 +140,51 @@ pub struct Holding {
     pub count: u32,
 }
 
+/// A KV cache group of a worker, as its stores described it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupEntry {
+    /// The group's index (vLLM's `group_idx`).
+    pub group: u32,
+    /// Its kind.
+    pub kind: GroupKind,
+    /// Its sliding window in tokens, when it has one.
+    pub window: Option<u32>,
+}
+
+/// A block a sliding-window or Mamba group of a worker holds on GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupHolding {
+    /// The group's index.
+    pub group: u32,
+    /// The block identity; the engine hash when `pending`.
+    pub hash: u64,
+    /// References.
+    pub count: u32,
+    /// A store waiting for a prefix group's store to name its engine hash.
+    pub pending: bool,
+}
+
+/// A page smaller than the router's block (SGLang's page size 1) of a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageEntry {
+    /// The page's engine hash.
+    pub engine: u64,
+    /// The engine hash of the page before it.
+    pub parent: Option<u64>,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Pages of its router block up to and including it.
+    pub index: u32,
+    /// The identity of the router block before its block.
+    pub prev_block: Option<u64>,
+    /// The identity of the router block it completes, when it does.
+    pub block: Option<u64>,
+    /// The namespace term of its prompt.
+    pub namespace: u64,
+    /// Stores not matched by a removal yet.
+    pub refs: u32,
+}
+
 /// Everything the index knows of one worker.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerSnapshot {
@@ -149,6 +194,12 @@ pub struct WorkerSnapshot {
     pub names: Vec<NameEntry>,
     /// Its holdings.
     pub holdings: Vec<Holding>,
+    /// Its KV cache groups (hybrid models).
+    pub groups: Vec<GroupEntry>,
+    /// Its sliding-window and Mamba groups' blocks.
+    pub group_holdings: Vec<GroupHolding>,
+    /// Its pages smaller than a block.
+    pub pages: Vec<PageEntry>,
 }
 
 /// The empty set; a node whose set is empty is dead.
@@ -986,6 +1037,9 @@ impl KvIndex {
                     })
                     .collect(),
                 holdings: Vec::with_capacity(self.workers[w as usize].total()),
+                groups: self.groups[w as usize].specs().collect(),
+                group_holdings: self.groups[w as usize].holdings().collect(),
+                pages: self.pages[w as usize].entries().collect(),
             });
         }
         if out.is_empty() {
@@ -1041,6 +1095,27 @@ impl KvIndex {
                 if self.store(key, h.tier, &[h.hash]) != ApplyStatus::Ok {
                     status = ApplyStatus::WorkerFull;
                 }
+            }
+        }
+        let max = self.blocks_per_worker_max;
+        let groups = &mut self.groups[w];
+        for g in &snapshot.groups {
+            groups.learn(g.group, g.kind, g.window);
+        }
+        for h in &snapshot.group_holdings {
+            let n = h.count.max(1);
+            let kept = if h.pending {
+                groups.pend_n(h.hash, h.group, n, max)
+            } else {
+                groups.store_n(h.group, &[h.hash], n, max)
+            };
+            if !kept {
+                status = ApplyStatus::WorkerFull;
+            }
+        }
+        for p in &snapshot.pages {
+            if !self.pages[w].restore(p, max) {
+                status = ApplyStatus::WorkerFull;
             }
         }
         status

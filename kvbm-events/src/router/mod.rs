@@ -18,8 +18,9 @@ mod table;
 pub mod translate;
 
 pub use index::{
-    ApplyStatus, Holding, KvIndex, NameEntry, WorkerSnapshot, BLOCKS_PER_WORKER_MAX_DEFAULT,
-    BLOCK_SIZE_DEFAULT, INDEX_CAPACITY_BLOCKS_MAX, MIN_TOMBSTONES_DEFAULT,
+    ApplyStatus, GroupEntry, GroupHolding, Holding, KvIndex, NameEntry, PageEntry, WorkerSnapshot,
+    BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT, INDEX_CAPACITY_BLOCKS_MAX,
+    MIN_TOMBSTONES_DEFAULT,
 };
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use predict::{with_prediction, Predictions, PREDICTIONS_MAX_DEFAULT};

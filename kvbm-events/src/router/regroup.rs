@@ -26,6 +26,7 @@ use std::collections::HashMap;
 use foldhash::quality::RandomState;
 
 use crate::hash::{namespace_term, BlockHasher, SequenceHash};
+use crate::router::index::PageEntry;
 use crate::router::translate::{Refusal, StoredBlocks};
 
 #[derive(Debug, Clone)]
@@ -67,6 +68,40 @@ impl Pages {
 
     pub fn contains(&self, engine: u64) -> bool {
         self.map.contains_key(&engine)
+    }
+
+    /// Every page, for a snapshot.
+    pub fn entries(&self) -> impl Iterator<Item = PageEntry> + '_ {
+        self.map.iter().map(|(&engine, p)| PageEntry {
+            engine,
+            parent: p.parent,
+            tokens: p.tokens.to_vec(),
+            index: p.index,
+            prev_block: p.prev_block,
+            block: p.block,
+            namespace: p.namespace,
+            refs: p.refs,
+        })
+    }
+
+    /// Puts back a page of a snapshot; false when the worker's limit refused it.
+    pub fn restore(&mut self, p: &PageEntry, pages_max: usize) -> bool {
+        if self.map.len() >= pages_max && !self.map.contains_key(&p.engine) {
+            return false;
+        }
+        self.map.insert(
+            p.engine,
+            Page {
+                parent: p.parent,
+                tokens: p.tokens.as_slice().into(),
+                index: p.index,
+                prev_block: p.prev_block,
+                block: p.block,
+                namespace: p.namespace,
+                refs: p.refs.max(1),
+            },
+        );
+        true
     }
 
     /// Whether pages of `page_size` tokens are regrouped into blocks of `block_size`.
