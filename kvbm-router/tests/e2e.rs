@@ -1068,19 +1068,17 @@ fn a_hybrid_vllm_worker_is_routed_as_its_cache_would_hit() {
     let last = doc["checkpoints"].as_array().unwrap().last().unwrap();
     assert_eq!(last["batches"].as_u64(), Some(payloads.len() as u64));
     let mut hits = 0;
-    for probe in last["probes"].as_array().unwrap() {
-        let answer = router.ok(
-            "POST",
-            "/query",
-            Some(json!({ "token_ids": probe["tokens"] })),
-        );
+    let probes = doc["probes"].as_array().unwrap();
+    let vllm_hits = last["vllm_hit_tokens"].as_array().unwrap();
+    for (tokens, vllm) in probes.iter().zip(vllm_hits) {
+        let answer = router.ok("POST", "/query", Some(json!({ "token_ids": tokens })));
         let gpu = answer["workers"]
             .as_array()
             .unwrap()
             .iter()
             .find(|w| w["worker_id"] == 11)
             .map_or(0, |w| w["overlap"]["gpu_blocks"].as_u64().unwrap());
-        let vllm = probe["vllm_hit_tokens"].as_u64().unwrap();
+        let vllm = vllm.as_u64().unwrap();
         assert_eq!(gpu * block as u64, vllm, "{answer}");
         hits += u64::from(vllm > 0);
     }

@@ -17,6 +17,8 @@ const WORKER: WorkerKey = (7, 0);
 
 struct Stream {
     block_size: u32,
+    /// The probe prompts' tokens.
+    probes: Vec<Vec<u32>>,
     groups: Vec<(String, Option<u64>)>,
     batches: Vec<WireBatch>,
     checkpoints: Vec<Value>,
@@ -42,6 +44,18 @@ fn load(shape: &str) -> Stream {
         .collect();
     Stream {
         block_size: doc["block_size"].as_u64().unwrap() as u32,
+        probes: doc["probes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                p.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|t| t.as_u64().unwrap() as u32)
+                    .collect()
+            })
+            .collect(),
         groups: doc["groups"]
             .as_array()
             .unwrap()
@@ -100,15 +114,10 @@ fn replay(stream: &Stream, grouped: bool) -> Vec<(usize, usize)> {
             }
         }
         applied = upto;
-        for probe in checkpoint["probes"].as_array().unwrap() {
-            let tokens: Vec<u32> = probe["tokens"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|t| t.as_u64().unwrap() as u32)
-                .collect();
+        let hits = checkpoint["vllm_hit_tokens"].as_array().unwrap();
+        for (tokens, hit) in stream.probes.iter().zip(hits) {
             let hashes: Vec<u64> = hasher
-                .sequence_hashes(None, &tokens)
+                .sequence_hashes(None, tokens)
                 .into_iter()
                 .map(|h| h.0)
                 .collect();
@@ -117,7 +126,7 @@ fn replay(stream: &Stream, grouped: bool) -> Vec<(usize, usize)> {
                 .into_iter()
                 .find(|(k, _)| *k == WORKER)
                 .map_or(0, |(_, o)| o.gpu);
-            let vllm = probe["vllm_hit_tokens"].as_u64().unwrap() as usize;
+            let vllm = hit.as_u64().unwrap() as usize;
             out.push((vllm, matched * stream.block_size as usize));
         }
     }
@@ -242,15 +251,10 @@ fn a_replica_restored_from_a_dump_mid_stream_answers_as_vllm_hits() {
             }
             let hasher = BlockHasher::new(bs, None, None);
             let last = stream.checkpoints.last().unwrap();
-            for probe in last["probes"].as_array().unwrap() {
-                let tokens: Vec<u32> = probe["tokens"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|t| t.as_u64().unwrap() as u32)
-                    .collect();
+            let hits = last["vllm_hit_tokens"].as_array().unwrap();
+            for (tokens, hit) in stream.probes.iter().zip(hits) {
                 let hashes: Vec<u64> = hasher
-                    .sequence_hashes(None, &tokens)
+                    .sequence_hashes(None, tokens)
                     .into_iter()
                     .map(|h| h.0)
                     .collect();
@@ -259,11 +263,7 @@ fn a_replica_restored_from_a_dump_mid_stream_answers_as_vllm_hits() {
                     .into_iter()
                     .find(|(k, _)| *k == WORKER)
                     .map_or(0, |(_, o)| o.gpu);
-                assert_eq!(
-                    (gpu * bs) as u64,
-                    probe["vllm_hit_tokens"].as_u64().unwrap(),
-                    "{shape}"
-                );
+                assert_eq!((gpu * bs) as u64, hit.as_u64().unwrap(), "{shape}");
             }
         }
     }
