@@ -227,3 +227,22 @@ fn groups_off_the_gpu_and_unmodelled_kinds_are_not_indexed() {
         })
     );
 }
+
+#[test]
+fn a_window_groups_removal_of_a_block_it_never_held_leaves_the_full_groups_name() {
+    let mut index = KvIndex::new(1 << 20, BS);
+    let all: Vec<usize> = (0..4).collect();
+    apply(&mut index, &store(0, SWA, Some(9), 0, 4, &[3]));
+    apply(&mut index, &store(1, FULL, None, 0, 4, &all));
+    assert_eq!(index.engine_hashes(W), 4);
+    assert_eq!(
+        index.apply(W, &removed(0, &[2])),
+        ApplyStatus::BlockNotFound
+    );
+    assert_eq!(index.blocks_in(W, Tier::Gpu), 4);
+    // The full group's removal still finds its blocks by their engine hashes.
+    apply(&mut index, &removed(1, &[2, 3]));
+    assert_eq!(index.blocks_in(W, Tier::Gpu), 2);
+    apply(&mut index, &removed(0, &[3]));
+    assert_eq!(index.engine_hashes(W), 2);
+}

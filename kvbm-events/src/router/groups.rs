@@ -248,6 +248,13 @@ impl WorkerGroups {
         unknown
     }
 
+    /// Whether group `g` holds block `id`.
+    pub fn holds(&self, g: u32, id: u64) -> bool {
+        self.held
+            .get(g as usize)
+            .is_some_and(|h| h.blocks.contains_key(&id))
+    }
+
     /// Whether any group cuts matches.
     pub fn cuts(&self) -> bool {
         self.cuts

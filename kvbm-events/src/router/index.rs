@@ -685,8 +685,17 @@ impl KvIndex {
                             if self.groups[w].unpend(engine, g) {
                                 continue;
                             }
-                            unknown += self.names[w].remove(&[engine], &mut ours);
-                            unknown += self.groups[w].remove(g, &ours);
+                            // The name's reference is the group's only while the group holds it.
+                            let held = self.names[w]
+                                .ours_of(engine)
+                                .filter(|&id| self.groups[w].holds(g, id));
+                            match held {
+                                Some(id) => {
+                                    self.names[w].remove(&[engine], &mut ours);
+                                    self.groups[w].remove(g, &[id]);
+                                }
+                                None => unknown += 1,
+                            }
                         }
                         if unknown > 0 {
                             ApplyStatus::BlockNotFound

@@ -178,6 +178,11 @@ impl Names {
         refusal
     }
 
+    /// The identity an engine hash stands for, if the map holds it.
+    pub fn ours_of(&self, engine: u64) -> Option<u64> {
+        self.map.get(&engine).map(|n| n.ours)
+    }
+
     /// Counts `n` more references to a known engine hash (stores of another KV cache group that
     /// named it without its tokens); its identity, or `None` when the map does not hold it.
     pub fn retain(&mut self, engine: u64, n: u32) -> Option<u64> {
