@@ -12,7 +12,7 @@
 //!   are refused and counted, never grown without bound.
 //! - `find_matches` follows DESIGN.md: per worker, the contiguous GPU prefix of the request,
 //!   then the blocks that continue it in host memory, then on disk, tier by tier.
-//! - Hybrid workers (vLLM 0.33's KV cache groups, [`crate::router::groups`]): only events
+//! - Hybrid workers (vLLM 0.33's KV cache groups, `router::groups`): only events
 //!   without a group, or of a prefix group (full attention), make claims. Sliding-window and
 //!   Mamba groups' GPU blocks are kept per group and cut the GPU prefix where vLLM's coordinator
 //!   would cut the hit; a cut prefix loses its host and disk continuation (it no longer ends
@@ -20,7 +20,7 @@
 //!   groups off the GPU tier, and of groups not modelled, are counted and not indexed. kvbm's
 //!   own host and disk events carry no group: they are claims of their tier, as before.
 //! - Pages that divide the router's block (SGLang's default page size 1) are regrouped into its
-//!   blocks ([`crate::router::regroup`]): a block is claimed when its last page is stored.
+//!   blocks (`router::regroup`): a block is claimed when its last page is stored.
 //!
 //! Layout, chosen for the two hot paths (applying a store, matching a 512-block prompt):
 //! - Every distinct block is a node in an arena of parallel arrays (its hash, its holder set).
@@ -1155,7 +1155,7 @@ impl KvIndex {
     /// a lower tier that holds the block, or out), with a few word operations per 64 workers.
     ///
     /// A hybrid worker's GPU prefix is then cut where its sliding-window and Mamba groups would
-    /// cut vLLM's hit ([`crate::router::groups`]); a worker without a full-attention group
+    /// cut vLLM's hit (`router::groups`); a worker without a full-attention group
     /// matches as far as its groups accept.
     pub fn find_matches(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let mut out = self.find_prefix_matches(hashes);

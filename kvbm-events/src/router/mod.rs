@@ -2,7 +2,9 @@
 //! how busy each worker is.
 //!
 //! Owns: the per-worker, per-tier block index ([`index`]) with the translation of engine hashes
-//! to block identity ([`translate`]), the selector (Dynamo's default cost,
+//! to block identity ([`translate`]), a hybrid worker's KV cache groups (`groups`: sliding-window
+//! and Mamba groups cut a match where vLLM would cut the hit), pages smaller than a block
+//! regrouped into blocks (`regroup`: SGLang's page size 1), the selector (Dynamo's default cost,
 //! reproduced: [`selector`]), the tracking of routed requests' load ([`load`]) and the blocks a
 //! routing decision predicts on its worker ([`predict`]). The
 //! service around them is the `kvbm-router` crate.

@@ -9,7 +9,7 @@
 //!   hashes), counting the stores not yet matched by a removal; it goes when the count does.
 //! - What cannot be resolved is refused and counted, never guessed: a parent the map does not
 //!   hold, a block size other than the router's (pages that divide the router's block are regrouped
-//!   by [`crate::router::regroup`] instead), tokens that are not whole blocks, keys the
+//!   by `router::regroup` instead), tokens that are not whole blocks, keys the
 //!   router cannot hash (multimodal inputs, prompt embeddings), an engine hash that already names
 //!   another identity. Blocks before the refused one are applied.
 //! - The map's hasher is seeded at random per map (foldhash's quality hasher), so a worker cannot
