@@ -53,3 +53,104 @@ pub struct EventRecord {
     /// The event.
     pub event: KvEvent,
 }
+
+/// The kind of a KV cache group, as vLLM 0.33 names it in `BlockStored.kv_cache_spec_kind`
+/// (`KVCacheSpecKind`, set by `get_kv_cache_spec_kind` in vllm/v1/kv_cache_interface.py and
+/// stamped on stores by `KVCacheManager.take_events`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupKind {
+    /// `full_attention`.
+    FullAttention,
+    /// `mla_attention`.
+    MlaAttention,
+    /// `sink_full_attention`.
+    SinkFullAttention,
+    /// `sliding_window`.
+    SlidingWindow,
+    /// `sliding_window_mla`.
+    SlidingWindowMla,
+    /// `chunked_local_attention`.
+    ChunkedLocalAttention,
+    /// `mamba` (Mamba and linear-attention state).
+    Mamba,
+    /// `encoder_only_attention`.
+    EncoderOnlyAttention,
+    /// `cross_attention`.
+    CrossAttention,
+    /// `unknown`, or a name this crate does not know.
+    Unknown,
+}
+
+/// How a group's blocks bear on a prefix hit (vLLM's `find_longest_cache_hit` per manager in
+/// vllm/v1/core/single_type_kv_cache_manager.py).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupRole {
+    /// Every block of the prefix is needed (`FullAttentionManager`): the group's blocks are the
+    /// prefix claims.
+    Prefix,
+    /// The blocks inside the window before the hit point are needed (`SlidingWindowManager`).
+    Window,
+    /// The block ending at the hit point is needed (`MambaManager`, state at block boundaries).
+    State,
+    /// Not modelled: chunked local attention (its chunk size is not on the wire), groups that
+    /// are not prefix-cached (encoder-only, cross attention) and unknown kinds.
+    Ignored,
+}
+
+impl GroupKind {
+    /// Every kind, in vLLM's order.
+    pub const ALL: [GroupKind; 10] = [
+        GroupKind::FullAttention,
+        GroupKind::MlaAttention,
+        GroupKind::SlidingWindow,
+        GroupKind::SlidingWindowMla,
+        GroupKind::Mamba,
+        GroupKind::ChunkedLocalAttention,
+        GroupKind::SinkFullAttention,
+        GroupKind::EncoderOnlyAttention,
+        GroupKind::CrossAttention,
+        GroupKind::Unknown,
+    ];
+
+    /// The kind vLLM's name stands for; `Unknown` for any other name.
+    pub fn from_name(name: &str) -> GroupKind {
+        GroupKind::ALL
+            .into_iter()
+            .find(|k| k.name() == name)
+            .unwrap_or(GroupKind::Unknown)
+    }
+
+    /// vLLM's name of the kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            GroupKind::FullAttention => "full_attention",
+            GroupKind::MlaAttention => "mla_attention",
+            GroupKind::SinkFullAttention => "sink_full_attention",
+            GroupKind::SlidingWindow => "sliding_window",
+            GroupKind::SlidingWindowMla => "sliding_window_mla",
+            GroupKind::ChunkedLocalAttention => "chunked_local_attention",
+            GroupKind::Mamba => "mamba",
+            GroupKind::EncoderOnlyAttention => "encoder_only_attention",
+            GroupKind::CrossAttention => "cross_attention",
+            GroupKind::Unknown => "unknown",
+        }
+    }
+
+    /// How the kind's blocks bear on a hit. vLLM's managers by spec (the `KVCacheSpecRegistry`
+    /// registrations at the end of vllm/v1/core/single_type_kv_cache_manager.py): full and MLA
+    /// attention use `FullAttentionManager`, sink-full attention its subclass-like manager over
+    /// the whole prefix; sliding window (MLA too) `SlidingWindowManager`; Mamba `MambaManager`.
+    pub fn role(self) -> GroupRole {
+        match self {
+            GroupKind::FullAttention | GroupKind::MlaAttention | GroupKind::SinkFullAttention => {
+                GroupRole::Prefix
+            }
+            GroupKind::SlidingWindow | GroupKind::SlidingWindowMla => GroupRole::Window,
+            GroupKind::Mamba => GroupRole::State,
+            GroupKind::ChunkedLocalAttention
+            | GroupKind::EncoderOnlyAttention
+            | GroupKind::CrossAttention
+            | GroupKind::Unknown => GroupRole::Ignored,
+        }
+    }
+}

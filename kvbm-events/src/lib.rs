@@ -20,7 +20,7 @@ pub mod transport;
 pub mod wire;
 
 pub use bus::{Delivery, EventPublisher, EventSubscriber, SUBSCRIBER_CAPACITY_MAX};
-pub use event::{BlockRemoved, BlockStored, EventRecord, KvEvent};
+pub use event::{BlockRemoved, BlockStored, EventRecord, GroupKind, GroupRole, KvEvent};
 pub use hash::{
     namespace_term, BlockHash, BlockHasher, PassThroughBuildHasher, PassThroughHasher,
     SequenceHash, BLOCK_HASH_SEED, LORA_NAME_SEED, NAMESPACE_SEED,

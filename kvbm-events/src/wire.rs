@@ -21,11 +21,15 @@
 //!   identify ([`WireEvent::Stored`]'s `unhashable_from`), never guessed.
 //! - A medium that names no local tier, or `locality: "REMOTE"`, is kept apart in
 //!   [`Location::NotLocal`], never mixed into the local tiers. A missing medium means GPU.
+//! - vLLM 0.33's KV cache group fields are read from the map form (`BlockStored`: `group_idx`,
+//!   `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`; `BlockRemoved`: `group_idx`; each
+//!   omitted when `None`, as `omit_defaults` does). A stream without them decodes as before.
+//!   An unknown kind name is [`GroupKind::Unknown`], never an error.
 //! - The encoder writes vLLM's current form exactly as vLLM's msgpack encoder does.
 
 use rmp::Marker;
 
-use crate::{BlockRemoved, BlockStored, KvEvent, SequenceHash, Tier};
+use crate::{BlockRemoved, BlockStored, GroupKind, KvEvent, SequenceHash, Tier};
 
 /// Deepest nesting accepted in a payload.
 pub const DECODE_DEPTH_MAX: usize = 16;
@@ -62,6 +66,13 @@ pub enum WireEvent {
         /// (multimodal inputs, prompt embeddings, a LoRA known only by id): the router cannot
         /// compute that block's identity, nor any after it.
         unhashable_from: Option<usize>,
+        /// The KV cache group the blocks belong to (vLLM 0.33's `group_idx`); `None` from
+        /// publishers without groups (older vLLM, SGLang, kvbm's own tiers).
+        group: Option<u32>,
+        /// The group's kind (`kv_cache_spec_kind`), when sent.
+        group_kind: Option<GroupKind>,
+        /// The group's sliding window in tokens (`kv_cache_spec_sliding_window`), when sent.
+        sliding_window: Option<u32>,
     },
     /// Blocks removed.
     Removed {
@@ -69,6 +80,8 @@ pub enum WireEvent {
         location: Location,
         /// The blocks' hashes.
         block_hashes: Vec<u64>,
+        /// The KV cache group the blocks left (vLLM 0.33's `group_idx`), when sent.
+        group: Option<u32>,
     },
     /// Everything of this publisher is gone.
     Cleared,
@@ -98,6 +111,7 @@ impl WireEvent {
             WireEvent::Removed {
                 location: Location::Local(tier),
                 block_hashes,
+                ..
             } => Some(KvEvent::BlockRemoved(BlockRemoved {
                 tier: *tier,
                 block_hashes: hashes(block_hashes),
@@ -333,6 +347,9 @@ enum Field {
     Medium,
     Locality,
     ExtraKeys,
+    GroupIdx,
+    SpecKind,
+    SlidingWindow,
 }
 
 impl Field {
@@ -348,6 +365,9 @@ impl Field {
             b"medium" => Field::Medium,
             b"locality" => Field::Locality,
             b"extra_keys" => Field::ExtraKeys,
+            b"group_idx" => Field::GroupIdx,
+            b"kv_cache_spec_kind" => Field::SpecKind,
+            b"kv_cache_spec_sliding_window" => Field::SlidingWindow,
             _ => return None,
         })
     }
@@ -379,6 +399,9 @@ struct Fields<'a> {
     lora_name: Option<Head<'a>>,
     medium: Option<Head<'a>>,
     locality: Option<Head<'a>>,
+    group_idx: Option<Head<'a>>,
+    spec_kind: Option<Head<'a>>,
+    sliding_window: Option<Head<'a>>,
     /// The value's bytes (read only for a store).
     extra_keys: Option<&'a [u8]>,
 }
@@ -397,6 +420,9 @@ impl<'a> Fields<'a> {
             lora_name: None,
             medium: None,
             locality: None,
+            group_idx: None,
+            spec_kind: None,
+            sliding_window: None,
             extra_keys: None,
         }
     }
@@ -456,6 +482,9 @@ impl<'a> Fields<'a> {
             Field::LoraName => self.lora_name = Some(r.whole(depth)?),
             Field::Medium => self.medium = Some(r.whole(depth)?),
             Field::Locality => self.locality = Some(r.whole(depth)?),
+            Field::GroupIdx => self.group_idx = Some(r.whole(depth)?),
+            Field::SpecKind => self.spec_kind = Some(r.whole(depth)?),
+            Field::SlidingWindow => self.sliding_window = Some(r.whole(depth)?),
         }
         Ok(())
     }
@@ -487,6 +516,28 @@ impl<'a> Fields<'a> {
             }
             Ints::Read(result) => result,
         }
+    }
+
+    /// `group_idx`: a u32 or absent.
+    fn group(&self) -> Result<Option<u32>, DecodeError> {
+        Self::get(self.group_idx)
+            .map(|h| as_u32(h).ok_or_else(|| shape("group_idx is not a u32")))
+            .transpose()
+    }
+
+    /// `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`.
+    fn group_spec(&self) -> Result<(Option<GroupKind>, Option<u32>), DecodeError> {
+        let kind = Self::get(self.spec_kind)
+            .map(|h| {
+                as_str(h)
+                    .map(GroupKind::from_name)
+                    .ok_or_else(|| shape("kv_cache_spec_kind is not a string"))
+            })
+            .transpose()?;
+        let window = Self::get(self.sliding_window)
+            .map(|h| as_u32(h).ok_or_else(|| shape("kv_cache_spec_sliding_window is not a u32")))
+            .transpose()?;
+        Ok((kind, window))
     }
 
     fn location(&self) -> Result<Location, DecodeError> {
@@ -585,8 +636,11 @@ fn decode_event<'a>(r: &mut Reader<'a>, depth: usize) -> Result<Decoded, DecodeE
                 // An adapter known only by its id: its name seeds the hash.
                 unhashable_from = Some(0);
             }
+            let location = f.location()?;
+            let group = f.group()?;
+            let (group_kind, sliding_window) = f.group_spec()?;
             Ok(Decoded::Event(WireEvent::Stored {
-                location: f.location()?,
+                location,
                 block_hashes,
                 parent,
                 token_ids,
@@ -594,11 +648,15 @@ fn decode_event<'a>(r: &mut Reader<'a>, depth: usize) -> Result<Decoded, DecodeE
                 lora_name,
                 cache_salt,
                 unhashable_from,
+                group,
+                group_kind,
+                sliding_window,
             }))
         }
         Kind::Removed => Ok(Decoded::Event(WireEvent::Removed {
             location: f.location()?,
             block_hashes: f.block_hashes()?,
+            group: f.group()?,
         })),
         Kind::Cleared => Ok(Decoded::Event(WireEvent::Cleared)),
         Kind::Unknown => Ok(Decoded::Unknown),

@@ -142,6 +142,9 @@ fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
                     lora_name: None,
                     cache_salt: None,
                     unhashable_from: None,
+                    group: None,
+                    group_kind: None,
+                    sliding_window: None,
                 };
                 assert_eq!(index.apply(*k, &event), ApplyStatus::NotLocal);
             }

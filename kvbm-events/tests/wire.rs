@@ -1,8 +1,8 @@
 //! The wire codec against the engines' own bytes, and against malformed input.
 
 use kvbm_events::{
-    decode_batch, encode_batch, BlockRemoved, BlockStored, DecodeError, KvEvent, Location,
-    SequenceHash, Tier, WireEvent,
+    decode_batch, encode_batch, BlockRemoved, BlockStored, DecodeError, GroupKind, KvEvent,
+    Location, SequenceHash, Tier, WireEvent,
 };
 use proptest::prelude::*;
 use serde_json::Value;
@@ -55,10 +55,14 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
                 cache_salt: None,
                 // An adapter named only by its id cannot be hashed.
                 unhashable_from: (!items[5].is_null()).then_some(0),
+                group: None,
+                group_kind: None,
+                sliding_window: None,
             },
             "BlockRemoved" => WireEvent::Removed {
                 location: location(items[2].as_str(), None),
                 block_hashes: items[1].as_array().unwrap().iter().map(hash).collect(),
+                group: None,
             },
             other => panic!("unexpected legacy type {other}"),
         });
@@ -90,6 +94,9 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
                 lora_name: e["lora_name"].as_str().map(str::to_owned),
                 cache_salt: None,
                 unhashable_from: (e["lora_name"].is_null() && !e["lora_id"].is_null()).then_some(0),
+                group: e["group_idx"].as_u64().map(|g| g as u32),
+                group_kind: e["kv_cache_spec_kind"].as_str().map(GroupKind::from_name),
+                sliding_window: e["kv_cache_spec_sliding_window"].as_u64().map(|w| w as u32),
             })
         }
         "BlockRemoved" => Some(WireEvent::Removed {
@@ -100,6 +107,7 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
                 .iter()
                 .map(hash)
                 .collect(),
+            group: e["group_idx"].as_u64().map(|g| g as u32),
         }),
         "AllBlocksCleared" => Some(WireEvent::Cleared),
         other => panic!("unexpected type {other}"),
@@ -309,4 +317,93 @@ fn malformed_payloads_are_typed_errors() {
     unknown.push(0x00);
     let batch = decode_batch(&unknown).unwrap();
     assert_eq!((batch.events.len(), batch.unknown_skipped), (0, 1));
+}
+
+/// One `[ts, [event], nil]` payload whose event is a map of `fields`.
+fn one_event(fields: Vec<(&str, rmpv::Value)>) -> Vec<u8> {
+    use rmpv::Value as V;
+    let event = V::Map(fields.into_iter().map(|(k, v)| (V::from(k), v)).collect());
+    let mut out = Vec::new();
+    rmpv::encode::write_value(
+        &mut out,
+        &V::Array(vec![V::from(1.0), V::Array(vec![event]), V::Nil]),
+    )
+    .unwrap();
+    out
+}
+
+fn removal_in_group(group: rmpv::Value) -> Vec<u8> {
+    one_event(vec![
+        ("type", "BlockRemoved".into()),
+        ("block_hashes", rmpv::Value::Array(vec![7.into()])),
+        ("medium", "GPU".into()),
+        ("group_idx", group),
+    ])
+}
+
+fn store_of_kind(kind: rmpv::Value, window: rmpv::Value) -> Vec<u8> {
+    one_event(vec![
+        ("type", "BlockStored".into()),
+        ("block_hashes", rmpv::Value::Array(vec![7.into()])),
+        ("parent_block_hash", rmpv::Value::Nil),
+        (
+            "token_ids",
+            rmpv::Value::Array((0..4).map(rmpv::Value::from).collect()),
+        ),
+        ("block_size", 4.into()),
+        ("lora_id", rmpv::Value::Nil),
+        ("medium", "GPU".into()),
+        ("lora_name", rmpv::Value::Nil),
+        ("group_idx", 2.into()),
+        ("kv_cache_spec_kind", kind),
+        ("kv_cache_spec_sliding_window", window),
+    ])
+}
+
+#[test]
+fn vllm_033_group_fields_are_read_and_bad_ones_are_shape_errors() {
+    use rmpv::Value as V;
+    let group = |b: &[u8]| match &decode_batch(b).unwrap().events[0] {
+        WireEvent::Stored {
+            group,
+            group_kind,
+            sliding_window,
+            ..
+        } => (*group, *group_kind, *sliding_window),
+        WireEvent::Removed { group, .. } => (*group, None, None),
+        WireEvent::Cleared => unreachable!(),
+    };
+    assert_eq!(group(&removal_in_group(3.into())), (Some(3), None, None));
+    assert_eq!(group(&removal_in_group(V::Nil)), (None, None, None));
+    assert_eq!(
+        group(&store_of_kind("sliding_window".into(), 128.into())),
+        (Some(2), Some(GroupKind::SlidingWindow), Some(128))
+    );
+    assert_eq!(
+        group(&store_of_kind("mamba".into(), V::Nil)),
+        (Some(2), Some(GroupKind::Mamba), None)
+    );
+    // A kind vLLM may add later is a kind the router does not model, not an error.
+    assert_eq!(
+        group(&store_of_kind("sparse_attention".into(), V::Nil)),
+        (Some(2), Some(GroupKind::Unknown), None)
+    );
+    let shape = |b: &[u8]| matches!(decode_batch(b), Err(DecodeError::Shape(_)));
+    assert!(shape(&removal_in_group((-1).into())), "a negative group");
+    assert!(shape(&removal_in_group("0".into())), "a string group");
+    assert!(
+        shape(&removal_in_group((1u64 << 40).into())),
+        "a group past u32"
+    );
+    assert!(
+        shape(&store_of_kind(5.into(), V::Nil)),
+        "a kind that is a number"
+    );
+    assert!(
+        shape(&store_of_kind("sliding_window".into(), "128".into())),
+        "a window that is a string"
+    );
+    for kind in GroupKind::ALL {
+        assert_eq!(GroupKind::from_name(kind.name()), kind);
+    }
 }

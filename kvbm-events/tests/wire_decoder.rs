@@ -408,6 +408,20 @@ fn lora_id(x: Wild) -> impl Strategy<Value = M> {
     prop_oneof![3 => Just(M::Nil), 2 => uint(0u64..5), 1 => any_value(x.levels)]
 }
 
+/// vLLM 0.33's `kv_cache_spec_kind`: its names, others, nil; anything when `x` allows.
+fn spec_kind(x: Wild) -> impl Strategy<Value = M> {
+    or_bad(
+        x,
+        20,
+        prop_oneof![
+            3 => one_of(&["full_attention", "sliding_window", "mamba", "chunked_local_attention"]),
+            1 => one_of(&["Full_Attention", "", "swa"]),
+            1 => Just(M::Nil),
+        ],
+        any_value(x.levels),
+    )
+}
+
 fn medium(x: Wild) -> impl Strategy<Value = M> {
     or_bad(
         x,
@@ -493,9 +507,18 @@ fn known_fields(x: Wild) -> impl Strategy<Value = Vec<(&'static str, Option<M>)>
             opt(0.3, locality(x).boxed()),
             opt(0.4, extra_keys(x).boxed()),
         ),
+        (
+            opt(0.4, block_size(x).boxed()),
+            opt(0.3, spec_kind(x).boxed()),
+            opt(0.3, block_size(x).boxed()),
+        ),
     )
         .prop_map(
-            |((ty, hashes, parent, tokens, size), (id, name, med, loc, extra))| {
+            |(
+                (ty, hashes, parent, tokens, size),
+                (id, name, med, loc, extra),
+                (group, kind, window),
+            )| {
                 vec![
                     ("type", ty),
                     ("block_hashes", hashes),
@@ -507,6 +530,9 @@ fn known_fields(x: Wild) -> impl Strategy<Value = Vec<(&'static str, Option<M>)>
                     ("medium", med),
                     ("locality", loc),
                     ("extra_keys", extra),
+                    ("group_idx", group),
+                    ("kv_cache_spec_kind", kind),
+                    ("kv_cache_spec_sliding_window", window),
                 ]
             },
         )

@@ -8,12 +8,20 @@
 //! `{"kind":"header","format":"kvbm-router-dump","version":1,"block_size":N}`, then per worker
 //! `{"kind":"worker","worker_id","dp_rank","endpoint","replay_endpoint","last_seq","http_url"}` followed by
 //! its engine hashes `{"kind":"name","engine","ours","namespace","refs"}` and holdings
-//! `{"kind":"hold","tier":"GPU"|"CPU_PINNED"|"DISK","hash","count"}`, and a final
-//! `{"kind":"end","workers":N}`. A dump without its end line is incomplete and refused.
+//! `{"kind":"hold","tier":"GPU"|"CPU_PINNED"|"DISK","hash","count"}`, then, for a worker of a
+//! hybrid model (vLLM's KV cache groups) or with pages smaller than a block (SGLang's page size
+//! 1), its groups `{"kind":"group","group","spec","window"}` (`spec` as vLLM names the kind),
+//! its sliding-window and Mamba groups' blocks `{"kind":"group_hold","group","hash","count",
+//! "pending"}` and its pages `{"kind":"page","engine","parent","tokens","index","prev_block",
+//! "block","namespace","refs"}` (workers without them write none, so their dumps read as
+//! before), and a final `{"kind":"end","workers":N}`. A dump without its end line is incomplete
+//! and refused.
 //!
 //! The msgpack form carries the same records, one msgpack value after another, compact: each is
 //! a one-entry map from the record's name to its fields as an array (`Header`, `Worker`,
-//! `Names` and `Holds` with up to [`MSGPACK_ENTRIES_PER_RECORD`] entries each, `End`); a holding
+//! `Names`, `Holds`, `Groups`, `GroupHolds` and `Pages` with up to
+//! [`MSGPACK_ENTRIES_PER_RECORD`] entries each, `Pages` also up to [`MSGPACK_PAGE_TOKENS`] tokens,
+//! `End`); a holding
 //! is `[tier, hash, count]` with the tier as 0 (GPU), 1 (host) or 2 (disk). Several times smaller
 //! than the NDJSON (a random 64-bit hash takes 9 bytes instead of about 20 digits), and no number
 //! printed or parsed.
@@ -40,8 +48,10 @@ use std::collections::HashSet;
 use std::io::{BufRead, Read, Write};
 use std::time::{Duration, Instant};
 
-use kvbm_events::router::{Holding, NameEntry, WorkerSnapshot};
-use kvbm_events::Tier;
+use kvbm_events::router::{
+    GroupEntry, GroupHolding, Holding, NameEntry, PageEntry, WorkerSnapshot,
+};
+use kvbm_events::{GroupKind, Tier};
 use serde::{Deserialize, Serialize};
 
 /// The format's name and version.
@@ -53,6 +63,8 @@ pub const LINE_BYTES_MAX: usize = 64 << 10;
 
 /// Engine hashes or holdings per msgpack record.
 pub const MSGPACK_ENTRIES_PER_RECORD: usize = 4096;
+/// Tokens of the pages of one msgpack `Pages` record at most.
+pub const MSGPACK_PAGE_TOKENS: usize = 1 << 16;
 /// Longest msgpack record read (a full `Names` record takes about 140 KiB).
 pub const MSGPACK_RECORD_BYTES_MAX: usize = 1 << 20;
 /// The media type of the msgpack form.
@@ -395,9 +407,80 @@ enum Line {
         hash: u64,
         count: u32,
     },
+    Group {
+        group: u32,
+        spec: String,
+        window: Option<u32>,
+    },
+    #[serde(rename = "group_hold")]
+    GroupHold {
+        group: u32,
+        hash: u64,
+        count: u32,
+        pending: bool,
+    },
+    Page {
+        engine: u64,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+        index: u32,
+        prev_block: Option<u64>,
+        block: Option<u64>,
+        namespace: u64,
+        refs: u32,
+    },
     End {
         workers: usize,
     },
+}
+
+/// The page of a `page` line or a `Pages` record.
+#[allow(clippy::type_complexity)]
+type PageTuple = (
+    u64,
+    Option<u64>,
+    Vec<u32>,
+    u32,
+    Option<u64>,
+    Option<u64>,
+    u64,
+    u32,
+);
+
+fn page_tuple(p: &PageEntry) -> PageTuple {
+    (
+        p.engine,
+        p.parent,
+        p.tokens.clone(),
+        p.index,
+        p.prev_block,
+        p.block,
+        p.namespace,
+        p.refs,
+    )
+}
+
+fn page_entry(t: PageTuple) -> PageEntry {
+    let (engine, parent, tokens, index, prev_block, block, namespace, refs) = t;
+    PageEntry {
+        engine,
+        parent,
+        tokens,
+        index,
+        prev_block,
+        block,
+        namespace,
+        refs,
+    }
+}
+
+/// A group's kind by vLLM's name; a name this router does not know is `unknown` (not modelled).
+fn group_entry(group: u32, spec: &str, window: Option<u32>) -> GroupEntry {
+    GroupEntry {
+        group,
+        kind: GroupKind::from_name(spec),
+        window,
+    }
 }
 
 fn line(out: &mut impl Write, l: &Line) -> std::io::Result<()> {
@@ -435,6 +518,43 @@ pub fn write(dump: &Dump, out: &mut impl Write) -> std::io::Result<()> {
                     tier: h.tier.medium_name().into(),
                     hash: h.hash,
                     count: h.count,
+                },
+            )?;
+        }
+        for g in &snap.groups {
+            line(
+                out,
+                &Line::Group {
+                    group: g.group,
+                    spec: g.kind.name().into(),
+                    window: g.window,
+                },
+            )?;
+        }
+        for h in &snap.group_holdings {
+            line(
+                out,
+                &Line::GroupHold {
+                    group: h.group,
+                    hash: h.hash,
+                    count: h.count,
+                    pending: h.pending,
+                },
+            )?;
+        }
+        for p in &snap.pages {
+            let (engine, parent, tokens, index, prev_block, block, namespace, refs) = page_tuple(p);
+            line(
+                out,
+                &Line::Page {
+                    engine,
+                    parent,
+                    tokens,
+                    index,
+                    prev_block,
+                    block,
+                    namespace,
+                    refs,
                 },
             )?;
         }
@@ -557,6 +677,54 @@ pub fn read_with(
                 })?;
                 snap.holdings.push(Holding { tier, hash, count });
             }
+            Line::Group {
+                group,
+                spec,
+                window,
+            } => {
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("line {number}: a group before any worker"))
+                })?;
+                totals.add(false, snap.groups.len(), 1, at)?;
+                snap.groups.push(group_entry(group, &spec, window));
+            }
+            Line::GroupHold {
+                group,
+                hash,
+                count,
+                pending,
+            } => {
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!(
+                        "line {number}: a group's block before any worker"
+                    ))
+                })?;
+                totals.add(false, snap.group_holdings.len(), 1, at)?;
+                snap.group_holdings.push(GroupHolding {
+                    group,
+                    hash,
+                    count,
+                    pending,
+                });
+            }
+            Line::Page {
+                engine,
+                parent,
+                tokens,
+                index,
+                prev_block,
+                block,
+                namespace,
+                refs,
+            } => {
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("line {number}: a page before any worker"))
+                })?;
+                totals.add(false, snap.pages.len(), 1, at)?;
+                snap.pages.push(page_entry((
+                    engine, parent, tokens, index, prev_block, block, namespace, refs,
+                )));
+            }
             Line::End { workers } => {
                 if workers != totals.keys.len() {
                     return Err(DumpError::malformed(format!(
@@ -589,6 +757,12 @@ enum Record {
     Names(Vec<(u64, u64, u64, u32)>),
     /// `(tier, hash, count)`.
     Holds(Vec<(u8, u64, u32)>),
+    /// `(group, kind, window)`.
+    Groups(Vec<(u32, String, Option<u32>)>),
+    /// `(group, hash, count, pending)`.
+    GroupHolds(Vec<(u32, u64, u32, bool)>),
+    /// `(engine, parent, tokens, index, prev_block, block, namespace, refs)`.
+    Pages(Vec<PageTuple>),
     End {
         workers: usize,
     },
@@ -623,6 +797,35 @@ pub fn write_msgpack(dump: &Dump, out: &mut impl Write) -> std::io::Result<()> {
                 .map(|h| (h.tier.index() as u8, h.hash, h.count))
                 .collect();
             record(out, &Record::Holds(holds))?;
+        }
+        for chunk in snap.groups.chunks(MSGPACK_ENTRIES_PER_RECORD) {
+            let groups = chunk
+                .iter()
+                .map(|g| (g.group, g.kind.name().to_owned(), g.window))
+                .collect();
+            record(out, &Record::Groups(groups))?;
+        }
+        for chunk in snap.group_holdings.chunks(MSGPACK_ENTRIES_PER_RECORD) {
+            let holds = chunk
+                .iter()
+                .map(|h| (h.group, h.hash, h.count, h.pending))
+                .collect();
+            record(out, &Record::GroupHolds(holds))?;
+        }
+        let mut pages = Vec::new();
+        let mut tokens = 0;
+        for p in &snap.pages {
+            if pages.len() == MSGPACK_ENTRIES_PER_RECORD
+                || (!pages.is_empty() && tokens + p.tokens.len() > MSGPACK_PAGE_TOKENS)
+            {
+                record(out, &Record::Pages(std::mem::take(&mut pages)))?;
+                tokens = 0;
+            }
+            tokens += p.tokens.len();
+            pages.push(page_tuple(p));
+        }
+        if !pages.is_empty() {
+            record(out, &Record::Pages(pages))?;
         }
     }
     record(
@@ -777,6 +980,40 @@ pub fn read_msgpack_with(
                     })?;
                     snap.holdings.push(Holding { tier, hash, count });
                 }
+            }
+            Record::Groups(groups) => {
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("record {number}: groups before any worker"))
+                })?;
+                totals.add(false, snap.groups.len(), groups.len(), at)?;
+                snap.groups.extend(
+                    groups
+                        .into_iter()
+                        .map(|(group, spec, window)| group_entry(group, &spec, window)),
+                );
+            }
+            Record::GroupHolds(holds) => {
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!(
+                        "record {number}: groups' blocks before any worker"
+                    ))
+                })?;
+                totals.add(false, snap.group_holdings.len(), holds.len(), at)?;
+                snap.group_holdings.extend(holds.into_iter().map(
+                    |(group, hash, count, pending)| GroupHolding {
+                        group,
+                        hash,
+                        count,
+                        pending,
+                    },
+                ));
+            }
+            Record::Pages(pages) => {
+                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
+                    DumpError::malformed(format!("record {number}: pages before any worker"))
+                })?;
+                totals.add(false, snap.pages.len(), pages.len(), at)?;
+                snap.pages.extend(pages.into_iter().map(page_entry));
             }
             Record::End { workers } => {
                 if workers != totals.keys.len() {
@@ -948,6 +1185,54 @@ mod tests {
                             count: 1,
                         },
                     ],
+                    groups: vec![
+                        GroupEntry {
+                            group: 0,
+                            kind: GroupKind::SlidingWindow,
+                            window: Some(128),
+                        },
+                        GroupEntry {
+                            group: 1,
+                            kind: GroupKind::FullAttention,
+                            window: None,
+                        },
+                    ],
+                    group_holdings: vec![
+                        GroupHolding {
+                            group: 0,
+                            hash: 3,
+                            count: 2,
+                            pending: false,
+                        },
+                        GroupHolding {
+                            group: 0,
+                            hash: u64::MAX,
+                            count: 1,
+                            pending: true,
+                        },
+                    ],
+                    pages: vec![
+                        PageEntry {
+                            engine: 9,
+                            parent: None,
+                            tokens: vec![1],
+                            index: 1,
+                            prev_block: None,
+                            block: None,
+                            namespace: 0,
+                            refs: 1,
+                        },
+                        PageEntry {
+                            engine: 10,
+                            parent: Some(9),
+                            tokens: vec![2],
+                            index: 2,
+                            prev_block: Some(4),
+                            block: Some(u64::MAX),
+                            namespace: 5,
+                            refs: 3,
+                        },
+                    ],
                 },
             )],
         }
@@ -968,6 +1253,23 @@ mod tests {
                 tier: Tier::ALL[(i % 3) as usize],
                 hash: i.wrapping_mul(31),
                 count: 1,
+            });
+            snap.group_holdings.push(GroupHolding {
+                group: (i % 2) as u32,
+                hash: i,
+                count: 1,
+                pending: i % 5 == 0,
+            });
+            // Pages of 40 tokens: a Pages record is cut at its token bound before its entries'.
+            snap.pages.push(PageEntry {
+                engine: i,
+                parent: i.checked_sub(1),
+                tokens: (0..40).map(|t| t + i as u32).collect(),
+                index: 1 + (i % 4) as u32,
+                prev_block: None,
+                block: (i % 4 == 3).then_some(i),
+                namespace: 0,
+                refs: 1,
             });
         }
         d

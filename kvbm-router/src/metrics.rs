@@ -3,8 +3,9 @@
 //! - `kv_cache_events_applied{event_type, status}`: events by type (`stored`, `removed`,
 //!   `cleared`, plus `batch` for whole payloads and `unknown` for event types not understood) and
 //!   outcome (`ok`, `not_local`, `block_not_found`, `worker_full`, `parent_unknown`,
-//!   `block_size_mismatch`, `malformed`, `unhashable`, `hash_conflict`, `placeholder_skipped`,
-//!   `unknown_event`, `decode_error`, `unregistered_worker`).
+//!   `block_size_mismatch` (neither the router's block size nor a divisor of it), `malformed`,
+//!   `unhashable`, `hash_conflict`, `placeholder_skipped`, `unknown_event`, `decode_error`,
+//!   `unregistered_worker`).
 //! - `kv_router_blocks{worker_id, dp_rank, tier}`: blocks indexed per worker and tier (set at
 //!   each scrape).
 //! - `kv_router_gaps_total{filled}`, `kv_router_replays_total`, `kv_router_decode_errors_total`,
@@ -30,6 +31,9 @@
 //! - `kv_router_subscriber_sockets`, `kv_router_subscriber_zmq_contexts` (ZMQ resources held
 //!   for the registered workers), `kv_router_max_workers` (--max-workers as in force, lowered at
 //!   start when the open-files limit cannot hold it), `kv_router_open_files_limit`.
+//! - `kv_router_events_by_group_kind_total{kind, event_type}`: events of vLLM's KV cache groups
+//!   (`group_idx` given) by the group's kind as vLLM names it (`full_attention`,
+//!   `sliding_window`, `mamba`, ...; `unknown` for a group never described) and type.
 //! - `kv_router_claim_suspensions_total`, `kv_router_claims_suspended`: workers whose event link
 //!   was lost, their blocks not counted until their next batch shows whether they restarted.
 //! - OpenAI front end ([`FrontendMetrics`]): Dynamo's `dynamo_frontend_requests_total{model,
@@ -115,6 +119,8 @@ pub struct RouterMetrics {
     pub subscriber_sockets: IntGauge,
     /// `kv_router_subscriber_zmq_contexts`: ZMQ contexts open (one per 200 workers).
     pub subscriber_contexts: IntGauge,
+    /// `kv_router_events_by_group_kind_total{kind, event_type}`: events of KV cache groups.
+    pub events_by_group_kind: IntCounterVec,
     /// `kv_router_claim_suspensions_total`: times a worker's event link was lost and its blocks
     /// stopped counting until its next batch.
     pub claim_suspensions: IntCounter,
@@ -354,6 +360,14 @@ impl RouterMetrics {
             subscriber_contexts: gauge(
                 "kv_router_subscriber_zmq_contexts",
                 "ZMQ contexts the event subscriber holds open (one per 200 workers)",
+            ),
+            events_by_group_kind: counter_vec(
+                "kv_router_events_by_group_kind_total",
+                "KV cache events of vLLM's KV cache groups (group_idx given), by the group's kind \
+                 (kv_cache_spec_kind as vLLM names it; unknown for a group never described) and \
+                 event type. Only full-attention-like groups' blocks are claims; sliding-window \
+                 and Mamba groups' blocks cut a worker's match where vLLM would cut its hit",
+                &["kind", "event_type"],
             ),
             claim_suspensions: counter(
                 "kv_router_claim_suspensions_total",

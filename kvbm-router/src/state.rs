@@ -1115,6 +1115,11 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                             predictions.forget(worker);
                         }
                         m.applied(event_type(e), status.label(), 1);
+                        if let Some(kind) = index.group_kind(worker, e) {
+                            m.events_by_group_kind
+                                .with_label_values(&[kind.name(), event_type(e)])
+                                .inc();
+                        }
                     }
                 }
                 m.applied(

@@ -180,6 +180,7 @@ fn sample(workers: u64, holds: u64) -> Dump {
                                 count: 1,
                             })
                             .collect(),
+                        ..Default::default()
                     },
                 )
             })

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use kvbm_events::router::KvIndex;
 use kvbm_events::{
-    decode_batch, encode_batch, BlockHasher, BlockRemoved, BlockStored, KvEvent, SequenceHash, Tier,
+    decode_batch, encode_batch, BlockHasher, BlockRemoved, BlockStored, GroupKind, KvEvent,
+    SequenceHash, Tier, WireEvent,
 };
 use kvbm_router::dump;
 use serde_json::{json, Value};
@@ -184,6 +185,10 @@ impl RouterProcess {
     }
 
     fn start_with(workers: &str, extra: &[&str]) -> Self {
+        Self::start_sized(workers, BLOCK, extra)
+    }
+
+    fn start_sized(workers: &str, block_size: usize, extra: &[&str]) -> Self {
         let child = Command::new(env!("CARGO_BIN_EXE_kvbm-router"))
             .args([
                 "--workers",
@@ -191,7 +196,7 @@ impl RouterProcess {
                 "--http-port",
                 "0",
                 "--block-size",
-                &BLOCK.to_string(),
+                &block_size.to_string(),
                 "--max-body-bytes",
                 "65536",
             ])
@@ -1013,6 +1018,95 @@ fn a_vllm_worker_publishing_its_own_hashes_is_routed_to() {
         router.metric("kv_cache_events_applied{event_type=\"stored\",status=\"ok\"}"),
         3.0
     );
+}
+
+#[test]
+fn a_hybrid_vllm_worker_is_routed_as_its_cache_would_hit() {
+    // vLLM 0.33's own KVCacheManager with its hybrid KV cache manager (gpt-oss shape: group 0
+    // sliding window 128, group 1 full attention), its batches as its publisher sent them
+    // (tests/data/hybrid/generate.py). After the whole stream, /query answers each probe with
+    // the blocks vLLM's own cache hits, and the groups' events are counted by kind.
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/hybrid/gpt-oss.json");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let block = doc["block_size"].as_u64().unwrap() as usize;
+    let payloads: Vec<Vec<u8>> = doc["batches"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| {
+            let h = h.as_str().unwrap();
+            (0..h.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
+                .collect()
+        })
+        .collect();
+    let ctx = zmq::Context::new();
+    let w = Worker::new(&ctx, 11, 0, false);
+    let router = RouterProcess::start_sized(&w.spec(), block, &[]);
+    w.wait_for_subscriber();
+    let mut by_kind = std::collections::BTreeMap::new();
+    for (seq, payload) in payloads.iter().enumerate() {
+        w.send(seq as u64, payload);
+        for e in decode_batch(payload).unwrap().events {
+            let (kind, ty) = match e {
+                WireEvent::Stored { group_kind, .. } => (group_kind.unwrap(), "stored"),
+                WireEvent::Removed { group, .. } => (
+                    doc["groups"][group.unwrap() as usize]["kind"]
+                        .as_str()
+                        .map(GroupKind::from_name)
+                        .unwrap(),
+                    "removed",
+                ),
+                WireEvent::Cleared => unreachable!(),
+            };
+            *by_kind.entry((kind.name(), ty)).or_insert(0u64) += 1;
+        }
+    }
+    router.wait_applied(&w, payloads.len() as u64 - 1);
+    let last = doc["checkpoints"].as_array().unwrap().last().unwrap();
+    assert_eq!(last["batches"].as_u64(), Some(payloads.len() as u64));
+    let mut hits = 0;
+    let probes = doc["probes"].as_array().unwrap();
+    let vllm_hits = last["vllm_hit_tokens"].as_array().unwrap();
+    for (tokens, vllm) in probes.iter().zip(vllm_hits) {
+        let answer = router.ok("POST", "/query", Some(json!({ "token_ids": tokens })));
+        let gpu = answer["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["worker_id"] == 11)
+            .map_or(0, |w| w["overlap"]["gpu_blocks"].as_u64().unwrap());
+        let vllm = vllm.as_u64().unwrap();
+        assert_eq!(gpu * block as u64, vllm, "{answer}");
+        hits += u64::from(vllm > 0);
+    }
+    assert!(hits > 0);
+    let metrics = router.call("GET", "/metrics", None).1;
+    let counted = |kind: &str, ty: &str| -> f64 {
+        metrics
+            .as_str()
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("kv_router_events_by_group_kind_total{"))
+            .filter(|l| l.contains(&format!("kind=\"{kind}\"")))
+            .find(|l| l.contains(&format!("event_type=\"{ty}\"")))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(by_kind.len() >= 4, "{by_kind:?}");
+    for ((kind, ty), n) in by_kind {
+        assert_eq!(counted(kind, ty), n as f64, "{kind} {ty}");
+    }
+    for status in ["malformed", "block_not_found", "parent_unknown"] {
+        assert_eq!(
+            router.metric(&format!(
+                "kv_cache_events_applied{{event_type=\"stored\",status=\"{status}\"}}"
+            )),
+            0.0
+        );
+    }
 }
 
 /// The hard open-files limit (RLIMIT_NOFILE) of this process, which the router started from it

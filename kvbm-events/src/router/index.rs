@@ -12,6 +12,15 @@
 //!   are refused and counted, never grown without bound.
 //! - `find_matches` follows DESIGN.md: per worker, the contiguous GPU prefix of the request,
 //!   then the blocks that continue it in host memory, then on disk, tier by tier.
+//! - Hybrid workers (vLLM 0.33's KV cache groups, `router::groups`): only events
+//!   without a group, or of a prefix group (full attention), make claims. Sliding-window and
+//!   Mamba groups' GPU blocks are kept per group and cut the GPU prefix where vLLM's coordinator
+//!   would cut the hit; a cut prefix loses its host and disk continuation (it no longer ends
+//!   where they start). Their events never add or remove a claim. Group-tagged events of those
+//!   groups off the GPU tier, and of groups not modelled, are counted and not indexed. kvbm's
+//!   own host and disk events carry no group: they are claims of their tier, as before.
+//! - Pages that divide the router's block (SGLang's default page size 1) are regrouped into its
+//!   blocks (`router::regroup`): a block is claimed when its last page is stored.
 //!
 //! Layout, chosen for the two hot paths (applying a store, matching a 512-block prompt):
 //! - Every distinct block is a node in an arena of parallel arrays (its hash, its holder set).
@@ -29,12 +38,14 @@
 
 use std::collections::HashMap;
 
+use crate::router::groups::WorkerGroups;
 use crate::router::mapped::MappedVec;
+use crate::router::regroup::Pages;
 use crate::router::selector::{Overlap, WorkerKey};
 use crate::router::table::BlockTable;
 use crate::router::translate::{Names, Refusal, StoredBlocks};
 use crate::wire::{Location, WireEvent};
-use crate::Tier;
+use crate::{GroupKind, GroupRole, Tier};
 
 /// Default limit of (block, tier) holdings per worker.
 pub const BLOCKS_PER_WORKER_MAX_DEFAULT: usize = 1 << 24;
@@ -62,7 +73,8 @@ pub enum ApplyStatus {
     WorkerFull,
     /// A store whose parent's engine hash the worker never stored (or removed since): refused.
     ParentUnknown,
-    /// A store with another block size than the router's: refused.
+    /// A store with a block size that is neither the router's nor a divisor of it (pages that
+    /// divide it, such as SGLang's page size 1, are regrouped): refused.
     BlockSizeMismatch,
     /// A store whose tokens are not its blocks: refused.
     Malformed,
@@ -128,6 +140,51 @@ pub struct Holding {
     pub count: u32,
 }
 
+/// A KV cache group of a worker, as its stores described it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupEntry {
+    /// The group's index (vLLM's `group_idx`).
+    pub group: u32,
+    /// Its kind.
+    pub kind: GroupKind,
+    /// Its sliding window in tokens, when it has one.
+    pub window: Option<u32>,
+}
+
+/// A block a sliding-window or Mamba group of a worker holds on GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupHolding {
+    /// The group's index.
+    pub group: u32,
+    /// The block identity; the engine hash when `pending`.
+    pub hash: u64,
+    /// References.
+    pub count: u32,
+    /// A store waiting for a prefix group's store to name its engine hash.
+    pub pending: bool,
+}
+
+/// A page smaller than the router's block (SGLang's page size 1) of a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageEntry {
+    /// The page's engine hash.
+    pub engine: u64,
+    /// The engine hash of the page before it.
+    pub parent: Option<u64>,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+    /// Pages of its router block up to and including it.
+    pub index: u32,
+    /// The identity of the router block before its block.
+    pub prev_block: Option<u64>,
+    /// The identity of the router block it completes, when it does.
+    pub block: Option<u64>,
+    /// The namespace term of its prompt.
+    pub namespace: u64,
+    /// Stores not matched by a removal yet.
+    pub refs: u32,
+}
+
 /// Everything the index knows of one worker.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WorkerSnapshot {
@@ -137,6 +194,12 @@ pub struct WorkerSnapshot {
     pub names: Vec<NameEntry>,
     /// Its holdings.
     pub holdings: Vec<Holding>,
+    /// Its KV cache groups (hybrid models).
+    pub groups: Vec<GroupEntry>,
+    /// Its sliding-window and Mamba groups' blocks.
+    pub group_holdings: Vec<GroupHolding>,
+    /// Its pages smaller than a block.
+    pub pages: Vec<PageEntry>,
 }
 
 /// The empty set; a node whose set is empty is dead.
@@ -343,6 +406,10 @@ pub struct KvIndex {
     workers: Vec<WorkerState>,
     /// Per worker (same index), its engine hashes.
     names: Vec<Names>,
+    /// Per worker (same index), its KV cache groups.
+    groups: Vec<WorkerGroups>,
+    /// Per worker (same index), its pages smaller than the router's blocks.
+    pages: Vec<Pages>,
     /// Tokens per block of the router: stores of another size are refused.
     block_size: u32,
     /// Scratch for translated hashes.
@@ -379,6 +446,8 @@ impl KvIndex {
     pub fn new(blocks_per_worker_max: usize, block_size: u32) -> Self {
         Self {
             names: Vec::new(),
+            groups: Vec::new(),
+            pages: Vec::new(),
             block_size,
             scratch: Vec::new(),
             hashes: MappedVec::new(),
@@ -477,6 +546,8 @@ impl KvIndex {
             None => {
                 self.workers.push(WorkerState::default());
                 self.names.push(Names::new());
+                self.groups.push(WorkerGroups::default());
+                self.pages.push(Pages::default());
                 self.workers.len() - 1
             }
         };
@@ -486,6 +557,8 @@ impl KvIndex {
             live: true,
         };
         self.names[i].clear();
+        self.groups[i].clear();
+        self.pages[i].clear();
         self.by_key.insert(key, i as u32);
         i as u32
     }
@@ -523,28 +596,64 @@ impl KvIndex {
                 lora_name,
                 cache_salt,
                 unhashable_from,
+                group,
+                group_kind,
+                sliding_window,
             } => {
                 let w = self.worker_index(worker) as usize;
+                if let (Some(g), Some(kind)) = (group, group_kind) {
+                    self.groups[w].learn(*g, *kind, *sliding_window);
+                }
+                let cut_group = match self.groups[w].role(*group) {
+                    None => None,
+                    Some((GroupRole::Window | GroupRole::State, _)) if *tier == Tier::Gpu => *group,
+                    Some(_) => return ApplyStatus::Ok,
+                };
+                let sparse = token_ids.len() != block_hashes.len() * *block_size as usize;
+                if let Some(g) = cut_group.filter(|_| sparse && *block_size == self.block_size) {
+                    return self.store_sparse(w, g, block_hashes);
+                }
                 let mut ours = std::mem::take(&mut self.scratch);
-                let refusal = self.names[w].store(
-                    &StoredBlocks {
-                        engine_hashes: block_hashes,
-                        parent: *parent,
-                        token_ids,
-                        block_size: *block_size,
-                        lora_name: lora_name.as_deref(),
-                        cache_salt: cache_salt.as_deref(),
-                        unhashable_from: *unhashable_from,
-                    },
-                    self.block_size,
-                    self.blocks_per_worker_max,
-                    &mut ours,
-                );
+                let blocks = StoredBlocks {
+                    engine_hashes: block_hashes,
+                    parent: *parent,
+                    token_ids,
+                    block_size: *block_size,
+                    lora_name: lora_name.as_deref(),
+                    cache_salt: cache_salt.as_deref(),
+                    unhashable_from: *unhashable_from,
+                };
+                let refusal =
+                    if cut_group.is_none() && Pages::regroups(*block_size, self.block_size) {
+                        // Pages (SGLang's page size 1): the blocks they complete.
+                        self.pages[w].store(
+                            &blocks,
+                            self.block_size,
+                            self.blocks_per_worker_max,
+                            &mut ours,
+                        )
+                    } else {
+                        self.names[w].store(
+                            &blocks,
+                            self.block_size,
+                            self.blocks_per_worker_max,
+                            &mut ours,
+                        )
+                    };
                 let status = if ours.is_empty() {
                     ApplyStatus::Ok
+                } else if let Some(g) = cut_group {
+                    if self.groups[w].store(g, &ours, self.blocks_per_worker_max) {
+                        ApplyStatus::Ok
+                    } else {
+                        ApplyStatus::WorkerFull
+                    }
                 } else {
                     let status = self.store(worker, *tier, &ours);
                     stored(*tier, &ours);
+                    if self.groups[w].has_pending() {
+                        self.place_pending(w, &block_hashes[..ours.len()], &ours);
+                    }
                     status
                 };
                 self.scratch = ours;
@@ -553,6 +662,7 @@ impl KvIndex {
             WireEvent::Removed {
                 location: Location::Local(tier),
                 block_hashes,
+                group,
             } => {
                 let Some(w) = self.known_worker(worker) else {
                     return if block_hashes.is_empty() {
@@ -561,18 +671,144 @@ impl KvIndex {
                         ApplyStatus::BlockNotFound
                     };
                 };
+                let w = w as usize;
+                let cut_group = match self.groups[w].role(*group) {
+                    None => None,
+                    Some((GroupRole::Window | GroupRole::State, _)) if *tier == Tier::Gpu => *group,
+                    Some(_) => return ApplyStatus::Ok,
+                };
                 let mut ours = std::mem::take(&mut self.scratch);
-                let unknown = self.names[w as usize].remove(block_hashes, &mut ours);
-                let status = self.remove(worker, *tier, &ours);
+                let status = match cut_group {
+                    Some(g) => {
+                        let mut unknown = 0;
+                        for &engine in block_hashes {
+                            if self.groups[w].unpend(engine, g) {
+                                continue;
+                            }
+                            // The name's reference is the group's only while the group holds it.
+                            let held = self.names[w]
+                                .ours_of(engine)
+                                .filter(|&id| self.groups[w].holds(g, id));
+                            match held {
+                                Some(id) => {
+                                    self.names[w].remove(&[engine], &mut ours);
+                                    self.groups[w].remove(g, &[id]);
+                                }
+                                None => unknown += 1,
+                            }
+                        }
+                        if unknown > 0 {
+                            ApplyStatus::BlockNotFound
+                        } else {
+                            ApplyStatus::Ok
+                        }
+                    }
+                    None if !self.pages[w].is_empty() => {
+                        // Pages and blocks of one worker: each hash by the map that holds it.
+                        let mut unknown = 0;
+                        let mut status = ApplyStatus::Ok;
+                        for &engine in block_hashes {
+                            unknown += if self.pages[w].contains(engine) {
+                                self.pages[w].remove(&[engine], &mut ours)
+                            } else {
+                                self.names[w].remove(&[engine], &mut ours)
+                            };
+                            if !ours.is_empty()
+                                && self.remove(worker, *tier, &ours) != ApplyStatus::Ok
+                            {
+                                status = ApplyStatus::BlockNotFound;
+                            }
+                        }
+                        if unknown > 0 {
+                            ApplyStatus::BlockNotFound
+                        } else {
+                            status
+                        }
+                    }
+                    None => {
+                        let unknown = self.names[w].remove(block_hashes, &mut ours);
+                        let status = self.remove(worker, *tier, &ours);
+                        if unknown > 0 {
+                            ApplyStatus::BlockNotFound
+                        } else {
+                            status
+                        }
+                    }
+                };
                 self.scratch = ours;
-                if unknown > 0 {
-                    ApplyStatus::BlockNotFound
-                } else {
-                    status
-                }
+                status
             }
             WireEvent::Stored { .. } | WireEvent::Removed { .. } => ApplyStatus::NotLocal,
         }
+    }
+
+    /// A sliding-window or Mamba group's store whose blocks the event's tokens do not place
+    /// (vLLM 0.33 leaves skipped blocks out of `block_hashes` only): each engine hash already
+    /// named is taken at once; the others wait for a prefix group's store to name them.
+    fn store_sparse(&mut self, w: usize, g: u32, engine_hashes: &[u64]) -> ApplyStatus {
+        let max = self.blocks_per_worker_max;
+        let mut status = ApplyStatus::Ok;
+        for &engine in engine_hashes {
+            let kept = match self.names[w].retain(engine, 1) {
+                Some(ours) => {
+                    let kept = self.groups[w].store(g, &[ours], max);
+                    if !kept {
+                        let mut undo = std::mem::take(&mut self.scratch);
+                        self.names[w].remove(&[engine], &mut undo);
+                        self.scratch = undo;
+                    }
+                    kept
+                }
+                None => self.groups[w].pend(engine, g, max),
+            };
+            if !kept {
+                status = ApplyStatus::WorkerFull;
+            }
+        }
+        status
+    }
+
+    /// Places the pending group stores of the engine hashes a prefix group's store just named.
+    fn place_pending(&mut self, w: usize, engine_hashes: &[u64], ours: &[u64]) {
+        for (&engine, &id) in engine_hashes.iter().zip(ours) {
+            for (g, n) in self.groups[w].take_pending(engine) {
+                if self.groups[w].store_n(g, &[id], n, self.blocks_per_worker_max) {
+                    self.names[w].retain(engine, n);
+                }
+            }
+        }
+    }
+
+    /// The kind of the KV cache group an event of `worker` concerns: the event's own, else the
+    /// one its group was described with; `None` for an event without a group.
+    pub fn group_kind(&self, worker: WorkerKey, event: &WireEvent) -> Option<GroupKind> {
+        let (group, kind) = match event {
+            WireEvent::Stored {
+                group, group_kind, ..
+            } => (*group, *group_kind),
+            WireEvent::Removed { group, .. } => (*group, None),
+            WireEvent::Cleared => (None, None),
+        };
+        let g = group?;
+        kind.or_else(|| {
+            let &w = self.by_key.get(&worker)?;
+            self.groups[w as usize].kind(g)
+        })
+        .or(Some(GroupKind::Unknown))
+    }
+
+    /// Blocks `worker`'s sliding-window and Mamba groups hold on GPU (all groups together).
+    pub fn group_blocks(&self, worker: WorkerKey) -> usize {
+        self.by_key
+            .get(&worker)
+            .map_or(0, |&w| self.groups[w as usize].len())
+    }
+
+    /// Pages smaller than a block `worker` has stored and not removed (SGLang's page size 1).
+    pub fn pages(&self, worker: WorkerKey) -> usize {
+        self.by_key
+            .get(&worker)
+            .map_or(0, |&w| self.pages[w as usize].len())
     }
 
     /// Engine hashes `worker` has stored and not removed.
@@ -776,6 +1012,8 @@ impl KvIndex {
         self.maybe_compact();
         self.workers[w as usize] = WorkerState::default();
         self.names[w as usize].clear();
+        self.groups[w as usize].clear();
+        self.pages[w as usize].clear();
     }
 
     /// Blocks `worker` holds in `tier`.
@@ -808,6 +1046,9 @@ impl KvIndex {
                     })
                     .collect(),
                 holdings: Vec::with_capacity(self.workers[w as usize].total()),
+                groups: self.groups[w as usize].specs().collect(),
+                group_holdings: self.groups[w as usize].holdings().collect(),
+                pages: self.pages[w as usize].entries().collect(),
             });
         }
         if out.is_empty() {
@@ -865,6 +1106,27 @@ impl KvIndex {
                 }
             }
         }
+        let max = self.blocks_per_worker_max;
+        let groups = &mut self.groups[w];
+        for g in &snapshot.groups {
+            groups.learn(g.group, g.kind, g.window);
+        }
+        for h in &snapshot.group_holdings {
+            let n = h.count.max(1);
+            let kept = if h.pending {
+                groups.pend_n(h.hash, h.group, n, max)
+            } else {
+                groups.store_n(h.group, &[h.hash], n, max)
+            };
+            if !kept {
+                status = ApplyStatus::WorkerFull;
+            }
+        }
+        for p in &snapshot.pages {
+            if !self.pages[w].restore(p, max) {
+                status = ApplyStatus::WorkerFull;
+            }
+        }
         status
     }
 
@@ -891,7 +1153,54 @@ impl KvIndex {
     /// run ends). The workers still matching are kept as bitsets per tier they are matching in;
     /// where the holder set changes, only workers that lost their current tier are moved on (to
     /// a lower tier that holds the block, or out), with a few word operations per 64 workers.
+    ///
+    /// A hybrid worker's GPU prefix is then cut where its sliding-window and Mamba groups would
+    /// cut vLLM's hit (`router::groups`); a worker without a full-attention group
+    /// matches as far as its groups accept.
     pub fn find_matches(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
+        let mut out = self.find_prefix_matches(hashes);
+        if !self.groups.iter().any(WorkerGroups::cuts) {
+            return out;
+        }
+        out.retain_mut(|(key, o)| {
+            let Some(&w) = self.by_key.get(key) else {
+                return true;
+            };
+            let groups = &self.groups[w as usize];
+            if groups.cuts() {
+                let hit = groups.hit(hashes, o.gpu, self.block_size);
+                if hit < o.gpu {
+                    *o = Overlap {
+                        gpu: hit,
+                        host: 0,
+                        disk: 0,
+                    };
+                }
+            }
+            o.gpu + o.host + o.disk > 0
+        });
+        for (w, groups) in self.groups.iter().enumerate() {
+            let state = &self.workers[w];
+            if !state.live || !groups.without_prefix() || out.iter().any(|(k, _)| *k == state.key) {
+                continue;
+            }
+            let hit = groups.hit(hashes, hashes.len(), self.block_size);
+            if hit > 0 {
+                out.push((
+                    state.key,
+                    Overlap {
+                        gpu: hit,
+                        host: 0,
+                        disk: 0,
+                    },
+                ));
+            }
+        }
+        out
+    }
+
+    /// [`Self::find_matches`] over the claims alone.
+    fn find_prefix_matches(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let Some((&first, rest)) = hashes.split_first() else {
             return Vec::new();
         };

@@ -2,22 +2,27 @@
 //! how busy each worker is.
 //!
 //! Owns: the per-worker, per-tier block index ([`index`]) with the translation of engine hashes
-//! to block identity ([`translate`]), the selector (Dynamo's default cost,
+//! to block identity ([`translate`]), a hybrid worker's KV cache groups (`groups`: sliding-window
+//! and Mamba groups cut a match where vLLM would cut the hit), pages smaller than a block
+//! regrouped into blocks (`regroup`: SGLang's page size 1), the selector (Dynamo's default cost,
 //! reproduced: [`selector`]), the tracking of routed requests' load ([`load`]) and the blocks a
 //! routing decision predicts on its worker ([`predict`]). The
 //! service around them is the `kvbm-router` crate.
 
+mod groups;
 pub mod index;
 pub mod load;
 mod mapped;
 pub mod predict;
+mod regroup;
 pub mod selector;
 mod table;
 pub mod translate;
 
 pub use index::{
-    ApplyStatus, Holding, KvIndex, NameEntry, WorkerSnapshot, BLOCKS_PER_WORKER_MAX_DEFAULT,
-    BLOCK_SIZE_DEFAULT, INDEX_CAPACITY_BLOCKS_MAX, MIN_TOMBSTONES_DEFAULT,
+    ApplyStatus, GroupEntry, GroupHolding, Holding, KvIndex, NameEntry, PageEntry, WorkerSnapshot,
+    BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT, INDEX_CAPACITY_BLOCKS_MAX,
+    MIN_TOMBSTONES_DEFAULT,
 };
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use predict::{with_prediction, Predictions, PREDICTIONS_MAX_DEFAULT};

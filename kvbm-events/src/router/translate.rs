@@ -8,7 +8,8 @@
 //! - One entry per engine hash, shared by every tier (an engine's host-tier events reuse its GPU
 //!   hashes), counting the stores not yet matched by a removal; it goes when the count does.
 //! - What cannot be resolved is refused and counted, never guessed: a parent the map does not
-//!   hold, a block size other than the router's, tokens that are not whole blocks, keys the
+//!   hold, a block size other than the router's (pages that divide the router's block are regrouped
+//!   by `router::regroup` instead), tokens that are not whole blocks, keys the
 //!   router cannot hash (multimodal inputs, prompt embeddings), an engine hash that already names
 //!   another identity. Blocks before the refused one are applied.
 //! - The map's hasher is seeded at random per map (foldhash's quality hasher), so a worker cannot
@@ -175,6 +176,19 @@ impl Names {
             out.push(ours.0);
         }
         refusal
+    }
+
+    /// The identity an engine hash stands for, if the map holds it.
+    pub fn ours_of(&self, engine: u64) -> Option<u64> {
+        self.map.get(&engine).map(|n| n.ours)
+    }
+
+    /// Counts `n` more references to a known engine hash (stores of another KV cache group that
+    /// named it without its tokens); its identity, or `None` when the map does not hold it.
+    pub fn retain(&mut self, engine: u64, n: u32) -> Option<u64> {
+        let name = self.map.get_mut(&engine)?;
+        name.refs = name.refs.saturating_add(n);
+        Some(name.ours)
     }
 
     /// Takes a removal in: the identities of the engine hashes it knows (one reference each),

@@ -3,7 +3,7 @@
 //! The in-place decoder must agree with it on every input (see `tests/wire_decoder.rs`).
 
 use kvbm_events::wire::DECODE_DEPTH_MAX;
-use kvbm_events::{DecodeError, Location, Tier, WireBatch, WireEvent};
+use kvbm_events::{DecodeError, GroupKind, Location, Tier, WireBatch, WireEvent};
 use rmpv::Value;
 
 fn shape(what: impl Into<String>) -> DecodeError {
@@ -153,6 +153,14 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
             _ => Location::NotLocal(medium.to_owned()),
         })
     };
+    let group = || -> Result<Option<u32>, DecodeError> {
+        match get("group_idx") {
+            None => Ok(None),
+            Some(v) => as_u32(v)
+                .map(Some)
+                .ok_or_else(|| shape("group_idx is not a u32")),
+        }
+    };
     let hashes = |key: &str| -> Result<Vec<u64>, DecodeError> {
         match get(key) {
             Some(Value::Array(items)) => items
@@ -193,8 +201,24 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
                 // An adapter known only by its id: its name seeds the hash.
                 unhashable_from = Some(0);
             }
+            let location = location()?;
+            let group = group()?;
+            let group_kind = match get("kv_cache_spec_kind") {
+                None => None,
+                Some(v) => Some(
+                    v.as_str()
+                        .map(GroupKind::from_name)
+                        .ok_or_else(|| shape("kv_cache_spec_kind is not a string"))?,
+                ),
+            };
+            let sliding_window = match get("kv_cache_spec_sliding_window") {
+                None => None,
+                Some(v) => Some(
+                    as_u32(v).ok_or_else(|| shape("kv_cache_spec_sliding_window is not a u32"))?,
+                ),
+            };
             Ok(Decoded::Event(WireEvent::Stored {
-                location: location()?,
+                location,
                 block_hashes,
                 parent,
                 token_ids,
@@ -202,11 +226,15 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
                 lora_name,
                 cache_salt,
                 unhashable_from,
+                group,
+                group_kind,
+                sliding_window,
             }))
         }
         "BlockRemoved" => Ok(Decoded::Event(WireEvent::Removed {
             location: location()?,
             block_hashes: hashes("block_hashes")?,
+            group: group()?,
         })),
         "AllBlocksCleared" => Ok(Decoded::Event(WireEvent::Cleared)),
         _ => Ok(Decoded::Unknown),
