@@ -541,3 +541,33 @@ fn mamba_states_in_slots_without_attention_are_copied_too() {
         check_round_trip(&views, buffer, blocks, 1, 0, 3);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Any hybrid shape vLLM pads (layouts whose L and B axes are outermost): Mamba groups of
+    /// any state size up to the attention page next to an attention group, slots covered by
+    /// attention or not: every byte of every view's block comes back, nothing else is written.
+    #[test]
+    fn any_mamba_hybrid_round_trips(
+        compact_index in 0usize..4,
+        heads in 1usize..3,
+        tokens in 1usize..4,
+        content in 1usize..5,
+        elem in 1usize..3,
+        blocks in 1usize..5,
+        mamba_groups in 1usize..4,
+        slots in (1usize..4, 1usize..4),
+        state_part in 1usize..=100,
+        from_to in (0usize..64, 0usize..64),
+    ) {
+        let compact: Vec<PhysicalLayout> =
+            PhysicalLayout::ALL.into_iter().filter(|l| l.is_block_compact()).collect();
+        let layout = compact[compact_index % compact.len()];
+        let s = shape(1, heads, tokens, content, elem);
+        let state = (s.page_bytes() * state_part).div_ceil(100);
+        let views = hybrid_views(layout, &s, blocks, mamba_groups, slots.0, slots.1, state);
+        let bytes = slots.0.max(slots.1) * blocks * s.page_bytes();
+        check_round_trip(&views, bytes, blocks, 1, from_to.0 % blocks, from_to.1 % blocks);
+    }
+}
