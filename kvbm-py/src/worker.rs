@@ -258,8 +258,12 @@ fn gpu_side(
     let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
     let mut kv = placed.kv;
     let mut gpu = placed.layout.clone();
+    // A hybrid model's views (attention pages and 1-byte Mamba states) may be described as
+    // their bytes (slots holding states only): the hint then describes nothing and is dropped.
+    let mixed = views.iter().any(|v| v.elem_bytes != views[0].elem_bytes);
+    let total = kv.outer_dim * kv.inner_dim;
+    let outer_dim = outer_dim.filter(|&o| !(mixed && o > 0 && total % o != 0));
     if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
-        let total = kv.outer_dim * kv.inner_dim;
         if outer == 0 || total % outer != 0 {
             return Err(LayoutError::new_err(format!(
                 "outer_dim {outer} does not divide the {total} elements per token"

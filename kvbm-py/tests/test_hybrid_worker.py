@@ -169,6 +169,34 @@ def test_a_hybrid_block_round_trips_through_the_disk_tier(tmp_path):
     worker.shutdown()
 
 
+@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC"])
+def test_slots_holding_mamba_states_only_register_and_round_trip(layout):
+    """vLLM makes groups of the largest layer count when the counts are close
+    (``_get_kv_cache_groups_uniform_page_size``): here 3 Mamba layers and 2 attention layers
+    make 3 slots, the last holding a (73-byte) state only. A block is then 2 pages and a state,
+    not a whole number of pages; the attention spec's K/V hint cannot describe it and is
+    dropped rather than refusing the model."""
+    kinds, counts, state = ("mamba", "full"), (3, 2), 73
+    caches, raw, names = allocate_hybrid_kv_cache(
+        kinds, counts, BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE, state, layout=layout, simulated_gpu=SIMULATED_GPU
+    )
+    raw[...] = np.random.default_rng(9).integers(-128, 127, size=raw.shape, dtype=np.int8)
+    worker = KvbmWorker(host_blocks=2, kv_cache_config=KvCacheConfig(kinds, layout))
+    worker.register_kv_caches(caches)
+    w = worker.native
+    assert w.bytes_per_block == 2 * PAGE + state
+    saved = block_of(caches, 6)
+    w.offload([(6, 1)], ["r"])
+    w.wait_offloads()
+    raw[...] = 0
+    w.onboard([(1, 0)])
+    assert w.wait_onboards()
+    assert_block(caches, 0, saved, "loaded")
+    for b in range(1, BLOCKS):
+        assert not any(t.array[b].any() for t in caches.values()), b
+    worker.shutdown()
+
+
 def test_mamba_layout_errors_are_still_refused():
     caches, raw, names = allocate_hybrid_kv_cache(QWEN3_NEXT, SLOTS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_SIZE, STATE)
     # A Mamba view whose blocks lie at another distance than the attention views'.

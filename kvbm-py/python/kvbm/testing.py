@@ -284,7 +284,7 @@ def allocate_kv_cache(
 
 def allocate_hybrid_kv_cache(
     groups: Sequence[str],
-    layers_per_group: int,
+    layers_per_group,
     num_blocks: int,
     num_heads: int,
     block_size: int,
@@ -302,7 +302,10 @@ def allocate_hybrid_kv_cache(
     ``"sliding"`` attention groups (``[B, H, N, C]`` views of ``dtype`` with K and V side by side,
     ``C = 2 x head_size``) and ``"mamba"`` groups (Mamba / linear-attention state: 1-byte
     ``[B, 1, 1, state_bytes]`` views, the ``MambaSpec`` having no dtype). Each group has
-    ``layers_per_group`` layers (slots). As ``get_kv_cache_config_from_groups``
+    ``layers_per_group`` layers (slots), or as many as its entry when it is a sequence (vLLM
+    makes groups of the largest layer count when the counts are close, so a group may leave
+    its last slots unused: ``_get_kv_cache_groups_uniform_page_size``). As
+    ``get_kv_cache_config_from_groups``
     (vllm/v1/core/kv_cache_planning.py) places them: one int8 buffer, every group's slot ``i``
     at the same bytes ("groups alias from byte 0"), a Mamba page padded to the attention page
     (``Platform._align_hybrid_block_size``), block-outermost layouts packing all slots' pages
@@ -324,7 +327,13 @@ def allocate_hybrid_kv_cache(
     page = num_heads * block_size * content_bytes
     if state_bytes > page:
         raise ValueError(f"a {state_bytes}-byte state does not fit a {page}-byte attention page")
-    slots = layers_per_group
+    if isinstance(layers_per_group, int):
+        counts = [layers_per_group] * len(groups)
+    else:
+        counts = [int(n) for n in layers_per_group]
+        if len(counts) != len(groups):
+            raise ValueError(f"{len(counts)} layer counts for {len(groups)} groups")
+    slots = max(counts)
     if order[0] == 1:
         # Block-outermost: a block is every slot's page.
         layer_stride, block_stride = page, slots * page
@@ -352,8 +361,8 @@ def allocate_hybrid_kv_cache(
     names = []
     for g, kind in enumerate(groups):
         group_names = []
-        for slot in range(slots):
-            index = g * slots + slot
+        for slot in range(counts[g]):
+            index = sum(counts[:g]) + slot
             if kind == "mamba":
                 name = f"model.layers.{index}.linear_attn"
                 caches[name] = HostTensor(states[slot], storage=raw, device=device)
