@@ -306,6 +306,25 @@ impl CopyEngine {
         stream.order_after_stream(foreign).map_err(CoreError::from)
     }
 
+    /// The reverse of [`Self::order_after_stream`]: makes the engine's (vLLM's) CUDA stream
+    /// `foreign` wait, on the device, for every copy submitted so far in `direction`
+    /// ([`CopyStream::make_stream_wait`]), so that the engine's later work cannot overwrite
+    /// blocks those copies still read. Batches still queued behind the in-flight limit are
+    /// launched first (the host waits for that, not for the copies). Returns false on the
+    /// emulated device, which has no engine stream: the caller waits on the host instead.
+    pub fn make_stream_wait(&self, direction: Direction, foreign: u64) -> Result<bool, CoreError> {
+        let lane = lane_of(direction);
+        let mut state = self.shared.state.lock();
+        while !state.lanes[lane].pending.is_empty() && !state.shutdown {
+            self.shared.work_cv.notify_all();
+            self.shared.done_cv.wait(&mut state);
+        }
+        // With the lock held no batch launches between the last one and the event.
+        self.stream(direction)
+            .make_stream_wait(foreign)
+            .map_err(CoreError::from)
+    }
+
     /// The engine's limits.
     pub fn limits(&self) -> TransferLimits {
         self.shared.limits

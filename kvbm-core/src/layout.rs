@@ -416,8 +416,9 @@ pub enum LayoutKind {
         block_stride_bytes: u64,
         /// Identifies the canonical order (see [`BlockLayout::geometry_id`]).
         geometry_id: u64,
-        /// Tensors the layout was built from (the runs' layer tags index them).
-        views: usize,
+        /// Per tensor the layout was built from (the runs' layer tags index them), the last tag
+        /// of the runs holding its bytes (see [`BlockLayout::ready_after`]).
+        ready: Vec<u32>,
     },
     /// One contiguous run per block.
     FullyContiguous {
@@ -614,19 +615,9 @@ impl BlockLayout {
             ))
         };
         let mut pages = Vec::with_capacity(views.len());
-        let mut kv_first: Option<KvLayout> = None;
+        let mut shapes = Vec::with_capacity(views.len());
         for v in views {
             let (page, kv) = Self::page_of(v, num_blocks).map_err(|why| refuse(v, &why))?;
-            let first = *kv_first.get_or_insert(kv);
-            if kv.dtype_bytes != first.dtype_bytes {
-                return Err(refuse(
-                    v,
-                    &format!(
-                        "its elements are {} bytes where the first tensor's are {}",
-                        kv.dtype_bytes, first.dtype_bytes
-                    ),
-                ));
-            }
             if let Some(first) = pages.first().map(|p: &Page| p.block_stride) {
                 if page.block_stride != first {
                     return Err(refuse(
@@ -639,11 +630,47 @@ impl BlockLayout {
                 }
             }
             pages.push(page);
+            shapes.push(kv);
         }
-        let first = kv_first.expect("at least one view");
+        // Views of one buffer may differ in element size: vLLM 0.33 views a hybrid model's
+        // Mamba / linear-attention state as 1-byte `[B, 1, 1, state bytes]` pages inside the
+        // attention pages of the same slots (`create_kv_cache_views` in
+        // `vllm/v1/kv_cache_interface.py`; the state page is padded to the attention page by
+        // `Platform._align_hybrid_block_size`). Bytes are bytes: a block is the union of every
+        // view's runs, whatever their element type. Its KV shape is described by the view with
+        // the largest page (the attention layers'; the most tokens among equals).
+        let reference = (0..shapes.len())
+            .max_by_key(|&i| {
+                (
+                    shapes[i].bytes_per_block(),
+                    shapes[i].block_size_tokens,
+                    std::cmp::Reverse(i),
+                )
+            })
+            .expect("at least one view");
         let physical = detect_physical(views, &pages);
         let tag = format!("views {:?}", physical.map(PhysicalLayout::name));
-        let layout = Self::paged(first, num_blocks, &pages, &tag)?;
+        let layout = Self::paged(shapes[reference], num_blocks, &pages, &tag)?;
+        // Several groups over one buffer (hybrid models): the layout is the one the reference
+        // view's kind follows over its distinct slots (the name only; the id keeps the tag).
+        let physical = physical.or_else(|| {
+            let r = &views[reference];
+            let mut seen = std::collections::HashSet::new();
+            let (kind, kind_pages): (Vec<TensorView>, Vec<Page>) = views
+                .iter()
+                .zip(&pages)
+                .filter(|(v, _)| {
+                    v.shape == r.shape && v.strides == r.strides && v.elem_bytes == r.elem_bytes
+                })
+                .filter(|(v, _)| seen.insert(v.addr))
+                .map(|(v, p)| (v.clone(), p.clone()))
+                .unzip();
+            let mut order: Vec<usize> = (0..kind.len()).collect();
+            order.sort_by_key(|&i| kind[i].addr);
+            let kind: Vec<TensorView> = order.iter().map(|&i| kind[i].clone()).collect();
+            let kind_pages: Vec<Page> = order.iter().map(|&i| kind_pages[i].clone()).collect();
+            detect_physical(&kind, &kind_pages)
+        });
         let kv = *layout.kv();
         let mut spans: Vec<(u64, u64)> = pages
             .iter()
@@ -759,6 +786,9 @@ impl BlockLayout {
         pages: &[Page],
         tag: &str,
     ) -> Result<Self, CoreError> {
+        let mixed = pages
+            .iter()
+            .any(|p| p.page_bytes() != pages[0].page_bytes());
         // Block 0's intervals per tensor (absolute), and each tensor's span.
         let intervals: Vec<Vec<(u64, u64)>> = pages
             .iter()
@@ -810,7 +840,7 @@ impl BlockLayout {
                 .collect();
             all.sort_unstable();
             let mut union: Vec<(u64, u64, u32, u32)> = Vec::new();
-            for (s, e, layer) in all {
+            for &(s, e, layer) in &all {
                 match union.last_mut() {
                     Some(last) if s < last.1 => {
                         last.1 = last.1.max(e);
@@ -824,6 +854,17 @@ impl BlockLayout {
                 push_run(&mut runs, s, (e - s) as usize, (lo, hi));
             }
         }
+        // Per tensor, the last tag of the runs holding its bytes (its onboard readiness); the
+        // runs never overlap, so each interval lies in the one starting at or before it.
+        let mut by_addr: Vec<usize> = (0..runs.len()).collect();
+        by_addr.sort_by_key(|&k| runs[k].addr);
+        let mut ready: Vec<u32> = (0..pages.len() as u32).collect();
+        for (i, tensor) in intervals.iter().enumerate() {
+            for &(s, _) in tensor {
+                let at = by_addr.partition_point(|&k| runs[k].addr <= s) - 1;
+                ready[i] = ready[i].max(runs[by_addr[at]].layers.1);
+            }
+        }
         if runs.len() > RUNS_PER_BLOCK_MAX {
             return Err(CoreError::InvalidLayout(format!(
                 "a block is {} runs (at most {RUNS_PER_BLOCK_MAX})",
@@ -832,19 +873,26 @@ impl BlockLayout {
         }
         let total: usize = runs.iter().map(|r| r.len).sum();
         let page = shape.page_bytes();
-        if total % page != 0 {
+        let kv = if total % page == 0 {
+            KvLayout::new(
+                total / page,
+                shape.outer_dim,
+                shape.block_size_tokens,
+                shape.inner_dim,
+                shape.dtype_bytes,
+            )?
+        } else if mixed {
+            // Pages of several sizes (attention pages and Mamba states in slots no attention
+            // layer uses): the block is described as its bytes, one layer of them.
+            let tokens = shape.block_size_tokens;
+            let tokens = if total % tokens == 0 { tokens } else { 1 };
+            KvLayout::new(1, 1, tokens, total / tokens, 1)?
+        } else {
             return Err(CoreError::InvalidLayout(format!(
                 "the tensors hold {total} distinct bytes per block, not a whole number of \
                  {page}-byte pages"
             )));
-        }
-        let kv = KvLayout::new(
-            total / page,
-            shape.outer_dim,
-            shape.block_size_tokens,
-            shape.inner_dim,
-            shape.dtype_bytes,
-        )?;
+        };
         // The canonical order: each cluster's members' page axes by stride and their offsets
         // from the cluster's start (not absolute addresses, which differ between runs).
         let mut id = format!("{tag};{kv:?};");
@@ -869,7 +917,7 @@ impl BlockLayout {
                 runs,
                 block_stride_bytes: pages[0].block_stride as u64,
                 geometry_id: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
-                views: pages.len(),
+                ready,
             },
         })
     }
@@ -1003,17 +1051,12 @@ impl BlockLayout {
     /// place once the runs tagged up to `ready_after()[l]` are (runs merged across layers, as in
     /// a block-outermost layout, make a layer wait for the whole block).
     pub fn ready_after(&self) -> Vec<u32> {
-        let tensors = match &self.kind {
-            LayoutKind::Paged { views, .. } => *views,
-            LayoutKind::FullyContiguous { .. } => self.kv.num_layers,
-        };
-        let mut ready: Vec<u32> = (0..tensors as u32).collect();
-        self.for_each_run(0, |_, _, _, (first, last)| {
-            for l in first..=last {
-                ready[l as usize] = ready[l as usize].max(last);
+        match &self.kind {
+            LayoutKind::Paged { ready, .. } => ready.clone(),
+            LayoutKind::FullyContiguous { .. } => {
+                vec![self.kv.num_layers.saturating_sub(1) as u32; self.kv.num_layers]
             }
-        });
-        ready
+        }
     }
 
     /// Appends the pieces copying block `src_block` of `self` into block `dst_block` of `dst`.

@@ -574,6 +574,23 @@ pub struct Worker {
     offloaded: HashSet<String>,
     /// Finished requests waiting for their offloads.
     finished_waiting: HashSet<String>,
+    /// The bound step started offloads (`start_offloads`), for [`Worker::fence_offloads`].
+    step_offloaded: bool,
+    /// Requests whose asynchronous onboards finished with failed blocks, reported since the
+    /// last [`Worker::take_failed_onboards`], with those blocks.
+    failed_onboards: Vec<(String, Vec<u32>)>,
+}
+
+/// How [`Worker::fence_offloads`] kept the engine from reusing a step's offload sources.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OffloadFence {
+    /// Not needed: the plan did not ask for it, or the step offloaded nothing.
+    None,
+    /// The engine's stream waits for the offloads on the device; the host did not wait.
+    Device,
+    /// The host waited for the offloads (the emulated device, no engine stream, or a driver
+    /// that refused the device-side wait).
+    Host,
 }
 
 impl std::fmt::Debug for Worker {
@@ -728,6 +745,8 @@ impl Worker {
             plan: None,
             offloaded: HashSet::new(),
             finished_waiting: HashSet::new(),
+            step_offloaded: false,
+            failed_onboards: Vec::new(),
             suspended: false,
         })
     }
@@ -875,6 +894,7 @@ impl Worker {
     /// Binds this step's plan (`bind_connector_metadata`).
     pub fn bind(&mut self, plan: StepPlan) {
         self.plan = Some(plan);
+        self.step_offloaded = false;
     }
 
     /// The bound plan, if any.
@@ -888,6 +908,7 @@ impl Worker {
     pub fn clear(&mut self) {
         let _ = self.wait_onboards();
         self.plan = None;
+        self.step_offloaded = false;
     }
 
     /// Waits for the offloads of the plan's preempted requests, whose GPU blocks vLLM reuses as
@@ -985,6 +1006,7 @@ impl Worker {
         let writes = std::mem::take(&mut plan.disk_writes);
         let mut first_error = None;
         if !pairs.is_empty() {
+            self.step_offloaded = true;
             self.offloaded.extend(requests.iter().cloned());
             let started = self
                 .wait_onboards()
@@ -1004,6 +1026,48 @@ impl Worker {
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+
+    /// The fence after a step's offloads (`wait_for_save`, after [`Self::start_offloads`]),
+    /// when the bound plan asks for it (`StepPlan::fence_offloads`): vLLM frees sliding-window
+    /// and Mamba blocks of running requests without telling the connector and may zero and
+    /// overwrite them in the very next step (`remove_skipped_blocks` in every `allocate_slots`,
+    /// `vllm/v1/core/kv_cache_manager.py`), while this step's offloads still read them.
+    ///
+    /// With the engine's CUDA stream `foreign`, that stream waits on the device for every
+    /// offload queued so far ([`CopyEngine::make_stream_wait`]): the engine's later work runs
+    /// after them and the host does not wait. On the emulated device (whose engine writes
+    /// synchronously from the host), without `foreign`, or should the driver refuse, the host
+    /// waits for the offloads before returning (slower, never wrong).
+    pub fn fence_offloads(&mut self, foreign: Option<u64>) -> OffloadFence {
+        let asked = self.plan.as_ref().is_some_and(|p| p.fence_offloads);
+        if !asked || !self.step_offloaded {
+            return OffloadFence::None;
+        }
+        if let (Some(foreign), kvbm_cuda::DeviceKind::Cuda) = (foreign, self.device.kind()) {
+            match self
+                .copies
+                .make_stream_wait(Direction::DeviceToHost, foreign)
+            {
+                Ok(true) => return OffloadFence::Device,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "the engine's stream cannot wait for the offloads; the host waits");
+                }
+            }
+        }
+        // One stream completes in order: waiting for every offload is waiting for this step's.
+        self.wait_offloads();
+        OffloadFence::Host
+    }
+
+    /// Requests whose asynchronous onboards finished with failed GPU blocks, as reported by
+    /// [`Self::report`] since the last call, each with those blocks (the blocks are in the
+    /// report's `failed_blocks` too). vLLM 0.33 refuses block-level load errors for a model of
+    /// several KV cache groups (`_handle_invalid_blocks` in `vllm/v1/core/sched/scheduler.py`)
+    /// and takes them per request instead (`KVConnectorTransferResults.failed_recving`).
+    pub fn take_failed_onboards(&mut self) -> Vec<(String, Vec<u32>)> {
+        std::mem::take(&mut self.failed_onboards)
     }
 
     /// What finished since the last report (vLLM's `get_finished`, then
@@ -1033,6 +1097,9 @@ impl Worker {
         }
         let mut finished_onboarding = Vec::new();
         for (r, failed) in self.poll_async() {
+            if !failed.is_empty() {
+                self.failed_onboards.push((r.clone(), failed.clone()));
+            }
             finished_onboarding.push(r);
             self.failed.extend(failed);
         }

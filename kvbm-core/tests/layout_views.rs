@@ -437,3 +437,137 @@ proptest! {
         check_round_trip(&views, bytes, blocks, kernel, from_to.0 % blocks, from_to.1 % blocks);
     }
 }
+
+/// vLLM 0.33's views of a Mamba hybrid (Qwen3-Next's shape: Mamba / linear-attention groups
+/// first, then full attention), all over one buffer from byte 0 (`get_kv_cache_config_from_groups`
+/// in `vllm/v1/core/kv_cache_planning.py`: "groups alias from byte 0"): `mamba_groups` groups of
+/// `mamba_slots` 1-byte `[B, 1, 1, state]` views (`create_kv_cache_views` views a `MambaSpec`,
+/// which has no dtype, as int8), each page padded to the attention page, then one attention
+/// group of `attn_slots` `[B, H, N, C]` views of `s`.
+fn hybrid_views(
+    layout: PhysicalLayout,
+    s: &PagedShape,
+    num_blocks: usize,
+    mamba_groups: usize,
+    mamba_slots: usize,
+    attn_slots: usize,
+    state: usize,
+) -> Vec<TensorView> {
+    let page = s.page_bytes();
+    let slots = mamba_slots.max(attn_slots);
+    // compute_layout_strides with the planner's fixed layer and block strides.
+    let (layer_stride, block_stride) = if layout.is_block_outermost() {
+        (page, slots * page)
+    } else {
+        (num_blocks * page, page)
+    };
+    let mut views = Vec::new();
+    for g in 0..mamba_groups {
+        for l in 0..mamba_slots {
+            views.push(TensorView {
+                name: format!("model.layers.{}.linear_attn", g * mamba_slots + l),
+                addr: (l * layer_stride) as u64,
+                shape: vec![num_blocks, 1, 1, state],
+                strides: vec![block_stride, state, state, 1],
+                elem_bytes: 1,
+            });
+        }
+    }
+    let attn = PagedShape {
+        num_layers: attn_slots,
+        ..*s
+    };
+    // The attention group's views over the same slots (its strides, the planner's strides).
+    for (l, mut v) in layout.views(&attn, num_blocks, 0).into_iter().enumerate() {
+        v.name = format!("model.layers.{}.self_attn", mamba_groups * mamba_slots + l);
+        v.addr = (l * layer_stride) as u64;
+        v.strides[0] = block_stride / s.elem_bytes;
+        views.push(v);
+    }
+    views
+}
+
+#[test]
+fn mamba_hybrid_views_are_the_attention_pages_copied_once() {
+    let s = shape(3, 2, 4, 6, 2); // 96-byte attention pages
+    let (blocks, state) = (5, 40);
+    for layout in [PhysicalLayout::Lbnhc, PhysicalLayout::Blnhc] {
+        let views = hybrid_views(layout, &s, blocks, 2, 3, 3, state);
+        let placed = BlockLayout::from_views(&views, blocks).unwrap();
+        assert_eq!(placed.kv.bytes_per_block(), 3 * s.page_bytes(), "{layout}");
+        assert_eq!(placed.kv.num_layers, 3, "{layout}");
+        assert_eq!(
+            placed.kv.dtype_bytes, 2,
+            "{layout}: the attention pages describe it"
+        );
+        assert_eq!(placed.physical, Some(layout));
+        let runs = if layout.is_block_outermost() { 1 } else { 3 };
+        assert_eq!(placed.layout.runs_per_block(), runs, "{layout}");
+        check_round_trip(
+            &views,
+            PhysicalLayout::buffer_bytes(&s, blocks),
+            blocks,
+            1,
+            4,
+            1,
+        );
+        // The attention layers (tensors 6, 7, 8) wait for their own slot's run under LBNHC,
+        // even though the run also holds two Mamba states registered before them.
+        let ready = placed.layout.ready_after();
+        let expected: Vec<u32> = if layout.is_block_outermost() {
+            vec![8; 9]
+        } else {
+            (0..9).map(|i| 6 + i % 3).collect()
+        };
+        assert_eq!(ready, expected, "{layout}");
+    }
+}
+
+#[test]
+fn mamba_states_in_slots_without_attention_are_copied_too() {
+    // vLLM makes groups of the largest layer count when the counts are close
+    // (`_get_kv_cache_groups_uniform_page_size`): a slot may hold Mamba states only.
+    let s = shape(2, 2, 4, 6, 2);
+    let (blocks, state) = (4, 40);
+    for layout in [PhysicalLayout::Lbnhc, PhysicalLayout::Blnhc] {
+        let views = hybrid_views(layout, &s, blocks, 1, 3, 2, state);
+        let placed = BlockLayout::from_views(&views, blocks).unwrap();
+        assert_eq!(
+            placed.kv.bytes_per_block(),
+            2 * s.page_bytes() + state,
+            "{layout}"
+        );
+        let buffer = 3 * blocks * s.page_bytes();
+        check_round_trip(&views, buffer, blocks, 1, 0, 3);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Any hybrid shape vLLM pads (layouts whose L and B axes are outermost): Mamba groups of
+    /// any state size up to the attention page next to an attention group, slots covered by
+    /// attention or not: every byte of every view's block comes back, nothing else is written.
+    #[test]
+    fn any_mamba_hybrid_round_trips(
+        compact_index in 0usize..4,
+        heads in 1usize..3,
+        tokens in 1usize..4,
+        content in 1usize..5,
+        elem in 1usize..3,
+        blocks in 1usize..5,
+        mamba_groups in 1usize..4,
+        slots in (1usize..4, 1usize..4),
+        state_part in 1usize..=100,
+        from_to in (0usize..64, 0usize..64),
+    ) {
+        let compact: Vec<PhysicalLayout> =
+            PhysicalLayout::ALL.into_iter().filter(|l| l.is_block_compact()).collect();
+        let layout = compact[compact_index % compact.len()];
+        let s = shape(1, heads, tokens, content, elem);
+        let state = (s.page_bytes() * state_part).div_ceil(100);
+        let views = hybrid_views(layout, &s, blocks, mamba_groups, slots.0, slots.1, state);
+        let bytes = slots.0.max(slots.1) * blocks * s.page_bytes();
+        check_round_trip(&views, bytes, blocks, 1, from_to.0 % blocks, from_to.1 % blocks);
+    }
+}

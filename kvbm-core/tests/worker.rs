@@ -538,3 +538,116 @@ fn the_host_pool_is_pinned_in_whole_blocks() {
     );
     assert_eq!(worker.host_region().chunk_bytes() % stride, 0);
 }
+
+/// Runs the leader's next plan (one offload) with its `fence_offloads` set to `fence`, and
+/// `fence_offloads` on another thread while that offload is held on the emulated device's copy
+/// stream. Returns whether the fence returned before the hold was released (as far as 300 ms
+/// tell), and, seen by the fencing thread right at its return: the fence, the offloads still in
+/// flight and whether the host block already held GPU block `gpu`'s bytes `before`.
+fn fence_while_held(
+    r: &mut Rig,
+    fence: bool,
+    before: &[u8],
+) -> (bool, kvbm_core::worker::OffloadFence, usize, bool) {
+    let mut plan = r.leader.take_plan(vec![]).unwrap();
+    assert_eq!(plan.offloads.len(), 1);
+    let host = plan.offloads[0].pairs[0].1;
+    plan.fence_offloads = fence;
+    let hold = r.worker.hold_stream(Direction::DeviceToHost).unwrap();
+    r.worker.bind(plan);
+    r.worker.start_onboards().unwrap();
+    r.worker.start_offloads().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker = &mut r.worker;
+    let (early, outcome) = std::thread::scope(|s| {
+        s.spawn(move || {
+            let fenced = worker.fence_offloads(None);
+            let in_flight = worker.stats().offloads_in_flight;
+            // The host block's memory as it is (read_host_block would wait for the offload).
+            let mut copy = vec![0u8; before.len()];
+            let region = worker.host_region();
+            let start = worker.host_layout().block_start(host as usize) - region.addr();
+            region.read(start as usize, &mut copy).unwrap();
+            tx.send((fenced, in_flight, copy == before)).unwrap();
+        });
+        let early = rx.recv_timeout(std::time::Duration::from_millis(300));
+        drop(hold);
+        let outcome = match &early {
+            Ok(outcome) => *outcome,
+            Err(_) => rx.recv().unwrap(),
+        };
+        (early.is_ok(), outcome)
+    });
+    r.worker.wait_offloads();
+    r.worker.clear();
+    (early, outcome.0, outcome.1, outcome.2)
+}
+
+#[test]
+fn a_fenced_step_returns_from_wait_for_save_only_after_its_offloads() {
+    // vLLM frees sliding-window and Mamba blocks mid-request (`remove_skipped_blocks` in
+    // `allocate_slots`) and may overwrite them in the next step: a step whose plan asks for the
+    // fence must not let the engine go on before its offloads read them. The emulated device
+    // has no engine stream: the host waits.
+    use kvbm_core::worker::OffloadFence;
+    let mut r = rig_on(Device::emulated(), "BLNHC", 8, 4, 0);
+    let before = r.block(2);
+    r.leader
+        .plan_offloads(vec![("p".into(), tokens(0, 1), vec![2])])
+        .unwrap();
+    let (early, fence, in_flight, copied) = fence_while_held(&mut r, true, &before);
+    assert!(!early, "the fence returned while its offload was held");
+    assert_eq!(fence, OffloadFence::Host);
+    assert_eq!(
+        in_flight, 0,
+        "the fence returned with the offload in flight"
+    );
+    assert!(copied, "the fence returned before the block was copied");
+
+    // Without the fence the step returns at once, its offload still held.
+    let before = r.block(3);
+    r.leader
+        .plan_offloads(vec![("q".into(), tokens(100, 1), vec![3])])
+        .unwrap();
+    let (early, fence, in_flight, copied) = fence_while_held(&mut r, false, &before);
+    assert!(early, "an unfenced step waited for its offloads");
+    assert_eq!(fence, OffloadFence::None);
+    assert_eq!(in_flight, 1);
+    assert!(!copied);
+}
+
+#[test]
+fn a_fenced_step_on_cuda_makes_the_engines_stream_wait_and_the_host_not() {
+    // On the device under test (the simulated driver under `KVBM_DEVICE=cuda`): with vLLM's
+    // stream known, the fence is a wait of that stream on the device; without, the host waits.
+    use kvbm_core::worker::OffloadFence;
+    let mut r = rig("LBNHC", 8, 4, 0);
+    let cuda = r.worker.device().kind() == kvbm_core::DeviceKind::Cuda;
+    for (i, foreign) in [Some(0u64), None].into_iter().enumerate() {
+        let before = r.block(2 + i as u32);
+        r.leader
+            .plan_offloads(vec![(
+                format!("r{i}"),
+                tokens(10 * i as u32, 1),
+                vec![2 + i as u32],
+            )])
+            .unwrap();
+        let mut plan = r.leader.take_plan(vec![]).unwrap();
+        let host = plan.offloads[0].pairs[0].1;
+        plan.fence_offloads = true;
+        r.worker.bind(plan);
+        r.worker.start_onboards().unwrap();
+        r.worker.start_offloads().unwrap();
+        let fence = r.worker.fence_offloads(foreign);
+        let expected = if cuda && foreign.is_some() {
+            OffloadFence::Device
+        } else {
+            OffloadFence::Host
+        };
+        assert_eq!(fence, expected);
+        let mut copy = vec![0u8; before.len()];
+        r.worker.read_host_block(host, &mut copy).unwrap();
+        assert_eq!(copy, before);
+        r.worker.clear();
+    }
+}

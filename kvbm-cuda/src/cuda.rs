@@ -347,6 +347,38 @@ impl CudaCopyStream {
         }
     }
 
+    /// Makes `foreign` (a `CUstream` of the same context; 0 for the legacy default stream)
+    /// wait, on the device, for everything queued so far on this stream: an event recorded
+    /// here, waited on there. The host does not wait.
+    pub(crate) fn make_wait(&self, foreign: u64) -> Result<(), DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
+        // Serialised with `submit`: the event follows whole transfers.
+        let _inflight = self.inflight.lock();
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: plain driver calls on handles of this context; the event is destroyed only
+        // after the wait on it was queued (the driver keeps what the wait needs).
+        unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+            )
+            .result()
+            .map_err(|e| DeviceError::driver("cuEventCreate", e))?;
+            let waited = sys::cuEventRecord(event, self.stream.cu_stream())
+                .result()
+                .map_err(|e| DeviceError::driver("cuEventRecord", e))
+                .and_then(|()| {
+                    sys::cuStreamWaitEvent(foreign as sys::CUstream, event, 0)
+                        .result()
+                        .map_err(|e| DeviceError::driver("cuStreamWaitEvent", e))
+                });
+            let _ = sys::cuEventDestroy_v2(event).result();
+            waited
+        }
+    }
+
     fn copy_batched(&self, pieces: &[CopyPiece]) -> Result<(), DeviceError> {
         let mut dsts: Vec<sys::CUdeviceptr> = pieces.iter().map(|p| p.dst).collect();
         let mut srcs: Vec<sys::CUdeviceptr> = pieces.iter().map(|p| p.src).collect();

@@ -280,6 +280,19 @@ impl CopyStream {
         }
     }
 
+    /// The reverse of [`Self::order_after_stream`]: makes the engine's CUDA stream `foreign`
+    /// wait, on the device, for every transfer queued so far on this stream (an event recorded
+    /// here, waited on there), so that the engine's later work (vLLM zeroing and overwriting
+    /// blocks it freed) cannot run before these copies read them. The host does not wait.
+    /// Returns false on the emulated device, which has no engine stream: the caller must wait
+    /// for the transfers on the host instead.
+    pub fn make_stream_wait(&self, foreign: u64) -> Result<bool, DeviceError> {
+        match &self.backend {
+            Backend::Emulated(_) => Ok(false),
+            Backend::Cuda(s) => s.make_wait(foreign).map(|()| true),
+        }
+    }
+
     /// Holds the stream before its next transfer until the returned guard drops, so that a
     /// test can keep copies queued (in flight, for everything above) as long as it needs.
     /// Only the emulated device can: on CUDA this is `InvalidArgument`.

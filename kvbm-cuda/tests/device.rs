@@ -617,3 +617,79 @@ fn loads_ordered_after_the_engines_stream_land_after_its_queued_writes() {
         "the engine's pending write overwrote the loaded block"
     );
 }
+
+#[test]
+fn the_engines_later_work_waits_for_copies_it_was_made_to_wait_for() {
+    // vLLM frees sliding-window and Mamba blocks of running requests without telling the
+    // connector and may overwrite them in the next step; a fenced step makes vLLM's stream
+    // wait for kvbm's offloads (`make_stream_wait`). Here the offload is held (it waits for a
+    // held stream) when the engine queues its overwrite of the block: the overwrite must not
+    // run before the offload read the block.
+    let device = device();
+    if device.kind() != DeviceKind::Cuda {
+        // No engine stream: the caller is told to wait on the host.
+        let d2h = d2h_stream(&device, true);
+        assert!(!d2h.make_stream_wait(0).unwrap());
+        return;
+    }
+    let Some(hooks) = sim_hooks() else {
+        eprintln!("not the simulated driver: a held stream cannot be arranged; skipped");
+        return;
+    };
+    let len = small_host_options().chunk_bytes;
+    let gpu = device.alloc_gpu(len).unwrap();
+    gpu.write(0, &vec![0x11; len]).unwrap();
+    let mut pattern = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(24).fill_bytes(&mut pattern);
+    let src = ready_host(&device, len);
+    src.write(0, &pattern).unwrap();
+    let out = ready_host(&device, len);
+
+    let ctx = cudarc::driver::CudaContext::new(0).unwrap();
+    let engine = ctx.new_stream().unwrap();
+    let gate = ctx.new_stream().unwrap();
+    let d2h = d2h_stream(&device, true);
+    let mut hold = std::ptr::null_mut();
+    let gate_handle = gate.cu_stream().cast();
+    // SAFETY: the simulator's hook on a live stream of this context.
+    let held = unsafe { (hooks.hold)(gate_handle, &mut hold) };
+    assert_eq!(held, 0);
+    d2h.order_after_stream(gate.cu_stream() as u64).unwrap();
+    let mut t = Transfer::with_capacity(1);
+    t.push(gpu.addr(), out.addr(), len);
+    t.keep(gpu.clone());
+    t.keep(out.clone());
+    let done = d2h.submit(t).unwrap();
+    assert!(d2h.make_stream_wait(engine.cu_stream() as u64).unwrap());
+    // The engine's next step overwrites the block.
+    // SAFETY: both ranges are live device and pinned host memory of `len` bytes.
+    unsafe { cudarc::driver::sys::cuMemcpyAsync(gpu.addr(), src.addr(), len, engine.cu_stream()) }
+        .result()
+        .unwrap();
+    let overwritten = engine.record_event(None).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_millis(300);
+    let mut early = false;
+    while std::time::Instant::now() < deadline {
+        if overwritten.try_is_complete().unwrap() {
+            early = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: the handle kvbmSimHoldStream wrote, released once.
+    assert_eq!(unsafe { (hooks.release)(hold) }, 0);
+    done.wait().unwrap();
+    engine.synchronize().unwrap();
+    assert!(
+        !early,
+        "the engine's overwrite ran while the offload it must wait for was held"
+    );
+    let mut got = vec![0u8; len];
+    out.read(0, &mut got).unwrap();
+    assert!(
+        got == vec![0x11; len],
+        "the offload read the engine's later write"
+    );
+    gpu.read(0, &mut got).unwrap();
+    assert!(got == pattern, "the engine's write did not land");
+}

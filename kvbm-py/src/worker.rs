@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use kvbm_core::layout::{BlockLayout, KvLayout, TensorView};
 use kvbm_core::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan};
+use kvbm_core::worker::OffloadFence;
 use kvbm_core::{check_view_within, DiskOptions, Metrics, TransferLimits, WorkerOptions};
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use pyo3::prelude::*;
@@ -257,8 +258,12 @@ fn gpu_side(
     let placed = BlockLayout::from_views(&views, num_blocks).map_err(core_err)?;
     let mut kv = placed.kv;
     let mut gpu = placed.layout.clone();
+    // A hybrid model's views (attention pages and 1-byte Mamba states) may be described as
+    // their bytes (slots holding states only): the hint then describes nothing and is dropped.
+    let mixed = views.iter().any(|v| v.elem_bytes != views[0].elem_bytes);
+    let total = kv.outer_dim * kv.inner_dim;
+    let outer_dim = outer_dim.filter(|&o| !(mixed && o > 0 && total % o != 0));
     if let Some(outer) = outer_dim.filter(|&o| o != kv.outer_dim) {
-        let total = kv.outer_dim * kv.inner_dim;
         if outer == 0 || total % outer != 0 {
             return Err(LayoutError::new_err(format!(
                 "outer_dim {outer} does not divide the {total} elements per token"
@@ -595,6 +600,37 @@ impl Worker {
             py.allow_threads(|| inner.start_offloads())
                 .map_err(core_err)
         })
+    }
+
+    /// After `start_offloads` (vLLM's `wait_for_save`), when the bound plan sets
+    /// `fence_offloads` (the step offloads blocks of a sliding-window or Mamba group, which
+    /// vLLM may free and overwrite in the next step without telling the connector): keeps
+    /// vLLM's later GPU work from running before the step's offloads read those blocks. With
+    /// `stream` (vLLM's current CUDA stream) that stream waits for them on the device; on the
+    /// emulated device, without a stream, or should the driver refuse, the host waits for the
+    /// offloads here. Returns "device", "host", or "none" (no fence asked, or no offload).
+    #[pyo3(signature = (stream=None))]
+    fn fence_offloads(&self, py: Python<'_>, stream: Option<u64>) -> PyResult<&'static str> {
+        let mut g = self.write(py)?;
+        let s = &mut *g;
+        guard(|| {
+            let inner = s.w_mut();
+            let fence = py.allow_threads(|| inner.fence_offloads(stream));
+            Ok(match fence {
+                OffloadFence::None => "none",
+                OffloadFence::Device => "device",
+                OffloadFence::Host => "host",
+            })
+        })
+    }
+
+    /// Requests whose asynchronous onboards finished with failed GPU blocks, as `report`
+    /// reported them since the last call: a list of (request, failed GPU blocks). For a model
+    /// of several KV cache groups, whose failures vLLM 0.33 takes per request only.
+    fn take_failed_onboards(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<u32>)>> {
+        let mut g = self.write(py)?;
+        let s = &mut *g;
+        guard(|| Ok(s.w_mut().take_failed_onboards()))
     }
 
     /// What finished since the last report: (finished requests whose offloads all completed,
@@ -1032,9 +1068,10 @@ type RequestPairs = (String, Vec<(u32, u32)>);
 /// An asynchronous onboard as Python passes it: (request, disk reads, pairs).
 type AsyncTuple = (String, Vec<(u32, u32, u64)>, Vec<(u32, u32)>);
 
-/// A step plan's bytes from its parts (tests and tools; the leader builds its own).
+/// A step plan's bytes from its parts (tests and tools; the leader builds its own);
+/// `unbacked` maps an asynchronous onboard's request to GPU blocks it cannot fill.
 #[pyfunction]
-#[pyo3(signature = (step=0, *, preempted=Vec::new(), disk_reads=Vec::new(), onboards=Vec::new(), async_onboards=Vec::new(), offloads=Vec::new(), disk_writes=Vec::new(), load_errors=Vec::new()))]
+#[pyo3(signature = (step=0, *, preempted=Vec::new(), disk_reads=Vec::new(), onboards=Vec::new(), async_onboards=Vec::new(), offloads=Vec::new(), disk_writes=Vec::new(), load_errors=Vec::new(), fence_offloads=false, unbacked=std::collections::HashMap::new()))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn encode_plan<'py>(
     py: Python<'py>,
@@ -1046,6 +1083,8 @@ pub(crate) fn encode_plan<'py>(
     offloads: Vec<RequestPairs>,
     disk_writes: Vec<DiskWriteTuple>,
     load_errors: Vec<u32>,
+    fence_offloads: bool,
+    mut unbacked: std::collections::HashMap<String, Vec<u32>>,
 ) -> PyResult<Bound<'py, PyBytes>> {
     guard(|| {
         let plan = StepPlan {
@@ -1059,10 +1098,10 @@ pub(crate) fn encode_plan<'py>(
             async_onboards: async_onboards
                 .into_iter()
                 .map(|(request, reads, pairs)| AsyncOnboard {
+                    unbacked: unbacked.remove(&request).unwrap_or_default(),
                     request,
                     disk_reads: self::disk_reads(reads),
                     pairs,
-                    unbacked: Vec::new(),
                 })
                 .collect(),
             offloads: offloads
@@ -1079,7 +1118,7 @@ pub(crate) fn encode_plan<'py>(
                 })
                 .collect(),
             load_errors,
-            fence_offloads: false,
+            fence_offloads,
         };
         Ok(plan_bytes(py, &plan))
     })
@@ -1125,6 +1164,15 @@ pub(crate) fn decode_plan<'py>(py: Python<'py>, plan: &[u8]) -> PyResult<Bound<'
                 .collect::<Vec<_>>(),
         )?;
         d.set_item("load_errors", p.load_errors.clone())?;
+        d.set_item("fence_offloads", p.fence_offloads)?;
+        d.set_item(
+            "unbacked",
+            p.async_onboards
+                .iter()
+                .filter(|o| !o.unbacked.is_empty())
+                .map(|o| (o.request.clone(), o.unbacked.clone()))
+                .collect::<std::collections::HashMap<_, _>>(),
+        )?;
         Ok(d)
     })
 }

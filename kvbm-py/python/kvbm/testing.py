@@ -280,3 +280,97 @@ def allocate_kv_cache(
             name = f"model.layers.{layer}.self_attn.attn" if g == 0 else f"model.layers.{layer}.g{g}.self_attn.attn"
             caches[name] = HostTensor(view_5d[layer].view(dtype), storage=raw, device=device)
     return caches, raw
+
+
+def allocate_hybrid_kv_cache(
+    groups: Sequence[str],
+    layers_per_group,
+    num_blocks: int,
+    num_heads: int,
+    block_size: int,
+    head_size: int,
+    state_bytes: int,
+    dtype="uint16",
+    layout: str = "BLNHC",
+    huge_pages: bool = False,
+    simulated_gpu: bool = False,
+):
+    """A hybrid model's KV caches as vLLM 0.33's hybrid KV cache manager lays them out, in host
+    memory (or, with ``simulated_gpu``, in the simulated driver's device memory).
+
+    ``groups`` names each KV cache group's kind in vLLM's group order: ``"full"`` and
+    ``"sliding"`` attention groups (``[B, H, N, C]`` views of ``dtype`` with K and V side by side,
+    ``C = 2 x head_size``) and ``"mamba"`` groups (Mamba / linear-attention state: 1-byte
+    ``[B, 1, 1, state_bytes]`` views, the ``MambaSpec`` having no dtype). Each group has
+    ``layers_per_group`` layers (slots), or as many as its entry when it is a sequence (vLLM
+    makes groups of the largest layer count when the counts are close, so a group may leave
+    its last slots unused: ``_get_kv_cache_groups_uniform_page_size``). As
+    ``get_kv_cache_config_from_groups``
+    (vllm/v1/core/kv_cache_planning.py) places them: one int8 buffer, every group's slot ``i``
+    at the same bytes ("groups alias from byte 0"), a Mamba page padded to the attention page
+    (``Platform._align_hybrid_block_size``), block-outermost layouts packing all slots' pages
+    into a block; views from ``create_kv_cache_views`` (vllm/v1/kv_cache_interface.py) with the
+    planner's layer and block strides. Qwen3-Next's shape is ``("mamba", "mamba", "mamba",
+    "full")`` (its first layers are linear attention, so group 0 is a Mamba group); gpt-oss's
+    ``("sliding", "full")``.
+
+    Returns ``(kv_caches, buffer, layer_names)``: layer name -> :class:`HostTensor` in group
+    order (``model.layers.{i}.self_attn.attn`` for attention, ``model.layers.{i}.linear_attn``
+    for Mamba, ``i`` numbering all layers), the backing numpy int8 buffer, and per group its
+    layer names.
+    """
+    import numpy as np
+
+    order = KV_CACHE_LAYOUTS[layout.upper()]
+    dtype = np.dtype(dtype)
+    content_bytes = 2 * head_size * dtype.itemsize
+    page = num_heads * block_size * content_bytes
+    if state_bytes > page:
+        raise ValueError(f"a {state_bytes}-byte state does not fit a {page}-byte attention page")
+    if isinstance(layers_per_group, int):
+        counts = [layers_per_group] * len(groups)
+    else:
+        counts = [int(n) for n in layers_per_group]
+        if len(counts) != len(groups):
+            raise ValueError(f"{len(counts)} layer counts for {len(groups)} groups")
+    slots = max(counts)
+    if order[0] == 1:
+        # Block-outermost: a block is every slot's page.
+        layer_stride, block_stride = page, slots * page
+    else:
+        if order.index(0) > order.index(1) or order[1] not in (0, 1):
+            raise ValueError(f"{layout}: vLLM pads Mamba pages only when L and B are the outer axes")
+        layer_stride, block_stride = num_blocks * page, page
+    size = num_blocks * slots * page
+    if simulated_gpu:
+        raw = simulated_gpu_array((size,), dtype="int8")
+        device = CudaDevice(0)
+    else:
+        raw = host_array((size,), dtype="int8", huge_pages=huge_pages)
+        device = "cpu"
+    fixed = (layer_stride, block_stride, None, None, None)
+    attention_shape = (slots, num_blocks, num_heads, block_size, content_bytes)
+    attention = np.lib.stride_tricks.as_strided(
+        raw, shape=attention_shape, strides=layout_strides(attention_shape, order, fixed), writeable=True
+    )
+    state_shape = (slots, num_blocks, 1, 1, state_bytes)
+    states = np.lib.stride_tricks.as_strided(
+        raw, shape=state_shape, strides=layout_strides(state_shape, order, fixed), writeable=True
+    )
+    caches = {}
+    names = []
+    for g, kind in enumerate(groups):
+        group_names = []
+        for slot in range(counts[g]):
+            index = sum(counts[:g]) + slot
+            if kind == "mamba":
+                name = f"model.layers.{index}.linear_attn"
+                caches[name] = HostTensor(states[slot], storage=raw, device=device)
+            elif kind in ("full", "sliding"):
+                name = f"model.layers.{index}.self_attn.attn"
+                caches[name] = HostTensor(attention[slot].view(dtype), storage=raw, device=device)
+            else:
+                raise ValueError(f"group kind {kind!r}: expected full, sliding or mamba")
+            group_names.append(name)
+        names.append(group_names)
+    return caches, raw, names

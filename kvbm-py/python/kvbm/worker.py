@@ -26,9 +26,21 @@ when the step has synchronous loads (otherwise after it), ``wait_for_layer_load`
 - ``wait_for_save``: starts the step's offloads, ordered on the device after the forward pass
   that writes the blocks (an event on vLLM's stream; the host does not wait), then
   queues the step's disk writes (after the offloads into those host blocks);
-- ``get_finished``: reports finished requests whose offloads all completed (vLLM frees their
-  GPU blocks only then), and requests whose asynchronous onboards are done; their failed blocks
-  are reported by ``get_block_ids_with_load_errors`` in the same pass.
+- ``wait_for_save`` on a plan with ``fence_offloads`` (the step offloads blocks of a
+  sliding-window or Mamba group, which vLLM frees mid-request and may overwrite in the next
+  step): vLLM's stream then waits on the device for the step's offloads (the emulated device:
+  the host waits);
+- ``get_finished`` (0.32) / ``get_transfer_results`` (0.33): reports finished requests whose
+  offloads all completed (vLLM frees their GPU blocks only then), and requests whose
+  asynchronous onboards are done; their failed blocks are reported by
+  ``get_block_ids_with_load_errors`` in the same pass, or, for a model of several KV cache
+  groups (where vLLM 0.33 refuses block errors), the requests in ``failed_recving``.
+
+A hybrid model's caches (vLLM 0.33's hybrid KV cache manager) are taken as they come: every
+layer of every group, views of one buffer whose groups alias the same bytes, Mamba /
+linear-attention state as 1-byte views inside the attention pages; a block is the union of
+their bytes, copied once, whichever group owns the block id. Mamba layers get no
+``wait_for_layer_load`` (vLLM calls it for attention layers only).
 """
 
 from __future__ import annotations
@@ -50,19 +62,55 @@ def _num_blocks_of(shape: Sequence[int]) -> int:
     return int(shape[0])  # [B, H, N, C], [B, 2, N, H, D], [B, N, D]
 
 
-def _outer_dim(kv_cache_config: Any, shape: Sequence[int]) -> Optional[int]:
+def _attention_head_size(kv_cache_config: Any) -> Optional[int]:
+    """The head size of the first KV cache group whose spec has one: an attention group. A
+    hybrid model's group 0 may be a Mamba / linear-attention group, whose ``MambaSpec`` has no
+    ``head_size`` (``vllm/v1/kv_cache_interface.py``)."""
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        head_size = getattr(getattr(group, "kv_cache_spec", None), "head_size", None)
+        if head_size:
+            return int(head_size)
+    return None
+
+
+def _outer_dim(kv_cache_config: Any, shapes: Sequence[Sequence[int]]) -> Optional[int]:
     """2 when a 0.33 view's content axis is K and V side by side, 1 for MLA's latent, from the
-    cache spec (``head_size``); None when the shape itself says it or nothing does."""
-    if len(shape) != 4:
+    attention spec (``head_size``) and the attention views among ``shapes`` (a hybrid model's
+    Mamba views are ``[B, 1, 1, state bytes]``); None when the shapes themselves say it or
+    nothing does."""
+    if not shapes or len(shapes[0]) != 4:
         return None
-    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-    spec = getattr(groups[0], "kv_cache_spec", None) if groups else None
-    head_size = getattr(spec, "head_size", None)
+    head_size = _attention_head_size(kv_cache_config)
     if not head_size:
         return None
-    if shape[-1] == 2 * int(head_size):
+    content = {int(shape[-1]) for shape in shapes if len(shape) == 4}
+    if 2 * head_size in content:
         return 2
-    return 1 if shape[-1] == int(head_size) else None
+    return 1 if head_size in content else None
+
+
+def _num_kv_cache_groups(kv_cache_config: Any) -> int:
+    """vLLM's KV cache groups (``kv_cache_config.kv_cache_groups``), at least 1."""
+    return max(1, len(getattr(kv_cache_config, "kv_cache_groups", None) or ()))
+
+
+class TransferResults:
+    """What ``get_transfer_results`` reports, with the fields of vLLM 0.33's
+    ``KVConnectorTransferResults`` (``vllm/distributed/kv_transfer/kv_connector/v1/base.py``);
+    a failed receive is in ``finished_recving`` too."""
+
+    __slots__ = ("finished_sending", "finished_recving", "failed_recving")
+
+    def __init__(self, finished_sending: Set[str], finished_recving: Set[str], failed_recving: Set[str]) -> None:
+        self.finished_sending = finished_sending
+        self.finished_recving = finished_recving
+        self.failed_recving = failed_recving
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferResults(finished_sending={self.finished_sending}, "
+            f"finished_recving={self.finished_recving}, failed_recving={self.failed_recving})"
+        )
 
 
 def describe_kv_caches(kv_caches: Dict[str, Any], num_blocks: Optional[int] = None) -> Dict[str, Any]:
@@ -101,8 +149,18 @@ class KvbmWorker:
         kv_cache_config: Any = None,
         publisher: Any = None,
         instance_id: Optional[str] = None,
+        num_kv_cache_groups: Optional[int] = None,
     ) -> None:
         self._kv_cache_config = kv_cache_config
+        # vLLM 0.33 refuses block-level load errors for a model of several KV cache groups
+        # (scheduler.py, _handle_invalid_blocks raises): failed loads are then reported per
+        # request (get_transfer_results' failed_recving). Given, or from kv_cache_config.
+        self._num_groups = int(num_kv_cache_groups or _num_kv_cache_groups(kv_cache_config))
+        # Requests whose asynchronous loads failed, not reported yet (several groups only).
+        self._failed_recving: Set[str] = set()
+        # GPU blocks that failed outside an asynchronous load, which vLLM cannot take with
+        # several groups: dropped (logged), counted here.
+        self.unreportable_load_errors = 0
         # Publishes this worker's values for the instance's metrics server when that runs in
         # another process (kvbm.metrics.WorkerPublisher).
         self._publisher = publisher
@@ -125,6 +183,7 @@ class KvbmWorker:
         self._bad_disk: Set[int] = set()
         # The CUDA stream vLLM runs the forward pass on, as a handle (CUDA only).
         self._stream = None
+        self.last_fence = "none"
 
     @property
     def native(self) -> "_kvbm.Worker":
@@ -171,7 +230,7 @@ class KvbmWorker:
             num_blocks,
             int(host_blocks),
             config=config,
-            outer_dim=_outer_dim(kcc, shape),
+            outer_dim=_outer_dim(kcc, [tuple(t.shape) for t in tensors]),
             device=device,
             device_index=index,
             disk_blocks=int(disk_blocks),
@@ -260,6 +319,23 @@ class KvbmWorker:
             # goes on to prepare the next step, as vLLM's own offloading does.
             self._order_after_engine("d2h")
         self.native.start_offloads()
+        if self._has_offloads:
+            self._fence_offloads()
+
+    def _fence_offloads(self) -> None:
+        """When the step's plan asks for it (it offloads blocks of a sliding-window or Mamba
+        group, which vLLM frees mid-request without telling the connector and may zero and
+        overwrite in the next step: ``remove_skipped_blocks`` in every ``allocate_slots``),
+        vLLM's stream waits on the device for the step's offloads; on the emulated device, or
+        should that fail, the host waits for them here (slower, never wrong)."""
+        stream = None
+        if self._stream is not None:
+            try:
+                stream = int(self._stream())
+            except Exception as e:  # noqa: BLE001 - no stream: the host waits
+                log.warning("kvbm worker: cannot read vLLM's stream (%s); the host waits for the offloads", e)
+        # "device", "host" or "none" (no fence asked): how the last step was fenced.
+        self.last_fence = self.native.fence_offloads(stream)
 
     def _order_after_engine(self, direction: str) -> None:
         """Orders the step's copies after vLLM's stream on the device; should the driver refuse
@@ -279,18 +355,54 @@ class KvbmWorker:
                 pass
 
     def get_finished(self, finished_req_ids: Iterable[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """vLLM 0.32's report (0.33 calls :meth:`get_transfer_results`)."""
         # One native report per step: vLLM asks for the load errors right after.
         sending, recving, failed, bad_host, bad_disk = self.native.report(list(finished_req_ids or ()))
-        self._failed.update(failed)
+        failed_loads = self.native.take_failed_onboards()
+        if self._num_groups > 1:
+            # Per request: the blocks of failed asynchronous loads never become block errors.
+            self._failed_recving.update(r for r, _ in failed_loads)
+            self._drop_unreportable(set(failed) - {b for _, blocks in failed_loads for b in blocks})
+        else:
+            self._failed.update(failed)
         self._bad_host.update(bad_host)
         self._bad_disk.update(bad_disk)
         self._report_metrics()
         return (set(sending) or None), (set(recving) or None)
 
+    def get_transfer_results(self, finished_req_ids: Iterable[str]) -> TransferResults:
+        """vLLM 0.33's report (``KVConnectorBase_V1.get_transfer_results``, called by the model
+        runner instead of ``get_finished``): finished sends and receives, and, for a model of
+        several KV cache groups, the requests whose asynchronous loads failed
+        (``failed_recving``, also in ``finished_recving``), which vLLM recomputes
+        (``scheduler.py``, ``_handle_failed_recving``)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return TransferResults(set(sending or ()), set(recving or ()) | failed, failed)
+
     def get_block_ids_with_load_errors(self) -> Set[int]:
+        """GPU blocks that failed to load; always empty for a model of several KV cache groups,
+        where vLLM 0.33 raises on any (``scheduler.py``, ``_handle_invalid_blocks``)."""
         errors = self._failed | set(self.native.take_failed())
         self._failed = set()
+        if self._num_groups > 1:
+            self._drop_unreportable(errors)
+            return set()
         return errors
+
+    def _drop_unreportable(self, blocks: Set[int]) -> None:
+        """Failed GPU blocks outside any asynchronous load, with several KV cache groups: vLLM
+        has no way to take them (the leader makes every load of such a model asynchronous, so
+        none are expected); logged and counted, never handed to vLLM."""
+        if blocks:
+            self.unreportable_load_errors += len(blocks)
+            log.warning(
+                "kvbm worker: %d GPU blocks failed outside an asynchronous load of a model with %d KV "
+                "cache groups; vLLM cannot take block errors there (not reported): %s",
+                len(blocks),
+                self._num_groups,
+                sorted(blocks)[:16],
+            )
 
     def build_connector_worker_meta(self) -> Optional[KvbmWorkerMetadata]:
         """The blocks that went bad since the last step, for the leader to drop (None if none)."""
@@ -331,4 +443,4 @@ class KvbmWorker:
             self._publisher.publish()
 
 
-__all__: List[str] = ["KvbmWorker", "describe_kv_caches"]
+__all__: List[str] = ["KvbmWorker", "TransferResults", "describe_kv_caches"]
