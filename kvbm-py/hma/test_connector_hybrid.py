@@ -345,10 +345,15 @@ def test_two_tensor_parallel_ranks_each_load_their_own_shard(shape):
     assert check_loaded(e, "b", b, 6) > 0
 
 
-@pytest.mark.parametrize("shape", [v.TINY_GEMMA3, v.TINY_QWEN3_NEXT], ids=lambda s: s.name)
-def test_blocks_evicted_from_host_memory_come_back_from_disk(shape, tmp_path):
-    groups_blocks = None
-    e = Engine(shape, host_blocks=96, disk_blocks=512, disk_dir=tmp_path)
+@pytest.mark.parametrize(
+    "shape, host_blocks",
+    # Gemma 3 stores every block of its 6 groups (48 a prompt); Qwen3-Next its 8 attention
+    # blocks and one state per Mamba group (11 a prompt).
+    [(v.TINY_GEMMA3, 96), (v.TINY_QWEN3_NEXT, 16)],
+    ids=["tiny-gemma3", "tiny-qwen3-next"],
+)
+def test_blocks_evicted_from_host_memory_come_back_from_disk(shape, host_blocks, tmp_path):
+    e = Engine(shape, host_blocks=host_blocks, disk_blocks=512, disk_dir=tmp_path)
     bs = e.bs
     prompt = tokens_of(7, 8 * bs + 1)
     e.prefill_and_offload("a", prompt)
@@ -365,7 +370,6 @@ def test_blocks_evicted_from_host_memory_come_back_from_disk(shape, tmp_path):
     assert found == 8 * bs
     assert from_disk() > before, "the hit came from disk"
     assert check_loaded(e, "b", b, 8) > 0
-    del groups_blocks
 
 
 def test_older_window_blocks_may_go_but_the_windows_own_may_not():
@@ -439,3 +443,39 @@ def test_a_preempted_request_resumes_from_what_kvbm_offloaded(shape):
     e.step(e.scheduler_output(new=[req], scheduled={"a": 5}))
     assert check_loaded(e, "a", prompt, 10, untouched=False) > 0
 
+
+
+def test_a_hit_gone_before_its_load_fails_the_request_never_as_block_errors():
+    # vLLM 0.33 raises on block-level load errors with several groups
+    # (scheduler.py, _handle_invalid_blocks); a load kvbm cannot back must come back as a failed
+    # request (get_transfer_results().failed_recving, also in finished_recving), which vLLM
+    # recomputes (_handle_failed_recving).
+    e = Engine(v.TINY_GPT_OSS)
+    bs = e.bs
+    prompt = tokens_of(21, 6 * bs + 3)
+    e.prefill_and_offload("a", prompt)
+    e.drop_gpu_cache()
+    req = v.make_request(e.p, "b", prompt)
+    e.manager.new_step_starts()
+    computed, _, _ = e.manager.get_computed_blocks(req)
+    found, asynchronous = e.leader.get_num_new_matched_tokens(req, 0)
+    assert (found, asynchronous) == (6 * bs, True)
+    # Between vLLM's two calls the tiers lose everything (a cache reset here).
+    assert e.leader.reset_cache()
+    assert e.manager.allocate_slots(
+        req, 0, num_new_computed_tokens=0, new_computed_blocks=computed,
+        num_external_computed_tokens=found, delay_cache_blocks=True,
+    ) is not None
+    e.leader.update_state_after_alloc(req, e.manager.get_blocks("b"), found)
+    e.step(e.scheduler_output())
+    (_, worker), = e.ranks
+    deadline = time.monotonic() + 60
+    while True:
+        r = worker.get_transfer_results(set())
+        assert worker.get_block_ids_with_load_errors() == set()
+        if "b" in r.finished_recving:
+            break
+        assert time.monotonic() < deadline, "load never reported"
+        e.step(e.scheduler_output())
+        time.sleep(0.002)
+    assert r.failed_recving == {"b"}

@@ -21,7 +21,7 @@ def test_every_contract_method_is_defined_by_the_connector_itself():
     from kvbm.vllm_integration.connector import DynamoConnector
 
     methods = contract_methods()
-    assert len(methods) == 26
+    assert len(methods) == 28
     for name in methods:
         assert name in DynamoConnector.__dict__, f"DynamoConnector lacks {name}"
         assert callable(getattr(DynamoConnector, name))

@@ -416,6 +416,24 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         return self._work().get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: Set[str]) -> Any:
+        # vLLM 0.33's model runner asks this (its default wraps get_finished): a hybrid model's
+        # failed asynchronous loads are reported per request in failed_recving, the only way
+        # vLLM takes them with several KV cache groups (scheduler.py, _handle_failed_recving;
+        # _handle_invalid_blocks raises on block ids then).
+        r = self._work().get_transfer_results(finished_req_ids)
+        try:
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore
+                KVConnectorTransferResults,
+            )
+        except ImportError:  # an older vLLM calls get_finished instead
+            return r
+        return KVConnectorTransferResults(
+            finished_sending=set(r.finished_sending),
+            finished_recving=set(r.finished_recving),
+            failed_recving=set(r.failed_recving),
+        )
+
     def get_block_ids_with_load_errors(self) -> Set[int]:
         if self._worker is None:
             return set()
