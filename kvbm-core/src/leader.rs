@@ -386,38 +386,62 @@ impl Leader {
             )));
         }
         let now = Instant::now();
+        // Two passes: every block the tiers hold is held first, and only then are staging host
+        // blocks taken for the disk reads, so that a staging block never evicts a host block a
+        // later key of the same onboard needs (what `hold_onboard` does for one prefix).
+        enum Source {
+            Host(RegisteredBlock),
+            Disk(RegisteredBlock),
+            Missing,
+        }
+        let mut sources = Vec::with_capacity(keys.len());
+        for &key in keys {
+            let key = SequenceHash(key);
+            if let Some(block) = self.host.lookup(key) {
+                self.sight(&block, now);
+                sources.push(Source::Host(block));
+            } else if let Some(d) = self.disk.as_ref().and_then(|d| d.lookup(key)) {
+                sources.push(Source::Disk(d));
+            } else {
+                sources.push(Source::Missing);
+            }
+        }
+        let on_disk = sources
+            .iter()
+            .filter(|s| matches!(s, Source::Disk(_)))
+            .count();
+        let mut stages = self.host.allocate_up_to(on_disk).into_iter();
         let mut held_blocks = Vec::new();
         let mut staged: Vec<StagedRead> = Vec::new();
         let mut reads = Vec::new();
         let mut pairs = Vec::with_capacity(keys.len());
         let mut backed = Vec::with_capacity(keys.len());
         let mut unbacked = Vec::new();
-        for (&key, &g) in keys.iter().zip(gpu) {
-            let key = SequenceHash(key);
-            if let Some(block) = self.host.lookup(key) {
-                self.sight(&block, now);
-                pairs.push((block.id().0, g));
-                held_blocks.push(block);
-                backed.push(true);
-                continue;
-            }
-            let on_disk = self.disk.as_ref().and_then(|d| d.lookup(key));
-            let stage = on_disk
-                .as_ref()
-                .and_then(|_| self.host.allocate_up_to(1).pop());
-            match (on_disk, stage) {
-                (Some(d), Some(stage)) => {
-                    reads.push(DiskRead {
-                        disk: d.id().0,
-                        host: stage.id().0,
-                        key: key.0,
-                    });
-                    pairs.push((stage.id().0, g));
-                    staged.push((stage, d.identity()));
-                    held_blocks.push(d);
+        for ((source, &key), &g) in sources.into_iter().zip(keys).zip(gpu) {
+            match source {
+                Source::Host(block) => {
+                    pairs.push((block.id().0, g));
+                    held_blocks.push(block);
                     backed.push(true);
                 }
-                _ => {
+                Source::Disk(d) => match stages.next() {
+                    Some(stage) => {
+                        reads.push(DiskRead {
+                            disk: d.id().0,
+                            host: stage.id().0,
+                            key,
+                        });
+                        pairs.push((stage.id().0, g));
+                        staged.push((stage, d.identity()));
+                        held_blocks.push(d);
+                        backed.push(true);
+                    }
+                    None => {
+                        unbacked.push(g);
+                        backed.push(false);
+                    }
+                },
+                Source::Missing => {
                     unbacked.push(g);
                     backed.push(false);
                 }
@@ -449,6 +473,17 @@ impl Leader {
             }
         }
         Ok(backed)
+    }
+
+    /// An asynchronous onboard of `request` that fails as a whole: its GPU blocks `gpu` are
+    /// reported failed with the request (nothing is read or copied).
+    pub fn fail_onboard(&mut self, request: &str, gpu: Vec<u32>) {
+        self.plan.async_onboards.push(AsyncOnboard {
+            request: request.to_owned(),
+            disk_reads: Vec::new(),
+            pairs: Vec::new(),
+            unbacked: gpu,
+        });
     }
 
     /// Holds what an onboard of `hashes` needs: the host blocks of the held prefix, then for the

@@ -565,6 +565,20 @@ fn allocated_groups(
             blocks.push(i);
         }
     }
+    if num_external_tokens % b != 0 {
+        // A grant that ends inside a block (vLLM lowered kvbm's offer): vLLM's allocation puts a
+        // Mamba state at another block than kvbm's, so the load fails as a whole and vLLM
+        // recomputes the request.
+        tracing::warn!(
+            request,
+            num_external_tokens,
+            "a hybrid model's hit granted off a block boundary; failing its load"
+        );
+        leader.fail_onboard(request, gpu);
+        r.unbacked_from = Some(start);
+        r.onboarding = true;
+        return Ok(true);
+    }
     let backed = leader.plan_onboard_keys(request, &keys, &gpu, asynchronous)?;
     // Blocks from the first that was not backed on: vLLM recomputes them (the plan reports the
     // GPU blocks as load errors), so nothing from there is offloaded before it did.

@@ -366,3 +366,89 @@ fn blocks_gone_since_the_match_fail_the_request_not_as_block_load_errors() {
     let unbacked: BTreeSet<u32> = plan.async_onboards[0].unbacked.iter().copied().collect();
     assert_eq!(unbacked, [504, 505].into_iter().chain(600..606).collect());
 }
+
+fn identity(hash: u64, first: u32) -> kvbm_core::BlockIdentity {
+    kvbm_core::BlockIdentity {
+        sequence_hash: kvbm_events::SequenceHash(hash),
+        parent: None,
+        tokens: tokens(first, B).into(),
+        lora_name: None,
+        group: None,
+    }
+}
+
+#[test]
+fn a_staging_block_never_evicts_a_host_block_the_same_onboard_needs() {
+    // Keys of several groups are not one prefix: one group's copy may be on disk only while the
+    // next group's is the host tier's least recently used block. Staging the first must not
+    // evict the second.
+    let mut leader = Leader::new(B, 4, 8, false).unwrap();
+    let (on_disk, on_host) = (0xD15C, 0x4057);
+    // Seen twice: admitted to disk, written, then gone from host memory.
+    leader
+        .offload_identities(vec![identity(on_disk, 0)])
+        .unwrap();
+    leader
+        .offload_identities(vec![identity(on_disk, 0)])
+        .unwrap();
+    assert_eq!(leader.take_plan(vec![]).unwrap().disk_writes.len(), 1);
+    for _ in 0..3 {
+        leader.end_step();
+    }
+    assert_eq!(leader.evict_idle_host(), 1);
+    // The host tier fills up, the needed block first (so the least recently used).
+    leader
+        .offload_identities(vec![
+            identity(on_host, 10),
+            identity(0xF1, 20),
+            identity(0xF2, 30),
+            identity(0xF3, 40),
+        ])
+        .unwrap();
+    for _ in 0..3 {
+        leader.end_step();
+    }
+    let backed = leader
+        .plan_onboard_keys("r", &[on_disk, on_host], &[10, 11], true)
+        .unwrap();
+    assert_eq!(backed, vec![true, true]);
+    let plan = leader.take_plan(vec![]).unwrap();
+    assert!(plan.async_onboards[0].unbacked.is_empty());
+    assert_eq!(plan.async_onboards[0].disk_reads.len(), 1);
+}
+
+#[test]
+fn a_grant_off_a_block_boundary_fails_the_load_as_a_whole() {
+    // vLLM may lower kvbm's offer (`cap_external_hit`); off a block boundary its allocation puts
+    // a Mamba state elsewhere than kvbm would load it.
+    let mut leader = Leader::new(B, 64, 0, false).unwrap();
+    let mut req = Requests::with_groups(mamba_full());
+    let prompt = tokens(100, 26);
+    let mut states = vec![NULL_BLOCK; 7];
+    states[5] = 105;
+    prefill(
+        &mut req,
+        &mut leader,
+        "a",
+        &prompt,
+        vec![states, (200..207).collect()],
+        0,
+    );
+    req.finished("a");
+    req.connector_output(&mut leader, &[], &["a".into()]);
+    let b = prompt[..25].to_vec();
+    let (found, _) = req
+        .match_prefix(&leader, "b", &b[..24], 0, b.len(), None, None)
+        .unwrap();
+    assert_eq!(found, 24);
+    let mut states = vec![NULL_BLOCK; 7];
+    states[5] = 505;
+    assert!(req
+        .allocated(&mut leader, "b", vec![states, (600..607).collect()], 22)
+        .unwrap());
+    let plan = leader.take_plan(vec![]).unwrap();
+    let job = &plan.async_onboards[0];
+    assert!(job.pairs.is_empty() && job.disk_reads.is_empty());
+    assert!(!job.unbacked.is_empty());
+    assert!(plan.load_errors.is_empty());
+}

@@ -138,3 +138,25 @@ def test_kvbms_own_events_carry_the_primary_groups_fields():
     # Without groups (HMA off): the fields keep vLLM's defaults.
     plain = _to_vllm_events([Stored(**vars(stored))], None)
     assert plain[0].group_idx is None
+
+
+def test_one_group_keeps_the_plain_path_only_where_vllm_keeps_every_block():
+    # One full-attention group: exactly the path kvbm had before hybrid support.
+    assert _group_kinds(config_of(attn()), 16) is None
+    # One sliding-window group (all layers windowed, HMA on): vLLM's SlidingWindowManager nulls
+    # blocks below the window, so it is planned as a group, never as plain full attention.
+    assert _group_kinds(config_of(attn(SlidingWindowSpec, sliding_window=64)), 16) == [("sliding_window", 64)]
+    # One group of a kind whose vLLM manager is not the plain one: refused, named.
+    with pytest.raises(kvbm.ConfigError, match="KV cache group 0 .SinkFullAttentionSpec"):
+        _group_kinds(config_of(attn(SinkFullAttentionSpec, sink_len=4)), 16)
+
+
+def test_without_a_full_attention_group_kvbms_events_carry_no_group():
+    # A router makes claims from a window or Mamba group's events never; kvbm's tiers hold the
+    # primary group's blocks as a prefix, so they go out as plain claims.
+    from kvbm.vllm_integration.connector import _event_group
+
+    cfg = config_of(attn(SlidingWindowSpec, sliding_window=64), attn(SlidingWindowSpec, sliding_window=64))
+    kinds = _group_kinds(cfg, 16)
+    assert kinds == [("sliding_window", 64)] * 2
+    assert _event_group(cfg, kinds) is None

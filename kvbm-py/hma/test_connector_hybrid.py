@@ -166,10 +166,11 @@ class Engine:
             ),
             num_scheduled_tokens=dict(scheduled or {}),
             preempted_req_ids=set(preempted),
+            # As Scheduler.schedule builds it: Mamba boundary states drained every step.
             kv_connector_block_state=KVConnectorBlockState(
                 req_ids={r.request_id for r in new} | {r.request_id for r, _ in cached},
                 resolve_block_ids=lambda rid: tuple(self.manager.get_block_ids(rid)),
-                boundary_state_offloads={},
+                boundary_state_offloads=self.manager.take_boundary_state_offloads(),
             ),
         )
 

@@ -210,10 +210,10 @@ def test_mamba_layout_errors_are_still_refused():
         describe_kv_caches(bad, BLOCKS)
 
 
-def in_thread(fn):
+def in_thread(fn, timeout: float):
     t = threading.Thread(target=fn)
     t.start()
-    t.join(timeout=0.5)
+    t.join(timeout=timeout)
     return t
 
 
@@ -237,7 +237,9 @@ def test_a_fenced_step_returns_from_wait_for_save_only_after_its_offloads(fence)
         worker.wait_for_save()
         raw.reshape(-1)[:] = 0  # the next step zeroes and overwrites the freed block
 
-    t = in_thread(save_then_next_forward)
+    # Fenced, it must still wait with the stream held (0.5 s shows it, whatever the load); not
+    # fenced, it must return while the stream is held (given all the time it needs).
+    t = in_thread(save_then_next_forward, timeout=0.5 if fence else 60)
     waiting = t.is_alive()
     hold.release()
     t.join(timeout=60)

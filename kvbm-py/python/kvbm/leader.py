@@ -181,11 +181,30 @@ class KvbmLeader:
         # SchedulerOutput.kv_connector_block_state, vllm/v1/core/sched/output.py).
         state = getattr(scheduler_output, "kv_connector_block_state", None) if self.groups else None
 
+        mamba = [g for g, (kind, _) in enumerate(self.groups or ()) if kind == "mamba"]
+        offers = (getattr(state, "boundary_state_offloads", None) or {}) if state is not None else {}
+        b = self.block_size
+
         def current(rid: str) -> Optional[List[List[int]]]:
             if state is None:
                 return None
             ids = state.get_block_ids(rid)
-            return None if ids is None else _per_group(ids)
+            if ids is None:
+                return None
+            tables = _per_group(ids)
+            if mamba:
+                # A Mamba group's blocks are stored only where vLLM hands over a boundary state
+                # with its exact block (boundary_state_offloads: group, block, boundary tokens;
+                # vLLM says these "cannot be reconstructed from a connector's append-only block
+                # table", scheduler.py): kept at the position of the block ending at that
+                # boundary, every other position of the group is left out (null).
+                offered = {(g, blk, tokens) for g, blk, tokens in offers.get(rid, ())}
+                for g in mamba:
+                    if g < len(tables):
+                        tables[g] = [
+                            blk if (g, blk, (i + 1) * b) in offered else 0 for i, blk in enumerate(tables[g])
+                        ]
+            return tables
 
         new = []
         for req in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():

@@ -98,6 +98,25 @@ _SERVED_SPECS = {
 }
 
 
+def _plain_manager(spec: Any) -> bool:
+    """Whether vLLM runs ``spec``'s group with its plain full-attention manager (every block of
+    the prefix kept, none nulled), as vLLM 0.33's registry says
+    (``KVCacheSpecRegistry.get_manager_class``, vllm/v1/kv_cache_spec_registry.py). Where vLLM cannot be asked (no vLLM, a stand-in spec), the
+    group is taken as full attention, as before hybrid support."""
+    try:
+        from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager  # type: ignore
+        from vllm.v1.kv_cache_interface import KVCacheSpec  # type: ignore
+        from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry  # type: ignore
+    except ImportError:
+        return True
+    if not isinstance(spec, KVCacheSpec):
+        return True
+    try:
+        return KVCacheSpecRegistry.get_manager_class(spec, None) is FullAttentionManager
+    except Exception:  # noqa: BLE001 - an unregistered spec: not one kvbm knows to serve
+        return False
+
+
 def _group_kinds(kv_cache_config: Any, block_size: int) -> Optional[List[Tuple[str, int]]]:
     """The KV cache groups of vLLM's hybrid KV cache manager as kvbm's leader plans them:
     ``(kind, window tokens)`` per group in vLLM's order, or None for a model of one
@@ -110,9 +129,9 @@ def _group_kinds(kv_cache_config: Any, block_size: int) -> Optional[List[Tuple[s
         name = type(spec).__name__
         kind = _SERVED_SPECS.get(name)
         where = f"KV cache group {g} ({name}, layers {list(getattr(group, 'layer_names', []))[:3]}...)"
-        if kind is None and len(groups) == 1:
-            # One group of another kind of attention: every block of the prefix, as before
-            # hybrid support (vLLM with its hybrid manager off unifies every layer's spec).
+        if len(groups) == 1 and (kind == "full_attention" or (kind is None and _plain_manager(spec))):
+            # One group whose blocks vLLM keeps for the whole prefix (full attention): the plain
+            # path, exactly as before hybrid support.
             return None
         if kind is None:
             if name == "UniformTypeKVCacheSpecs":
@@ -163,7 +182,12 @@ def _event_group(kv_cache_config: Any, kinds: Optional[List[Tuple[str, int]]]) -
     group's, as it counts vLLM's own events of it."""
     if not kinds:
         return None
-    primary = next((g for g, (k, _) in enumerate(kinds) if k == "full_attention"), 0)
+    primary = next((g for g, (k, _) in enumerate(kinds) if k == "full_attention"), None)
+    if primary is None:
+        # No full-attention group: kvbm's tiers still hold the primary group's blocks as a
+        # prefix, which a router takes as claims only without a group (a window or Mamba
+        # group's events never make claims there).
+        return None
     spec = kv_cache_config.kv_cache_groups[primary].kv_cache_spec
     try:
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind  # type: ignore
@@ -171,8 +195,7 @@ def _event_group(kv_cache_config: Any, kinds: Optional[List[Tuple[str, int]]]) -
         kind = get_kv_cache_spec_kind(spec).value
     except (ImportError, AttributeError):
         kind = kinds[primary][0]
-    window = getattr(spec, "sliding_window", None) if kinds[primary][0] == "sliding_window" else None
-    return {"group_idx": primary, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window}
+    return {"group_idx": primary, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": None}
 
 
 def _to_vllm_events(events, group: Optional[dict] = None):
