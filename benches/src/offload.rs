@@ -345,6 +345,7 @@ pub fn run(mut args: OffloadArgs) -> anyhow::Result<bool> {
             filter_disabled: true,
             queue_depth: 16,
             engine: Default::default(),
+            layout_salt: 0,
         })
     } else {
         None

@@ -138,6 +138,7 @@ impl ManagerOptions {
             filter_disabled: config.disk_offload_filter_disabled,
             queue_depth: 16,
             engine: config.disk_engine,
+            layout_salt: 0,
         });
         self
     }

@@ -19,6 +19,15 @@ use proptest::prelude::*;
 const FILE: &str = "kvbm-test.cache";
 
 fn disk_manager(dir: &Path, filter_disabled: bool, events: EventPublisher) -> BlockManager {
+    salted_disk_manager(dir, filter_disabled, events, 0)
+}
+
+fn salted_disk_manager(
+    dir: &Path,
+    filter_disabled: bool,
+    events: EventPublisher,
+    layout_salt: u64,
+) -> BlockManager {
     let m = BlockManager::with_publisher(
         device(),
         ManagerOptions {
@@ -39,6 +48,7 @@ fn disk_manager(dir: &Path, filter_disabled: bool, events: EventPublisher) -> Bl
                 filter_disabled,
                 queue_depth: 8,
                 engine: Default::default(),
+                layout_salt,
             }),
             kv_events: None,
         },
@@ -222,6 +232,29 @@ fn a_restart_recovers_disk_blocks_and_announces_them() {
     assert_eq!(matched.count_in(Tier::Disk), 4);
     let host = m.onboard_from_disk(matched.blocks).unwrap();
     check_host_bytes(&m, &host);
+}
+
+#[test]
+fn a_file_written_under_another_group_layout_is_discarded_on_open() {
+    // A hybrid model's layers are assigned to KV cache groups by vLLM's planner; the worker
+    // folds that assignment into the file's fingerprint (`layout_salt`), so a file written
+    // under another one never reads blocks into other layers.
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let m = salted_disk_manager(dir.path(), true, EventPublisher::new(), 0x5a17);
+        store_on_gpu(&m, &(700..716).collect::<Vec<u32>>());
+        assert_eq!(m.disk_pool().unwrap().counts().registered, 4);
+    }
+    let other = salted_disk_manager(dir.path(), true, EventPublisher::new(), 0x5a18);
+    assert_eq!(other.disk_pool().unwrap().counts().registered, 0);
+    drop(other);
+    // The same grouping finds its blocks (the file above was discarded: write them again).
+    {
+        let m = salted_disk_manager(dir.path(), true, EventPublisher::new(), 0x5a17);
+        store_on_gpu(&m, &(700..716).collect::<Vec<u32>>());
+    }
+    let same = salted_disk_manager(dir.path(), true, EventPublisher::new(), 0x5a17);
+    assert_eq!(same.disk_pool().unwrap().counts().registered, 4);
 }
 
 #[test]

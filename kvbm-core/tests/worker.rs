@@ -71,6 +71,7 @@ fn rig_on(
             filter_disabled: true,
             queue_depth: 8,
             engine: Default::default(),
+            layout_salt: 0,
         }),
         ..Default::default()
     };

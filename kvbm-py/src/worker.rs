@@ -319,9 +319,11 @@ impl Worker {
     /// With `config` (a `Config`), the copy engine's limits and copy options
     /// (`DYN_KVBM_MAX_TRANSFER_BATCH_SIZE`, `DYN_KVBM_MAX_CONCURRENT_TRANSFERS`,
     /// `KVBM_COPY_*`) and the disk tier's directory, I/O mode and engine come from it (keywords
-    /// given here win); `async_onboards_max` asynchronous onboards run at once.
+    /// given here win); `async_onboards_max` asynchronous onboards run at once. `layout_salt`
+    /// (a hybrid model's KV cache groups: kinds and layers) joins the disk file's layout
+    /// fingerprint, so a file written under another grouping is discarded on open.
     #[new]
-    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, config=None, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=None, disk_engine=None, batch_blocks_max=None, inflight_max=None, async_onboards_max=4))]
+    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, config=None, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=None, disk_engine=None, batch_blocks_max=None, inflight_max=None, async_onboards_max=4, layout_salt=0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -340,6 +342,7 @@ impl Worker {
         batch_blocks_max: Option<usize>,
         inflight_max: Option<usize>,
         async_onboards_max: usize,
+        layout_salt: u64,
     ) -> PyResult<Self> {
         guard(|| {
             if num_blocks == 0 || host_blocks == 0 {
@@ -434,6 +437,7 @@ impl Worker {
                     filter_disabled: false,
                     queue_depth: 16,
                     engine,
+                    layout_salt,
                 })
             } else {
                 None

@@ -203,7 +203,10 @@ pub(crate) fn spawn_writer<T: Send + 'static>(
 /// The store options of a disk tier for blocks of `kv` in the order `geometry_id` names.
 pub(crate) fn store_options(options: &DiskOptions, kv: KvLayout, geometry_id: u64) -> StoreOptions {
     StoreOptions {
-        layout_fingerprint: layout_fingerprint(&kv, geometry_id),
+        layout_fingerprint: match options.layout_salt {
+            0 => layout_fingerprint(&kv, geometry_id),
+            salt => layout_fingerprint(&kv, geometry_id ^ salt.rotate_left(17)),
+        },
         payload_bytes: kv.bytes_per_block(),
         slots: options.blocks,
         queue_depth: options.queue_depth,
@@ -236,4 +239,8 @@ pub struct DiskOptions {
     pub queue_depth: usize,
     /// io_uring, psync, or auto.
     pub engine: EngineChoice,
+    /// What else decides which bytes a block holds besides its layout (a hybrid model's KV cache
+    /// groups: their kinds and which layers each owns), folded into the file's layout
+    /// fingerprint; 0 for nothing (the fingerprint is then the layout's alone).
+    pub layout_salt: u64,
 }

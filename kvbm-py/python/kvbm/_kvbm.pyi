@@ -155,6 +155,7 @@ class Worker:
         batch_blocks_max: Optional[int] = None,
         inflight_max: Optional[int] = None,
         async_onboards_max: int = 4,
+        layout_salt: int = 0,
     ) -> None: ...
     @property
     def layout_name(self) -> str: ...

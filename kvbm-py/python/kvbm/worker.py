@@ -94,6 +94,31 @@ def _num_kv_cache_groups(kv_cache_config: Any) -> int:
     return max(1, len(getattr(kv_cache_config, "kv_cache_groups", None) or ()))
 
 
+def _layout_salt(kv_cache_config: Any) -> int:
+    """For a model of several KV cache groups, what decides which layers' bytes a block holds
+    besides its layout: each group's spec kind, window and layer names (vLLM's planner assigns
+    layers to groups; `_get_kv_cache_groups_uniform_page_size`). It joins the disk file's
+    fingerprint, so a file written under another grouping is discarded, never read into other
+    layers. 0 (nothing) for one group, whose files stay as they were."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) < 2:
+        return 0
+    import hashlib
+
+    desc = repr(
+        [
+            (
+                type(g.kv_cache_spec).__name__,
+                getattr(g.kv_cache_spec, "sliding_window", None),
+                getattr(g.kv_cache_spec, "attention_chunk_size", None),
+                list(getattr(g, "layer_names", []) or []),
+            )
+            for g in groups
+        ]
+    )
+    return int.from_bytes(hashlib.blake2b(desc.encode(), digest_size=8).digest(), "little") or 1
+
+
 class TransferResults:
     """What ``get_transfer_results`` reports, with the fields of vLLM 0.33's
     ``KVConnectorTransferResults`` (``vllm/distributed/kv_transfer/kv_connector/v1/base.py``);
@@ -235,6 +260,7 @@ class KvbmWorker:
             device_index=index,
             disk_blocks=int(disk_blocks),
             disk_file=f"kvbm-rank{self._rank}.cache",
+            layout_salt=_layout_salt(kcc),
         )
         self._layers = {n: i for i, n in enumerate(names)}
         # vLLM's own tensors: restore_kv_caches re-reads them (sleep mode may remap them).
