@@ -537,18 +537,21 @@ fn allocated_groups(
     let mut gpu = Vec::new();
     // (block index) per planned copy, for the first block that could not be backed.
     let mut blocks = Vec::new();
+    let mut short = false;
     for (g, ids) in r.block_ids.iter().enumerate().take(groups.len()) {
         let needed = groups.needed(g, start, end);
         if ids.len() < needed.end || r.hashes.len() < needed.end {
-            // Never seen from vLLM; planned anyway (an asynchronous onboard is always
-            // reported), with what exists.
+            // Never seen from vLLM: a table that does not reach the hit. The load fails as a
+            // whole below (vLLM then recomputes), rather than leave blocks it counts loaded
+            // unwritten.
             tracing::warn!(
                 request,
                 group = g,
                 blocks = ids.len(),
                 end,
-                "too few GPU blocks for the matched blocks"
+                "too few GPU blocks for the matched blocks; failing the load"
             );
+            short = true;
         }
         // Every real block vLLM allocated for the hit gets its bytes (vLLM does not zero the
         // blocks of a group an asynchronous load fills: `get_loaded_kv_cache_group_ids`), which
@@ -565,15 +568,17 @@ fn allocated_groups(
             blocks.push(i);
         }
     }
-    if num_external_tokens % b != 0 {
-        // A grant that ends inside a block (vLLM lowered kvbm's offer): vLLM's allocation puts a
-        // Mamba state at another block than kvbm's, so the load fails as a whole and vLLM
-        // recomputes the request.
-        tracing::warn!(
-            request,
-            num_external_tokens,
-            "a hybrid model's hit granted off a block boundary; failing its load"
-        );
+    if short || num_external_tokens % b != 0 {
+        // A table short of the hit (above), or a grant that ends inside a block (vLLM lowered
+        // kvbm's offer: its allocation then puts a Mamba state at another block than kvbm's):
+        // the load fails as a whole and vLLM recomputes the request.
+        if !short {
+            tracing::warn!(
+                request,
+                num_external_tokens,
+                "a hybrid model's hit granted off a block boundary; failing its load"
+            );
+        }
         leader.fail_onboard(request, gpu);
         r.unbacked_from = Some(start);
         r.onboarding = true;

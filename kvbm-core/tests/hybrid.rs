@@ -452,3 +452,38 @@ fn a_grant_off_a_block_boundary_fails_the_load_as_a_whole() {
     assert!(!job.unbacked.is_empty());
     assert!(plan.load_errors.is_empty());
 }
+
+#[test]
+fn a_table_that_does_not_reach_the_hit_fails_the_load_as_a_whole() {
+    let mut leader = Leader::new(B, 64, 0, false).unwrap();
+    let mut req = Requests::with_groups(swa_full());
+    let prompt = tokens(100, 26);
+    prefill(
+        &mut req,
+        &mut leader,
+        "a",
+        &prompt,
+        vec![(100..107).collect(), (200..207).collect()],
+        0,
+    );
+    req.finished("a");
+    req.connector_output(&mut leader, &[], &["a".into()]);
+    let b = prompt[..25].to_vec();
+    let (found, _) = req
+        .match_prefix(&leader, "b", &b[..24], 0, b.len(), None, None)
+        .unwrap();
+    assert_eq!(found, 24);
+    // The window group's table stops at 5 blocks where the hit needs 6.
+    assert!(req
+        .allocated(
+            &mut leader,
+            "b",
+            vec![vec![0, 0, 0, 0, 504], (600..607).collect()],
+            24
+        )
+        .unwrap());
+    let plan = leader.take_plan(vec![]).unwrap();
+    let job = &plan.async_onboards[0];
+    assert!(job.pairs.is_empty(), "nothing loaded: {job:?}");
+    assert!(!job.unbacked.is_empty());
+}
