@@ -64,6 +64,14 @@ fn prefill(
     leader.take_plan(vec![]).unwrap()
 }
 
+/// Request "a" prefills `prompt` in one step with the given per-group GPU blocks, finishes,
+/// and its workers report its offloads done.
+fn offload_a(req: &mut Requests, leader: &mut Leader, prompt: &[u32], ids: Vec<Vec<u32>>) {
+    prefill(req, leader, "a", prompt, ids, 0);
+    req.finished("a");
+    req.connector_output(leader, &[], &["a".into()]);
+}
+
 fn hashes(prompt: &[u32], blocks: usize) -> Vec<u64> {
     BlockHasher::new(B, None, None)
         .sequence_hashes(None, &prompt[..blocks * B])
@@ -161,10 +169,7 @@ fn a_hit_loads_the_whole_prefix_of_full_attention_and_only_the_window_of_the_oth
     let mut req = Requests::with_groups(swa_full());
     let prompt = tokens(100, 42);
     let ids = vec![(100..111).collect(), (200..211).collect()];
-    prefill(&mut req, &mut leader, "a", &prompt, ids, 0);
-    req.connector_output(&mut leader, &[], &["a".into()]);
-    req.finished("a");
-    req.connector_output(&mut leader, &[], &["a".into()]);
+    offload_a(&mut req, &mut leader, &prompt, ids);
 
     let b = prompt[..41].to_vec(); // 10 blocks, the last token computed by vLLM
     let (found, asynchronous) = req
@@ -241,9 +246,7 @@ fn only_the_primary_groups_blocks_are_announced() {
     let mut req = Requests::with_groups(swa_full());
     let prompt = tokens(100, 18); // 4 blocks x 2 groups = all 8 host blocks
     let ids = vec![(100..105).collect(), (200..205).collect()];
-    prefill(&mut req, &mut leader, "a", &prompt, ids, 0);
-    req.finished("a");
-    req.connector_output(&mut leader, &[], &["a".into()]);
+    offload_a(&mut req, &mut leader, &prompt, ids);
     for _ in 0..3 {
         leader.end_step();
     }
@@ -301,9 +304,7 @@ fn disk_hits_of_both_groups_are_read_into_staging_blocks_asynchronously() {
     let mut req = Requests::with_groups(swa_full());
     let prompt = tokens(100, 26); // 6 blocks
     let ids = vec![(100..107).collect(), (200..207).collect()];
-    prefill(&mut req, &mut leader, "a", &prompt, ids, 0);
-    req.finished("a");
-    req.connector_output(&mut leader, &[], &["a".into()]);
+    offload_a(&mut req, &mut leader, &prompt, ids);
     for _ in 0..3 {
         leader.take_plan(vec![]).unwrap();
     }
@@ -343,9 +344,7 @@ fn blocks_gone_since_the_match_fail_the_request_not_as_block_load_errors() {
     let mut req = Requests::with_groups(swa_full());
     let prompt = tokens(100, 26);
     let ids = vec![(100..107).collect(), (200..207).collect()];
-    prefill(&mut req, &mut leader, "a", &prompt, ids, 0);
-    req.finished("a");
-    req.connector_output(&mut leader, &[], &["a".into()]);
+    offload_a(&mut req, &mut leader, &prompt, ids);
     for _ in 0..3 {
         leader.take_plan(vec![]).unwrap();
     }
@@ -426,16 +425,12 @@ fn a_grant_off_a_block_boundary_fails_the_load_as_a_whole() {
     let prompt = tokens(100, 26);
     let mut states = vec![NULL_BLOCK; 7];
     states[5] = 105;
-    prefill(
+    offload_a(
         &mut req,
         &mut leader,
-        "a",
         &prompt,
         vec![states, (200..207).collect()],
-        0,
     );
-    req.finished("a");
-    req.connector_output(&mut leader, &[], &["a".into()]);
     let b = prompt[..25].to_vec();
     let (found, _) = req
         .match_prefix(&leader, "b", &b[..24], 0, b.len(), None, None)
@@ -458,16 +453,12 @@ fn a_table_that_does_not_reach_the_hit_fails_the_load_as_a_whole() {
     let mut leader = Leader::new(B, 64, 0, false).unwrap();
     let mut req = Requests::with_groups(swa_full());
     let prompt = tokens(100, 26);
-    prefill(
+    offload_a(
         &mut req,
         &mut leader,
-        "a",
         &prompt,
         vec![(100..107).collect(), (200..207).collect()],
-        0,
     );
-    req.finished("a");
-    req.connector_output(&mut leader, &[], &["a".into()]);
     let b = prompt[..25].to_vec();
     let (found, _) = req
         .match_prefix(&leader, "b", &b[..24], 0, b.len(), None, None)

@@ -319,42 +319,28 @@ impl CudaCopyStream {
     /// the legacy default stream): an event recorded there, waited on here, on the device. The
     /// host does not wait.
     pub(crate) fn order_after(&self, foreign: u64) -> Result<(), DeviceError> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
-        // Serialised with `submit`: the wait lands between two transfers, never inside one.
-        let _inflight = self.inflight.lock();
-        let mut event: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: plain driver calls on handles of this context; the event is destroyed only
-        // after the wait on it was queued (the driver keeps what the wait needs).
-        unsafe {
-            sys::cuEventCreate(
-                &mut event,
-                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
-            )
-            .result()
-            .map_err(|e| DeviceError::driver("cuEventCreate", e))?;
-            let recorded = sys::cuEventRecord(event, foreign as sys::CUstream)
-                .result()
-                .map_err(|e| DeviceError::driver("cuEventRecord", e))
-                .and_then(|()| {
-                    sys::cuStreamWaitEvent(self.stream.cu_stream(), event, 0)
-                        .result()
-                        .map_err(|e| DeviceError::driver("cuStreamWaitEvent", e))
-                });
-            let _ = sys::cuEventDestroy_v2(event).result();
-            recorded
-        }
+        self.cross_wait(foreign as sys::CUstream, self.stream.cu_stream())
     }
 
     /// Makes `foreign` (a `CUstream` of the same context; 0 for the legacy default stream)
     /// wait, on the device, for everything queued so far on this stream: an event recorded
     /// here, waited on there. The host does not wait.
     pub(crate) fn make_wait(&self, foreign: u64) -> Result<(), DeviceError> {
+        self.cross_wait(self.stream.cu_stream(), foreign as sys::CUstream)
+    }
+
+    /// Makes `waiter` wait, on the device, for everything queued so far on `recorded` (one of
+    /// them this stream): an event recorded on the one, waited on by the other.
+    fn cross_wait(
+        &self,
+        recorded: sys::CUstream,
+        waiter: sys::CUstream,
+    ) -> Result<(), DeviceError> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| DeviceError::driver("cuCtxSetCurrent", e))?;
-        // Serialised with `submit`: the event follows whole transfers.
+        // Serialised with `submit`: the event and the wait fall between two transfers, never
+        // inside one.
         let _inflight = self.inflight.lock();
         let mut event: sys::CUevent = std::ptr::null_mut();
         // SAFETY: plain driver calls on handles of this context; the event is destroyed only
@@ -366,11 +352,11 @@ impl CudaCopyStream {
             )
             .result()
             .map_err(|e| DeviceError::driver("cuEventCreate", e))?;
-            let waited = sys::cuEventRecord(event, self.stream.cu_stream())
+            let waited = sys::cuEventRecord(event, recorded)
                 .result()
                 .map_err(|e| DeviceError::driver("cuEventRecord", e))
                 .and_then(|()| {
-                    sys::cuStreamWaitEvent(foreign as sys::CUstream, event, 0)
+                    sys::cuStreamWaitEvent(waiter, event, 0)
                         .result()
                         .map_err(|e| DeviceError::driver("cuStreamWaitEvent", e))
                 });

@@ -378,6 +378,20 @@ pub struct Bootstrap {
     pub skipped: usize,
 }
 
+/// The snapshot of the last worker read, for a line or record (`what`, numbered `number`) that
+/// belongs to it; malformed before any worker.
+fn last_worker<'a>(
+    workers: &'a mut [(DumpWorker, WorkerSnapshot)],
+    unit: &str,
+    number: usize,
+    what: &str,
+) -> Result<&'a mut WorkerSnapshot, DumpError> {
+    workers
+        .last_mut()
+        .map(|(_, snap)| snap)
+        .ok_or_else(|| DumpError::malformed(format!("{unit} {number}: {what} before any worker")))
+}
+
 /// A whole dump.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Dump {
@@ -656,9 +670,7 @@ pub fn read_with(
                 namespace,
                 refs,
             } => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("line {number}: a name before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "line", number, "a name")?;
                 totals.add(true, snap.names.len(), 1, at)?;
                 snap.names.push(NameEntry {
                     engine,
@@ -668,9 +680,7 @@ pub fn read_with(
                 });
             }
             Line::Hold { tier, hash, count } => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("line {number}: a holding before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "line", number, "a holding")?;
                 totals.add(false, snap.holdings.len(), 1, at)?;
                 let tier = Tier::from_medium_name(&tier).map_err(|_| {
                     DumpError::malformed(format!("line {number}: unknown tier {tier:?}"))
@@ -682,9 +692,7 @@ pub fn read_with(
                 spec,
                 window,
             } => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("line {number}: a group before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "line", number, "a group")?;
                 totals.add(false, snap.groups.len(), 1, at)?;
                 snap.groups.push(group_entry(group, &spec, window));
             }
@@ -694,11 +702,7 @@ pub fn read_with(
                 count,
                 pending,
             } => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!(
-                        "line {number}: a group's block before any worker"
-                    ))
-                })?;
+                let snap = last_worker(&mut dump.workers, "line", number, "a group's block")?;
                 totals.add(false, snap.group_holdings.len(), 1, at)?;
                 snap.group_holdings.push(GroupHolding {
                     group,
@@ -717,9 +721,7 @@ pub fn read_with(
                 namespace,
                 refs,
             } => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("line {number}: a page before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "line", number, "a page")?;
                 totals.add(false, snap.pages.len(), 1, at)?;
                 snap.pages.push(page_entry((
                     engine, parent, tokens, index, prev_block, block, namespace, refs,
@@ -953,9 +955,7 @@ pub fn read_msgpack_with(
                 ));
             }
             Record::Names(names) => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("record {number}: names before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "record", number, "names")?;
                 totals.add(true, snap.names.len(), names.len(), at)?;
                 snap.names
                     .extend(
@@ -970,9 +970,7 @@ pub fn read_msgpack_with(
                     );
             }
             Record::Holds(holds) => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("record {number}: holdings before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "record", number, "holdings")?;
                 totals.add(false, snap.holdings.len(), holds.len(), at)?;
                 for (tier, hash, count) in holds {
                     let tier = *Tier::ALL.get(usize::from(tier)).ok_or_else(|| {
@@ -982,9 +980,7 @@ pub fn read_msgpack_with(
                 }
             }
             Record::Groups(groups) => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("record {number}: groups before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "record", number, "groups")?;
                 totals.add(false, snap.groups.len(), groups.len(), at)?;
                 snap.groups.extend(
                     groups
@@ -993,11 +989,7 @@ pub fn read_msgpack_with(
                 );
             }
             Record::GroupHolds(holds) => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!(
-                        "record {number}: groups' blocks before any worker"
-                    ))
-                })?;
+                let snap = last_worker(&mut dump.workers, "record", number, "groups' blocks")?;
                 totals.add(false, snap.group_holdings.len(), holds.len(), at)?;
                 snap.group_holdings.extend(holds.into_iter().map(
                     |(group, hash, count, pending)| GroupHolding {
@@ -1009,9 +1001,7 @@ pub fn read_msgpack_with(
                 ));
             }
             Record::Pages(pages) => {
-                let (_, snap) = dump.workers.last_mut().ok_or_else(|| {
-                    DumpError::malformed(format!("record {number}: pages before any worker"))
-                })?;
+                let snap = last_worker(&mut dump.workers, "record", number, "pages")?;
                 totals.add(false, snap.pages.len(), pages.len(), at)?;
                 snap.pages.extend(pages.into_iter().map(page_entry));
             }
