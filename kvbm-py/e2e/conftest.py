@@ -46,10 +46,24 @@ CONNECTOR = {
 }
 
 
+#: Ports free_port handed out in this session: never handed out twice (a port released by its
+#: probe can be the kernel's next answer too).
+_HANDED_OUT: set = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+
+
+#: A server that loses a port to another process between free_port and its bind (vLLM and its
+#: engine also pick free ports of their own) is started again on fresh ports, at most this often.
+START_ATTEMPTS = 3
 
 
 def http(method: str, url: str, body=None, timeout: float = REQUEST_TIMEOUT_S):
@@ -94,10 +108,25 @@ class VllmServer:
                  kvbm_metrics_port: Optional[int] = None, max_model_len: int = MAX_MODEL_LEN,
                  extra_args: tuple = ()):
         self.name = name
+        self._model, self._log_dir = model, log_dir
+        self._options = dict(connector=connector, prefix_caching=prefix_caching, gpu_blocks=gpu_blocks,
+                             env=env, kv_events=kv_events, max_model_len=max_model_len, extra_args=extra_args)
+        self.kvbm_metrics_port = kvbm_metrics_port
+        self.attempt = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        """Starts `vllm serve` on fresh ports (its HTTP port, and with kv_events vLLM's KV event
+        publisher and replay socket), logging to this attempt's file."""
+        o, model, log_dir, name = self._options, self._model, self._log_dir, self.name
+        connector, prefix_caching, gpu_blocks = o["connector"], o["prefix_caching"], o["gpu_blocks"]
+        env, kv_events, max_model_len, extra_args = o["env"], o["kv_events"], o["max_model_len"], o["extra_args"]
+        kvbm_metrics_port = self.kvbm_metrics_port
+        self.attempt += 1
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self.kvbm_metrics_port = kvbm_metrics_port
+        suffix = "" if self.attempt == 1 else f".{self.attempt}"
+        self.log_path = log_dir / f"{name}{suffix}.log"
         #: vLLM's KV event publisher and its replay socket (with kv_events).
         self.kv_events_port = free_port() if kv_events else None
         self.kv_replay_port = free_port() if kv_events else None
@@ -147,6 +176,14 @@ class VllmServer:
         end = time.monotonic() + deadline_s
         while True:
             if self.popen.poll() is not None:
+                if "Address already in use" in self.log() and self.attempt < START_ATTEMPTS:
+                    # Another process took a port between free_port and vLLM's bind: the whole
+                    # start again on fresh ports (callers read the ports after wait_ready).
+                    self.stop()
+                    self._log.close()
+                    self._launch()
+                    end = time.monotonic() + deadline_s
+                    continue
                 pytest.fail(f"{self.name} exited with {self.popen.returncode} while starting:\n{self.tail()}")
             try:
                 http("GET", f"{self.url}/health", timeout=2)
