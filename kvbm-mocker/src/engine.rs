@@ -88,6 +88,8 @@ pub struct Request {
     pub max_tokens: u32,
     /// The token every decode produces.
     pub output_token: u32,
+    /// Whether each step's tokens are sent (a stream) or only the end.
+    pub stream: bool,
     /// Where outputs go; the request is aborted once its receiver is gone.
     pub out: UnboundedSender<Output>,
 }
@@ -111,6 +113,7 @@ struct Load {
 
 struct Seq {
     out: UnboundedSender<Output>,
+    stream: bool,
     max_tokens: u32,
     output_token: u32,
     tokens: Vec<u32>,
@@ -258,6 +261,7 @@ impl Engine {
         }
         let mut seq = Seq {
             out: req.out,
+            stream: req.stream,
             max_tokens: req.max_tokens,
             output_token: req.output_token,
             prompt_len: req.prompt.len(),
@@ -574,7 +578,11 @@ impl Engine {
                 seq.tokens.push(seq.output_token);
                 self.extend_hashes(&mut seq);
                 self.metrics.generation_tokens.inc();
-                let alive = seq.out.send(Output::Tokens(1)).is_ok();
+                let alive = if seq.stream {
+                    seq.out.send(Output::Tokens(1)).is_ok()
+                } else {
+                    !seq.out.is_closed()
+                };
                 if !alive {
                     keep[idx] = false;
                     self.metrics.requests.with_label_values(&["aborted"]).inc();
@@ -702,6 +710,7 @@ fn placeholder() -> Seq {
     let (out, _) = tokio::sync::mpsc::unbounded_channel();
     Seq {
         out,
+        stream: false,
         max_tokens: 0,
         output_token: 0,
         tokens: Vec::new(),
@@ -760,56 +769,54 @@ pub fn run_worker(
         while let Ok(r) = requests.try_recv() {
             engine.add(r);
         }
-        if !engine.can_step() {
-            // Only loads in flight (or nothing admissible): wait for the next load or arrival.
-            let until = engine
-                .next_load_ready()
-                .map(wall_of)
-                .unwrap_or_else(|| Instant::now() + Duration::from_millis(5));
-            match requests.recv_timeout(until.saturating_duration_since(Instant::now())) {
-                Ok(r) => {
-                    engine.clock = engine.clock.max(now_sim());
-                    engine.add(r);
+        if engine.can_step() {
+            let report = engine.step();
+            if !report.scheduled.is_empty() {
+                let deadline = wall_of(engine.clock);
+                let now = Instant::now();
+                if deadline > now {
+                    std::thread::sleep(deadline - now);
+                    metrics.lag_seconds.set(0.0);
+                } else {
+                    let lag = now_sim() - engine.clock;
+                    metrics.late_steps.inc();
+                    metrics.lag_seconds.set(lag);
+                    if lag > metrics.lag_max_seconds.get() {
+                        metrics.lag_max_seconds.set(lag);
+                    }
                 }
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
-                    if let Some(t) = engine.next_load_ready() {
+                continue;
+            }
+        }
+        // Nothing ran (only loads in flight, or nothing admissible until one ends): wait for
+        // the next load or arrival.
+        let until = engine
+            .next_load_ready()
+            .map(wall_of)
+            .unwrap_or_else(|| Instant::now() + Duration::from_millis(5));
+        match requests.recv_timeout(until.saturating_duration_since(Instant::now())) {
+            Ok(r) => {
+                engine.clock = engine.clock.max(now_sim());
+                engine.add(r);
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+                if let Some(t) = engine.next_load_ready() {
+                    engine.clock = engine.clock.max(t);
+                }
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                match engine.next_load_ready() {
+                    Some(t) => {
+                        std::thread::sleep(wall_of(t).saturating_duration_since(Instant::now()));
                         engine.clock = engine.clock.max(t);
                     }
-                }
-                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
-                    match engine.next_load_ready() {
-                        Some(t) => {
-                            std::thread::sleep(
-                                wall_of(t).saturating_duration_since(Instant::now()),
-                            );
-                            engine.clock = engine.clock.max(t);
-                        }
-                        None => std::thread::sleep(Duration::from_millis(5)),
-                    }
+                    None => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
-            // Requests whose client left while nothing could step.
-            engine.reap_aborted();
-            engine.update_gauges();
-            continue;
         }
-        let report = engine.step();
-        if report.scheduled.is_empty() {
-            continue;
-        }
-        let deadline = wall_of(engine.clock);
-        let now = Instant::now();
-        if deadline > now {
-            std::thread::sleep(deadline - now);
-            metrics.lag_seconds.set(0.0);
-        } else {
-            let lag = now_sim() - engine.clock;
-            metrics.late_steps.inc();
-            metrics.lag_seconds.set(lag);
-            if lag > metrics.lag_max_seconds.get() {
-                metrics.lag_max_seconds.set(lag);
-            }
-        }
+        // Requests whose client left while nothing could step.
+        engine.reap_aborted();
+        engine.update_gauges();
     }
 }
 
@@ -864,6 +871,7 @@ mod tests {
             prompt,
             max_tokens,
             output_token: 1,
+            stream: true,
             out,
         };
         (req, rx)

@@ -401,6 +401,37 @@ async fn dropped_stream_aborts_and_releases_blocks() {
     );
 }
 
+/// A non-streamed request whose client goes away is aborted too (the handler is dropped with
+/// the connection, and with it the request's receiver).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_whole_request_aborts() {
+    let fleet = Fleet::start(&args(&["--speedup", "1", "--overhead", "0.005"]))
+        .await
+        .unwrap();
+    let base = format!("http://{}", fleet.workers[0].http);
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let body = json!({"prompt": words(0..8), "max_tokens": 200});
+    let r = impatient
+        .post(format!("{base}/v1/completions"))
+        .json_body(&body)
+        .send()
+        .await;
+    assert!(r.is_err(), "a 1 s request outlives a 0.3 s timeout");
+    let c = reqwest::Client::new();
+    let mut aborted = 0.0;
+    for _ in 0..200 {
+        aborted = metric(&c, &base, "kvbm_mocker_requests_total{outcome=\"aborted\"}").await;
+        if aborted > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(aborted, 1.0);
+}
+
 fn collect_events(
     rx: &crossbeam_channel::Receiver<SubscriberEvent>,
     until: impl Fn(&[WireEvent]) -> bool,
