@@ -320,8 +320,9 @@ impl Engine {
                 .any(|s| s.load.as_ref().is_none_or(|l| l.ready_at <= self.clock))
     }
 
-    /// Registers blocks `registered..upto` of a request (they are computed or loaded).
-    fn register_upto(&mut self, seq: &mut Seq, upto: usize) {
+    /// Registers blocks `registered..upto` of a request (they are computed or loaded); computed
+    /// ones (`offload`) are queued for the write-through to the host tier.
+    fn register_upto(&mut self, seq: &mut Seq, upto: usize, offload: bool) {
         if upto <= seq.registered {
             return;
         }
@@ -330,7 +331,7 @@ impl Engine {
             let identity = self.identity(seq, b);
             match std::mem::replace(&mut seq.blocks[b], GpuBlock::Taken) {
                 GpuBlock::Filling(f) => {
-                    if self.host.is_some() {
+                    if offload && self.host.is_some() {
                         self.offload.push(identity.clone());
                     }
                     complete.push(f.complete(identity));
@@ -414,9 +415,7 @@ impl Engine {
                 let mut seq = self.waiting.remove(i).expect("in range");
                 let load = seq.load.take().expect("loading");
                 // Loaded blocks are not offloaded again: they came from there.
-                let had_host = self.host.take();
-                self.register_upto(&mut seq, load.first + load.count);
-                self.host = had_host;
+                self.register_upto(&mut seq, load.first + load.count, false);
                 seq.computed = seq.registered * self.cfg.block_size;
                 self.waiting.insert(i, seq);
             }
@@ -562,7 +561,7 @@ impl Engine {
             let mut seq = std::mem::replace(&mut running[idx], placeholder());
             seq.computed += n;
             let full = seq.computed / bs;
-            self.register_upto(&mut seq, full);
+            self.register_upto(&mut seq, full, true);
             if seq.computed == seq.tokens.len() {
                 if !seq.prefilled {
                     seq.prefilled = true;
