@@ -653,3 +653,73 @@ async fn sixteen_workers_finish_a_short_load() {
     }
     println!("per-worker max lag (simulated s): {lags:?}");
 }
+
+/// What the router makes of the events (kvbm-router's own listener and index): a prompt served
+/// by worker 2 shows as worker 2's GPU prefix (mapped from the engine hashes through the token
+/// ids); once the GPU evicted it, as worker 2's host prefix (kvbm's hashes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_follows_each_workers_prefix() {
+    let fleet = Fleet::start(&args(&[
+        "--workers",
+        "2",
+        "--gpu-blocks",
+        "12",
+        "--host-blocks",
+        "64",
+    ]))
+    .await
+    .unwrap();
+    let workers = kvbm_router::config::parse_workers(&fleet.lines().join(";")).unwrap();
+    let config = kvbm_router::RouterConfig {
+        block_size: 4,
+        ..Default::default()
+    };
+    let router = kvbm_router::Router::start(config, workers).unwrap();
+    let c = reqwest::Client::new();
+    let base = format!("http://{}", fleet.workers[1].http);
+    let ids: Vec<u32> = (0..40).map(|i| i + 2).collect();
+    let overlap = |router: &kvbm_router::Router| {
+        let answer = router.query(&kvbm_router::state::RequestTokens {
+            token_ids: &ids,
+            lora_name: None,
+            cache_salt: None,
+        });
+        answer
+            .workers
+            .iter()
+            .find(|w| w.worker_id == 2)
+            .map(|w| (w.overlap.gpu_blocks, w.overlap.host_blocks))
+            .unwrap_or((0, 0))
+    };
+    let wait_for = |want: (usize, usize)| {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let got = overlap(&router);
+            if got == want || std::time::Instant::now() > deadline {
+                return got;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let (s, _) = post(
+        &c,
+        format!("{base}/v1/completions"),
+        json!({"prompt": ids, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    assert_eq!(
+        wait_for((10, 0)),
+        (10, 0),
+        "the prompt's 10 blocks on worker 2's GPU"
+    );
+    let (s, _) = post(
+        &c,
+        format!("{base}/v1/completions"),
+        json!({"prompt": words(500..540), "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(s, 200);
+    let got = wait_for((0, 10));
+    assert_eq!(got, (0, 10), "evicted from the GPU, still on the host");
+}
