@@ -1094,6 +1094,32 @@ mod tests {
         assert_eq!(c.capacity - c.free - c.idle, 0, "every block released");
     }
 
+    /// vLLM's `--max-num-seqs`: no more requests run at once; the rest wait their turn (FCFS).
+    #[test]
+    fn max_num_seqs_bounds_the_batch() {
+        let mut cfg = config(4, 1000, 0, 0, 1000);
+        cfg.max_num_seqs = 2;
+        let (mut e, _sub, _) = engine(cfg);
+        let mut rxs = Vec::new();
+        for k in 0..3 {
+            let (r, rx) = request(prompt(k, 8), 2);
+            e.add(r);
+            rxs.push(rx);
+        }
+        assert_eq!(e.step().scheduled, vec![8, 8]);
+        assert_eq!(e.queue_lengths(), (2, 1));
+        assert_eq!(
+            e.step().scheduled,
+            vec![1, 1],
+            "two decodes; the third still waits"
+        );
+        assert_eq!(
+            e.step().scheduled,
+            vec![8],
+            "admitted once the first two finished"
+        );
+    }
+
     /// A request larger than the GPU pool is refused, never queued forever.
     #[test]
     fn too_large_is_rejected() {
