@@ -1260,7 +1260,7 @@ impl Router {
 }
 
 /// The process's user and system CPU time, in seconds.
-fn process_cpu_seconds() -> Option<f64> {
+pub fn process_cpu_seconds() -> Option<f64> {
     let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
     let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
     Some(secs(usage.user_time()) + secs(usage.system_time()))

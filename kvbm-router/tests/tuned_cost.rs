@@ -315,6 +315,18 @@ async fn streamed_answers_teach_the_tuned_cost_and_it_shows_in_debug_cost_and_me
         .metric("kv_router_front_end_cpu_seconds_total")
         .await
         .is_some_and(|v| v > 0.0));
+    let total = s
+        .metric("kv_router_front_end_cpu_seconds_total")
+        .await
+        .unwrap();
+    for stage in ["tokenize", "route"] {
+        let v = s
+            .metric(&format!(
+                "kv_router_front_end_stage_cpu_seconds_total{{stage=\"{stage}\"}}"
+            ))
+            .await;
+        assert!(v.is_some_and(|v| v >= 0.0 && v <= total), "{stage}: {v:?}");
+    }
 
     // A worker that leaves is forgotten.
     assert!(s.router.unregister((1, 0)));
