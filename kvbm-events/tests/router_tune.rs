@@ -169,6 +169,18 @@ fn until_warm_it_has_no_cost_and_a_worker_that_left_is_forgotten() {
     }
     assert!(tuner.ready());
     assert!(tuner.cost(&candidate(1), 1000).is_some());
+    // Once warm, an observation far above its prediction is clipped (and counted), not taken
+    // whole: the coefficients move by less than a tenth of what it claims.
+    let f = RouteFeatures {
+        compute_tokens: 4000,
+        ..RouteFeatures::default()
+    };
+    let before = tuner.coefficients((1, 0)).unwrap();
+    let predicted = before.ttft(&f);
+    assert!(tuner.observe_ttft((1, 0), &f, 1000.0 * predicted));
+    assert_eq!(tuner.counts().clipped, 1);
+    let after = tuner.coefficients((1, 0)).unwrap();
+    assert!(after.ttft(&f) < 10.0 * predicted, "{before:?} -> {after:?}");
     // A worker never observed takes the fleet's coefficients.
     assert_eq!(tuner.coefficients((9, 0)), tuner.fleet_coefficients());
     assert!(tuner.cost(&candidate(9), 1000).is_some());
