@@ -28,6 +28,10 @@
 //!   is applied; restarts, clears and unregistering forget a worker's predictions.
 //! - Bounded by flags: workers registered, routed requests tracked (beyond it a request is
 //!   routed untracked, counted), request id length, predictions.
+//! - Every routing mode (`--router-mode`) goes through [`Router::route_among`]: eligibility,
+//!   cool-down, load tracking, predictions and metrics are the same whatever picks the worker.
+//!   The tuned cost's learner is fed in every mode (its evidence shows in GET /debug/cost before
+//!   an operator switches to it); it is used only in `tuned`, once warm.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
