@@ -34,6 +34,12 @@
 //! framed in linear time, and an event longer than `--max-sse-event-bytes` ends the client's
 //! stream with an error event. A request whose prompt the router cannot tokenize exactly (a multimodal part, a
 //! per-request chat template) is still served: it is routed by load alone, and counted.
+//!
+//! Evidence for the tuned cost (`kvbm_events::router::tune`): a streamed answer that ends well on
+//! its first attempt reports its time to first token (from the routing decision to the first
+//! chunk) with what the decision knew of the worker, and, when the client asked for
+//! `stream_options.include_usage`, its time per output token (first to last chunk over the usage
+//! chunk's `completion_tokens` − 1). Whole answers, failed and retried requests teach nothing.
 
 use std::collections::BTreeMap;
 use std::io;
