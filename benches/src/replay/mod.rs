@@ -49,6 +49,13 @@ pub struct ReplayArgs {
     /// Replay only the first N requests (sessions, for the sessions format).
     #[arg(long)]
     pub requests: Option<usize>,
+    /// Tokens each Mooncake hash id stands for (512 as traced; fewer shrinks the prompts for
+    /// quick functional runs, keeping which requests share which blocks).
+    #[arg(long, default_value_t = trace::MOONCAKE_BLOCK_TOKENS)]
+    pub block_tokens: usize,
+    /// Cut every answer to at most this many tokens (quick functional runs).
+    #[arg(long)]
+    pub max_output_tokens: Option<usize>,
     /// Simulated workers.
     #[arg(long, default_value_t = 8)]
     pub workers: usize,
@@ -184,7 +191,11 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
         bail!("--workers, --speedup, --load and --max-inflight must be positive");
     }
     let specs = run_specs(&args.modes, &args.sweep)?;
-    let sessions = trace::read(&args.trace, args.format, args.requests)?;
+    let mut sessions = trace::read(&args.trace, args.format, args.requests)?;
+    if args.block_tokens == 0 {
+        bail!("--block-tokens must be positive");
+    }
+    trace::shrink(&mut sessions, args.block_tokens, args.max_output_tokens);
     let mocker_bin = binary(&args.mocker_bin, "kvbm-mocker")?;
     let router_bin = binary(&args.router_bin, "kvbm-router")?;
     let map = TokenMap {

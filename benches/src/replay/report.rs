@@ -324,6 +324,8 @@ pub fn output(args: &ReplayArgs, sessions: &[Session], runs: Vec<RunResult>, wal
         "host_blocks": args.host_blocks,
         "disk_blocks": args.disk_blocks,
         "seed": args.seed,
+        "block_tokens": args.block_tokens,
+        "max_output_tokens": args.max_output_tokens,
         "max_inflight": args.max_inflight,
         "vocab": args.vocab,
         "best_fixed": best,

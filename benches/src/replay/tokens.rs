@@ -13,7 +13,9 @@ use std::path::Path;
 
 use anyhow::{bail, Context};
 
-use super::trace::{Part, MOONCAKE_BLOCK_TOKENS};
+use super::trace::Part;
+#[cfg(test)]
+use super::trace::MOONCAKE_BLOCK_TOKENS;
 
 /// The default vocabulary size.
 pub const VOCAB_DEFAULT: u32 = 16_384;
@@ -39,10 +41,14 @@ impl TokenMap {
     /// Appends the ids of `part` to `out`.
     pub fn extend(&self, part: &Part, out: &mut Vec<u32>) {
         match part {
-            Part::Blocks { hash_ids, len } => {
+            Part::Blocks {
+                hash_ids,
+                len,
+                block,
+            } => {
                 let mut left = *len;
                 for &id in hash_ids {
-                    let n = left.min(MOONCAKE_BLOCK_TOKENS);
+                    let n = left.min(*block);
                     out.extend((0..n as u64).map(|j| self.token(id, j)));
                     left -= n;
                 }
@@ -148,14 +154,17 @@ mod tests {
         let a = ids(&Part::Blocks {
             hash_ids: vec![5, 6, 7],
             len: 2 * 512 + 100,
+            block: MOONCAKE_BLOCK_TOKENS,
         });
         let b = ids(&Part::Blocks {
             hash_ids: vec![5, 6, 8],
             len: 3 * 512,
+            block: MOONCAKE_BLOCK_TOKENS,
         });
         let c = ids(&Part::Blocks {
             hash_ids: vec![9, 6],
             len: 1024,
+            block: MOONCAKE_BLOCK_TOKENS,
         });
         assert_eq!(a.len(), 1124);
         assert_eq!(b.len(), 1536);
@@ -170,6 +179,7 @@ mod tests {
         let full7 = ids(&Part::Blocks {
             hash_ids: vec![7],
             len: 512,
+            block: MOONCAKE_BLOCK_TOKENS,
         });
         assert_eq!(a[1024..], full7[..100]);
         assert!(a.iter().all(|&t| t < MAP.vocab));
@@ -180,6 +190,7 @@ mod tests {
             &Part::Blocks {
                 hash_ids: vec![5],
                 len: 512,
+                block: MOONCAKE_BLOCK_TOKENS,
             },
             &mut d,
         );
@@ -211,6 +222,7 @@ mod tests {
             &Part::Blocks {
                 hash_ids: vec![1, 2, 3, 4],
                 len: 2000,
+                block: MOONCAKE_BLOCK_TOKENS,
             },
             &mut ids,
         );

@@ -45,8 +45,13 @@ pub enum Format {
 /// Where a stretch of prompt tokens comes from (see `tokens::TokenMap`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Part {
-    /// Mooncake blocks: 512 tokens of each id, the last id's first `len - 512 * (n - 1)` only.
-    Blocks { hash_ids: Vec<u64>, len: usize },
+    /// Mooncake blocks: `block` tokens of each id (512 as traced), the last id's first
+    /// `len - block * (n - 1)` only.
+    Blocks {
+        hash_ids: Vec<u64>,
+        len: usize,
+        block: usize,
+    },
     /// The first `len` tokens of the endless sequence named by `key`.
     Stream { key: u64, len: usize },
 }
@@ -198,6 +203,7 @@ fn mooncake(line: &str) -> anyhow::Result<Session> {
             user: Part::Blocks {
                 hash_ids: r.hash_ids,
                 len: r.input_length,
+                block: MOONCAKE_BLOCK_TOKENS,
             },
             output_tokens: r.output_length,
             think_s: 0.0,
@@ -239,6 +245,32 @@ fn session(line: &str, index: u64) -> anyhow::Result<Session> {
         prefix,
         turns,
     })
+}
+
+/// Shrinks a trace for quick functional runs: each Mooncake hash id stands for `block_tokens`
+/// tokens instead of 512 (the last block scaled in proportion, rounded up), and answers are cut
+/// to `max_output_tokens`. Which requests share which blocks is unchanged.
+pub fn shrink(sessions: &mut [Session], block_tokens: usize, max_output_tokens: Option<usize>) {
+    for s in sessions {
+        for turn in &mut s.turns {
+            if let Part::Blocks {
+                hash_ids,
+                len,
+                block,
+            } = &mut turn.user
+            {
+                if block_tokens != *block && block_tokens > 0 {
+                    let n = hash_ids.len();
+                    let last = *len - *block * (n - 1);
+                    *len = block_tokens * (n - 1) + (last * block_tokens).div_ceil(*block);
+                    *block = block_tokens;
+                }
+            }
+            if let Some(m) = max_output_tokens {
+                turn.output_tokens = turn.output_tokens.min(m);
+            }
+        }
+    }
 }
 
 /// How trace time maps to simulated time: `sim = (trace - origin) * factor`.
@@ -313,10 +345,21 @@ mod tests {
             s[0].turns[0].user,
             Part::Blocks {
                 hash_ids: vec![1, 2],
-                len: 600
+                len: 600,
+                block: 512
             }
         );
         assert_eq!(s[0].prompt_lengths(), vec![600]);
+        // Shrunk to 64 tokens a block: 64 + ceil(88 / 8) = 75; the second 1 block of 64.
+        let mut small = s.clone();
+        shrink(&mut small, 64, Some(3));
+        assert_eq!(small[0].prompt_lengths(), vec![75]);
+        assert_eq!(small[1].prompt_lengths(), vec![64]);
+        assert_eq!(small[0].turns[0].output_tokens, 3);
+        assert_eq!(small[1].turns[0].output_tokens, 0);
+        let mut same = s.clone();
+        shrink(&mut same, 512, None);
+        assert_eq!(same, s);
         let first = parse(text, Format::Mooncake, Some(1)).unwrap();
         assert_eq!(first.len(), 1);
     }
