@@ -5,7 +5,10 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use kvbm_events::router::{KvIndex, SelectorConfig, BLOCKS_PER_WORKER_MAX_DEFAULT};
+use kvbm_events::router::{
+    KvIndex, RouterMode, SelectorConfig, Weights, BLOCKS_PER_WORKER_MAX_DEFAULT,
+    ROUTER_MODE_DEFAULT,
+};
 use kvbm_events::WorkerEndpoint;
 
 /// Largest request body accepted by default (a 128K-token prompt as JSON is about 1 MB).
@@ -82,17 +85,41 @@ pub struct Args {
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
 
-    /// Weight of the prefill term of the cost (Dynamo's `--kv-overlap-score-weight`).
-    #[arg(long, default_value_t = 1.0)]
-    pub kv_overlap_score_weight: f64,
+    /// How workers are picked: `round-robin` (cycles over the eligible workers in id order),
+    /// `random` (uniformly), `least-loaded` (lowest `prefill_blocks + decode_blocks`, no cache
+    /// credit), `kv-gpu` (Dynamo's cost with GPU overlap only: host and disk weights 0), `kv`
+    /// (kvbm's tier-aware weights), `dynamo` (Dynamo's default cost and weights), `tuned` (a
+    /// cost learned online from the front end's observed time to first token and time per
+    /// output token; `kv`'s weights until 50 streamed requests were observed; see GET
+    /// /debug/cost). The weight flags below change `kv-gpu`'s, `kv`'s, `dynamo`'s and `tuned`'s
+    /// starting weights (`kv-gpu` keeps host and disk at 0).
+    #[arg(long, env = "KVBM_ROUTER_MODE", default_value_t = ROUTER_MODE_DEFAULT, value_parser = parse_mode)]
+    pub router_mode: RouterMode,
+
+    /// Weight of the prefill term of the cost (Dynamo's `--router-prefill-load-scale`). Default:
+    /// the mode's (1.0).
+    #[arg(long)]
+    pub router_prefill_load_scale: Option<f64>,
+
+    /// Deprecated alias of --router-prefill-load-scale (Dynamo's old name; 0 also sets
+    /// --router-kv-overlap-score-credit to 0, as Dynamo does).
+    #[arg(long)]
+    pub kv_overlap_score_weight: Option<f64>,
+
+    /// Credit of a block of the request's prefix found on a worker's GPU (Dynamo's
+    /// `--router-kv-overlap-score-credit`). Default: the mode's (1.0).
+    #[arg(long)]
+    pub router_kv_overlap_score_credit: Option<f64>,
 
     /// Credit of a block found in a worker's pinned host memory, relative to one on its GPU.
-    #[arg(long, default_value_t = 0.75)]
-    pub router_host_cache_hit_weight: f64,
+    /// Default: the mode's (0.75).
+    #[arg(long)]
+    pub router_host_cache_hit_weight: Option<f64>,
 
-    /// Credit of a block found on a worker's local disk, relative to one on its GPU.
-    #[arg(long, default_value_t = 0.25)]
-    pub router_disk_cache_hit_weight: f64,
+    /// Credit of a block found on a worker's local disk, relative to one on its GPU. Default:
+    /// the mode's (0.25).
+    #[arg(long)]
+    pub router_disk_cache_hit_weight: Option<f64>,
 
     /// 0 always picks the lowest cost; above 0, picks at random with weights
     /// exp(-(cost - min) / ((max - min) * T)), spreading load between near-equal workers.
@@ -486,7 +513,52 @@ fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
     }
 }
 
+fn parse_mode(s: &str) -> Result<RouterMode, String> {
+    s.parse()
+}
+
 impl Args {
+    /// Whether the deprecated `--kv-overlap-score-weight` was given (the caller logs it).
+    pub fn deprecated_flags(&self) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        if self.kv_overlap_score_weight.is_some() {
+            out.push("--kv-overlap-score-weight is deprecated; use --router-prefill-load-scale");
+        }
+        out
+    }
+
+    /// The mode and its weights: the mode's defaults, changed by the weight flags given.
+    pub fn selector_config(&self) -> Result<SelectorConfig, ConfigError> {
+        let mode = self.router_mode;
+        let mut w: Weights = mode.default_weights();
+        if let Some(v) = self.kv_overlap_score_weight {
+            w.prefill_load_scale = weight("kv-overlap-score-weight", v)?;
+            if v == 0.0 {
+                w.overlap_score_credit = 0.0;
+            }
+        }
+        if let Some(v) = self.router_prefill_load_scale {
+            w.prefill_load_scale = weight("router-prefill-load-scale", v)?;
+        }
+        if let Some(v) = self.router_kv_overlap_score_credit {
+            w.overlap_score_credit = weight("router-kv-overlap-score-credit", v)?;
+        }
+        if let Some(v) = self.router_host_cache_hit_weight {
+            w.host_weight = weight("router-host-cache-hit-weight", v)?;
+        }
+        if let Some(v) = self.router_disk_cache_hit_weight {
+            w.disk_weight = weight("router-disk-cache-hit-weight", v)?;
+        }
+        Ok(SelectorConfig {
+            decode_active_request_weight: weight(
+                "router-decode-active-request-weight",
+                self.router_decode_active_request_weight,
+            )?,
+            temperature: weight("router-temperature", self.router_temperature)?,
+            ..SelectorConfig::for_mode(mode).with_weights(w)
+        })
+    }
+
     /// The router configuration these flags describe.
     pub fn router_config(&self) -> Result<RouterConfig, ConfigError> {
         if self.block_size == 0 {
@@ -543,25 +615,7 @@ impl Args {
             bounded("max-connections", self.max_connections as u64, 1 << 20)? as usize;
         Ok(RouterConfig {
             block_size: self.block_size,
-            selector: SelectorConfig {
-                prefill_load_scale: weight(
-                    "kv-overlap-score-weight",
-                    self.kv_overlap_score_weight,
-                )?,
-                decode_active_request_weight: weight(
-                    "router-decode-active-request-weight",
-                    self.router_decode_active_request_weight,
-                )?,
-                host_weight: weight(
-                    "router-host-cache-hit-weight",
-                    self.router_host_cache_hit_weight,
-                )?,
-                disk_weight: weight(
-                    "router-disk-cache-hit-weight",
-                    self.router_disk_cache_hit_weight,
-                )?,
-                temperature: weight("router-temperature", self.router_temperature)?,
-            },
+            selector: self.selector_config()?,
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
             index_capacity_blocks: index_capacity(self.index_capacity_blocks, physical_memory())?,
@@ -908,16 +962,116 @@ mod tests {
         }
     }
 
+    /// The mode and Dynamo's weight flags map to the selector's weights: a mode's defaults,
+    /// changed only by the flags given; the deprecated alias still sets the prefill scale (and,
+    /// at 0, the GPU credit too, as Dynamo's `apply_deprecated_overlap_score_weight_override`).
+    #[test]
+    fn router_mode_and_dynamos_weight_flags_map_to_the_cost() {
+        use kvbm_events::router::{DYNAMO_WEIGHTS, KV_WEIGHTS};
+        let parse = |flags: &[&str]| {
+            let mut argv = vec!["kvbm-router"];
+            argv.extend_from_slice(flags);
+            Args::try_parse_from(argv).map(|a| (a.selector_config(), a.deprecated_flags()))
+        };
+        let (c, warnings) = parse(&[]).unwrap();
+        let c = c.unwrap();
+        assert_eq!((c.mode, c.weights()), (ROUTER_MODE_DEFAULT, KV_WEIGHTS));
+        assert!(warnings.is_empty());
+        let c = parse(&["--router-mode", "dynamo"]).unwrap().0.unwrap();
+        assert_eq!((c.mode, c.weights()), (RouterMode::Dynamo, DYNAMO_WEIGHTS));
+        let c = parse(&[
+            "--router-mode",
+            "dynamo",
+            "--router-prefill-load-scale",
+            "10",
+            "--router-kv-overlap-score-credit",
+            "0.5",
+            "--router-host-cache-hit-weight",
+            "0.9",
+            "--router-disk-cache-hit-weight",
+            "0.1",
+        ])
+        .unwrap()
+        .0
+        .unwrap();
+        assert_eq!(
+            c.weights(),
+            Weights {
+                prefill_load_scale: 10.0,
+                overlap_score_credit: 0.5,
+                host_weight: 0.9,
+                disk_weight: 0.1,
+            }
+        );
+        let c = parse(&[
+            "--router-mode",
+            "kv-gpu",
+            "--router-host-cache-hit-weight",
+            "0.9",
+        ])
+        .unwrap()
+        .0
+        .unwrap();
+        assert_eq!((c.host_weight, c.disk_weight), (0.0, 0.0));
+        let c = parse(&[
+            "--router-mode",
+            "least-loaded",
+            "--router-prefill-load-scale",
+            "5",
+        ])
+        .unwrap()
+        .0
+        .unwrap();
+        assert_eq!(
+            (c.prefill_load_scale, c.overlap_score_credit, c.host_weight),
+            (1.0, 0.0, 0.0)
+        );
+        let (c, warnings) = parse(&["--kv-overlap-score-weight", "3"]).unwrap();
+        assert_eq!(c.unwrap().prefill_load_scale, 3.0);
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].contains("--router-prefill-load-scale"));
+        let c = parse(&["--kv-overlap-score-weight", "0"])
+            .unwrap()
+            .0
+            .unwrap();
+        assert_eq!((c.prefill_load_scale, c.overlap_score_credit), (0.0, 0.0));
+        // The new name wins over the old.
+        let c = parse(&[
+            "--kv-overlap-score-weight",
+            "3",
+            "--router-prefill-load-scale",
+            "4",
+        ])
+        .unwrap()
+        .0
+        .unwrap();
+        assert_eq!(c.prefill_load_scale, 4.0);
+        let e = parse(&["--router-kv-overlap-score-credit=-1"])
+            .unwrap()
+            .0
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--router-kv-overlap-score-credit=-1"), "{e}");
+        let e = parse(&["--router-mode", "fastest"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("round-robin"), "{e}");
+        for mode in RouterMode::ALL {
+            let c = parse(&["--router-mode", mode.name()]).unwrap().0.unwrap();
+            assert_eq!(c.mode, mode);
+        }
+    }
+
     #[test]
     fn flags_out_of_range_are_refused_with_their_name() {
         let mut args = Args::parse_from(["kvbm-router"]);
         assert_eq!(args.http_host.to_string(), "127.0.0.1");
         let config = args.router_config().unwrap();
         assert_eq!(config.selector, SelectorConfig::default());
-        args.router_host_cache_hit_weight = -1.0;
+        args.router_host_cache_hit_weight = Some(-1.0);
         let e = args.router_config().unwrap_err().to_string();
         assert!(e.contains("--router-host-cache-hit-weight=-1"), "{e}");
-        args.router_host_cache_hit_weight = 0.5;
+        args.router_host_cache_hit_weight = Some(0.5);
         args.block_size = 0;
         assert!(args
             .router_config()

@@ -789,6 +789,13 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
             return ledger.fail(outcome, e);
         }
     };
+    // The client asked for a usage chunk at the end of the stream: its completion_tokens give
+    // the time per output token the tuned cost learns from.
+    let usage_asked = body
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let cache_salt = body
         .get("cache_salt")
         .and_then(Value::as_str)
@@ -844,7 +851,16 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         lora_name: lora_name.as_deref(),
         cache_salt: cache_salt.as_deref(),
     };
-    forward(fe.clone(), ledger, endpoint, &headers, raw, &tokens).await
+    forward(
+        fe.clone(),
+        ledger,
+        endpoint,
+        &headers,
+        raw,
+        &tokens,
+        usage_asked,
+    )
+    .await
 }
 
 /// What became of one attempt to hand a request to a worker.
@@ -935,6 +951,7 @@ async fn forward(
     headers: &HeaderMap,
     raw: Bytes,
     tokens: &RequestTokens<'_>,
+    usage_asked: bool,
 ) -> Response {
     let m = &fe.router.metrics().frontend;
     let mut tried: Vec<WorkerKey> = Vec::new();
@@ -996,7 +1013,20 @@ async fn forward(
         let failure = match send_to(&fe, request, &url).await {
             Attempt::Answered(upstream) => {
                 observe_overlap(&fe, &answer);
-                return relay(fe.clone(), ledger, routed, key, *upstream);
+                // Only a stream's first attempt is evidence of the worker's speed: a whole
+                // answer has no first token, a retried request's time includes the failure.
+                let learning = (ledger.stream && attempt == 0)
+                    .then_some(answer.routed_at)
+                    .flatten()
+                    .map(|routed_at| Learning {
+                        features: answer.features,
+                        routed_at,
+                        first_at: None,
+                        last_at: None,
+                        usage_asked,
+                        completion_tokens: None,
+                    });
+                return relay(fe.clone(), ledger, routed, key, *upstream, learning);
             }
             Attempt::TimedOut(why) => {
                 tracing::warn!(worker = ?key, failure = %why, "worker took the request but did not answer");
@@ -1058,6 +1088,68 @@ fn observe_overlap(fe: &Frontend, answer: &RouteAnswer) {
     }
 }
 
+/// What a streamed answer teaches the tuned cost: its time to first token against what the
+/// routing decision knew, and its time per output token when the client asked for usage.
+struct Learning {
+    features: kvbm_events::router::RouteFeatures,
+    routed_at: Instant,
+    first_at: Option<Instant>,
+    last_at: Option<Instant>,
+    usage_asked: bool,
+    /// The last `completion_tokens` seen in the stream (its usage chunk).
+    completion_tokens: Option<usize>,
+}
+
+const COMPLETION_TOKENS_KEY: &[u8] = b"\"completion_tokens\":";
+
+/// The number after the last `"completion_tokens":` in `bytes`, if any.
+fn completion_tokens(bytes: &[u8]) -> Option<usize> {
+    let at = bytes
+        .windows(COMPLETION_TOKENS_KEY.len())
+        .rposition(|w| w == COMPLETION_TOKENS_KEY)?;
+    let rest = &bytes[at + COMPLETION_TOKENS_KEY.len()..];
+    let start = rest.iter().position(|b| !b.is_ascii_whitespace())?;
+    let digits = rest[start..]
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
+    std::str::from_utf8(&rest[start..start + digits])
+        .ok()?
+        .parse()
+        .ok()
+}
+
+impl Learning {
+    fn chunk(&mut self, bytes: &[u8]) {
+        let now = Instant::now();
+        self.first_at.get_or_insert(now);
+        self.last_at = Some(now);
+        if self.usage_asked {
+            if let Some(n) = completion_tokens(bytes) {
+                self.completion_tokens = Some(n);
+            }
+        }
+    }
+
+    /// The answer ended well: its times go to the learner.
+    fn teach(&self, fe: &Frontend, worker: WorkerKey) {
+        let Some(first) = self.first_at else {
+            return;
+        };
+        let ttft = first
+            .saturating_duration_since(self.routed_at)
+            .as_secs_f64();
+        fe.router.observe_ttft(worker, &self.features, ttft);
+        if let (Some(n), Some(last)) = (self.completion_tokens, self.last_at) {
+            if n >= 2 {
+                let tpot = last.saturating_duration_since(first).as_secs_f64() / (n - 1) as f64;
+                fe.router
+                    .observe_tpot(worker, self.features.decode_blocks, n, tpot);
+            }
+        }
+    }
+}
+
 /// A request being answered: releases its load and ends it in the metrics exactly once, when the
 /// answer ends, fails, or is dropped because the client went away.
 struct Answering {
@@ -1066,9 +1158,18 @@ struct Answering {
     worker: WorkerKey,
     first_seen: bool,
     outcome: Option<&'static str>,
+    learning: Option<Learning>,
 }
 
 impl Answering {
+    /// A chunk of the answer went by.
+    fn chunk(&mut self, bytes: &[u8]) {
+        self.first_chunk();
+        if let Some(l) = &mut self.learning {
+            l.chunk(bytes);
+        }
+    }
+
     fn first_chunk(&mut self) {
         if !self.first_seen {
             self.first_seen = true;
@@ -1089,6 +1190,11 @@ impl Answering {
 
 impl Drop for Answering {
     fn drop(&mut self) {
+        if self.outcome == Some("success") {
+            if let Some(l) = &self.learning {
+                l.teach(&self.ledger.fe, self.worker);
+            }
+        }
         // The load is released by `routed`, the metrics ended by `ledger`, both dropped next.
         if self.outcome.is_none() {
             tracing::debug!(request_id = %self.routed.request_id, worker = ?self.worker, "client went away; the worker's request is dropped");
@@ -1189,6 +1295,7 @@ fn relay(
     routed: Routed,
     worker: WorkerKey,
     upstream: Upstream,
+    learning: Option<Learning>,
 ) -> Response {
     let status = upstream.status;
     let mut out = Response::builder().status(status.as_u16());
@@ -1209,13 +1316,14 @@ fn relay(
             worker,
             first_seen: false,
             outcome: None,
+            learning,
         },
         idle: fe.config.idle_timeout,
         framer: Framer::new(upstream.sse, fe.config.max_sse_event_bytes),
         done: false,
     };
     let first = first.map(|chunk| {
-        state.answering.first_chunk();
+        state.answering.chunk(&chunk);
         state.framer.pass(chunk)
     });
     // A worker's own error answer (4xx, 500) is passed on as it wrote it, not retried.
@@ -1230,7 +1338,7 @@ fn relay(
             }
             match tokio::time::timeout(st.idle, st.upstream.next()).await {
                 Ok(Some(Ok(chunk))) => {
-                    st.answering.first_chunk();
+                    st.answering.chunk(&chunk);
                     let out = st.framer.pass(chunk);
                     if out.is_empty() {
                         continue;

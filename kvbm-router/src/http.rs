@@ -10,6 +10,7 @@
 //! | `POST /unregister` | `{"worker_id", "dp_rank"?}` | forgets it |
 //! | `GET /workers` | | registered workers: endpoints, blocks per tier, load, stream health |
 //! | `GET /metrics` | | Prometheus text |
+//! | `GET /debug/cost` | | the routing mode, the weights in force, and the tuned cost's learned coefficients per worker and fleet-wide, observation counts, recent residuals and Dynamo-equivalent weights (open as `/workers` and `/dump` are) |
 //! | `GET /healthz` | | `{"status": "ok", "workers": N}` |
 //!
 //! Every error is a 4xx or 5xx with `{"error": "..."}`; bodies over `--max-body-bytes` get 413.
@@ -461,6 +462,10 @@ async fn metrics(State(router): State<Shared>) -> Response {
         .into_response()
 }
 
+async fn debug_cost(State(router): State<Shared>) -> Json<serde_json::Value> {
+    Json(router.cost_view())
+}
+
 async fn healthz(State(router): State<Shared>) -> Json<serde_json::Value> {
     Json(json!({ "status": "ok", "workers": router.workers().len() }))
 }
@@ -486,6 +491,7 @@ async fn count(State(router): State<Shared>, request: Request, next: Next) -> Re
         | "/metrics"
         | "/healthz"
         | "/dump"
+        | "/debug/cost"
         | "/tokenize"
         | "/v1/models"
         | "/v1/completions"
@@ -514,6 +520,7 @@ pub fn app(router: Arc<Router>, frontend: Option<Arc<crate::frontend::Frontend>>
         .route("/workers", get(workers))
         .route("/dump", get(dump))
         .route("/metrics", get(metrics))
+        .route("/debug/cost", get(debug_cost))
         .route("/healthz", get(healthz))
         .with_state(router.clone());
     api.merge(crate::frontend::routes(frontend))

@@ -19,6 +19,10 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let config = args.router_config()?;
+    for warning in args.deprecated_flags() {
+        tracing::warn!("{warning}");
+    }
+    tracing::info!(mode = %config.selector.mode, weights = ?config.selector.weights(), "routing mode");
     if !args.http_host.is_loopback() && config.admin_token.is_none() {
         tracing::warn!(host = %args.http_host, "the API is reachable from the network without an admin token: anyone who reaches it can register a worker and receive requests (set KVBM_ROUTER_ADMIN_TOKEN)");
     }

@@ -44,10 +44,19 @@
 //!   `kv_router_frontend_tokenize_seconds{kind}`, `kv_router_frontend_tokenize_fallbacks_total`,
 //!   `kv_router_frontend_routing_seconds`, and
 //!   `kv_router_worker_failures_total`.
+//! - Routing modes and the tuned cost ([`ModeMetrics`]): `kv_router_mode_info{mode}` (1 for the
+//!   mode in force), `kv_router_routed_total{mode}`, `kv_router_tuned_active` (1 once the learned
+//!   cost is in use), `kv_router_tuned_prefill_load_scale`,
+//!   `kv_router_tuned_host_cache_hit_weight`, `kv_router_tuned_disk_cache_hit_weight` (the
+//!   learned cost in Dynamo's weights), `kv_router_tuned_compute_seconds_per_token{worker_id,
+//!   dp_rank}`, `kv_router_tuned_observations{kind}` (ttft, tpot, refused, clipped),
+//!   `kv_router_tuned_ttft_abs_error_seconds` (running mean of the absolute TTFT prediction
+//!   error), and `kv_router_front_end_cpu_seconds_total` (the process's user and system CPU
+//!   time, read at each scrape: the front end's tokenizing, scoring and proxying are most of it).
 
 use prometheus::{
-    exponential_buckets, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    exponential_buckets, Counter, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec,
+    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric the router exports.
@@ -131,6 +140,114 @@ pub struct RouterMetrics {
     pub max_workers: IntGauge,
     /// `kv_router_open_files_limit`: the process's open-files limit (RLIMIT_NOFILE, soft).
     pub open_files_limit: IntGauge,
+    /// The routing mode's and the tuned cost's metrics.
+    pub modes: ModeMetrics,
+}
+
+/// The routing mode's and the tuned cost's metrics.
+#[derive(Debug, Clone)]
+pub struct ModeMetrics {
+    /// `kv_router_mode_info{mode}`: 1 for the mode in force.
+    pub mode_info: IntGaugeVec,
+    /// `kv_router_routed_total{mode}`: routing decisions.
+    pub routed: IntCounterVec,
+    /// `kv_router_tuned_active`: 1 once the learned cost is in use.
+    pub tuned_active: IntGauge,
+    /// `kv_router_tuned_prefill_load_scale`.
+    pub tuned_prefill_load_scale: Gauge,
+    /// `kv_router_tuned_host_cache_hit_weight`.
+    pub tuned_host_cache_hit_weight: Gauge,
+    /// `kv_router_tuned_disk_cache_hit_weight`.
+    pub tuned_disk_cache_hit_weight: Gauge,
+    /// `kv_router_tuned_compute_seconds_per_token{worker_id, dp_rank}`.
+    pub tuned_compute_seconds_per_token: GaugeVec,
+    /// `kv_router_tuned_observations{kind}`.
+    pub tuned_observations: IntGaugeVec,
+    /// `kv_router_tuned_ttft_abs_error_seconds`.
+    pub tuned_abs_error: Gauge,
+    /// `kv_router_front_end_cpu_seconds_total`.
+    pub cpu_seconds: Counter,
+}
+
+impl ModeMetrics {
+    fn new(registry: &Registry) -> Self {
+        let gauge = |name: &str, help: &str| {
+            register(registry, Gauge::new(name, help).expect("valid metric"))
+        };
+        Self {
+            mode_info: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new("kv_router_mode_info", "1 for the routing mode in force"),
+                    &["mode"],
+                )
+                .expect("valid metric"),
+            ),
+            routed: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new("kv_router_routed_total", "Routing decisions, by mode"),
+                    &["mode"],
+                )
+                .expect("valid metric"),
+            ),
+            tuned_active: register(
+                registry,
+                IntGauge::new(
+                    "kv_router_tuned_active",
+                    "1 once the tuned cost has enough observations to be used (else kv's weights)",
+                )
+                .expect("valid metric"),
+            ),
+            tuned_prefill_load_scale: gauge(
+                "kv_router_tuned_prefill_load_scale",
+                "The learned cost as Dynamo's prefill_load_scale (c_compute * block_size / c_dec)",
+            ),
+            tuned_host_cache_hit_weight: gauge(
+                "kv_router_tuned_host_cache_hit_weight",
+                "The learned cost as Dynamo's host_cache_hit_weight (1 - c_host / c_compute)",
+            ),
+            tuned_disk_cache_hit_weight: gauge(
+                "kv_router_tuned_disk_cache_hit_weight",
+                "The learned cost as Dynamo's disk_cache_hit_weight (1 - c_disk / c_compute)",
+            ),
+            tuned_compute_seconds_per_token: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "kv_router_tuned_compute_seconds_per_token",
+                        "Learned time to first token per prompt token computed, per worker",
+                    ),
+                    &["worker_id", "dp_rank"],
+                )
+                .expect("valid metric"),
+            ),
+            tuned_observations: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "kv_router_tuned_observations",
+                        "Observations given to the tuned cost: ttft, tpot, refused (not finite, \
+                         negative or too large), clipped (above 10x their prediction)",
+                    ),
+                    &["kind"],
+                )
+                .expect("valid metric"),
+            ),
+            tuned_abs_error: gauge(
+                "kv_router_tuned_ttft_abs_error_seconds",
+                "Running mean of the absolute error of the learned TTFT prediction",
+            ),
+            cpu_seconds: register(
+                registry,
+                Counter::new(
+                    "kv_router_front_end_cpu_seconds_total",
+                    "CPU time (user and system) of the router process",
+                )
+                .expect("valid metric"),
+            ),
+        }
+    }
 }
 
 /// The OpenAI front end's metrics: Dynamo's frontend names (`dynamo_frontend_*`, which users'
@@ -387,6 +504,7 @@ impl RouterMetrics {
                 "kv_router_open_files_limit",
                 "The process's open-files limit (RLIMIT_NOFILE, soft), as raised at start",
             ),
+            modes: ModeMetrics::new(&registry),
             registry,
         }
     }

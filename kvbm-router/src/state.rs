@@ -36,8 +36,8 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use kvbm_events::router::{
-    select, with_prediction, Candidate, KvIndex, LoadTracker, Overlap, Predictions, WorkerKey,
-    WorkerLoad, PREDICTIONS_MAX_DEFAULT,
+    select_mode, with_prediction, Candidate, KvIndex, LoadTracker, Overlap, Predictions,
+    RoundRobin, RouteFeatures, RouterMode, Tuner, WorkerKey, WorkerLoad, PREDICTIONS_MAX_DEFAULT,
 };
 use kvbm_events::{
     BlockHasher, LinkState, LinkStatus, SubscriberEvent, Tier, TransportError, WireEvent,
@@ -219,6 +219,14 @@ pub struct RouteAnswer {
     pub runner_ups: Vec<WorkerCost>,
     /// Full blocks in the request.
     pub request_blocks: usize,
+    /// The routing mode that chose.
+    pub mode: &'static str,
+    /// What the decision knew of the request and its worker (for the tuned cost's learning).
+    #[serde(skip)]
+    pub features: RouteFeatures,
+    /// When it was decided.
+    #[serde(skip)]
+    pub routed_at: Option<Instant>,
 }
 
 /// What a request is about: its tokens and what seeds their hashes.
@@ -280,6 +288,12 @@ struct Shared {
     cooldown: Mutex<BTreeMap<WorkerKey, Instant>>,
     metrics: RouterMetrics,
     rng: Mutex<StdRng>,
+    /// Round robin's place.
+    round_robin: Mutex<RoundRobin>,
+    /// The tuned cost's learner (fed in every mode; used in `tuned`).
+    tuner: Mutex<Tuner>,
+    /// Process CPU seconds as of the last scrape.
+    cpu_seen: Mutex<f64>,
 }
 
 struct LoadTrack {
@@ -380,8 +394,17 @@ impl Router {
             cooldown: Mutex::new(BTreeMap::new()),
             metrics: RouterMetrics::new(),
             rng: Mutex::new(StdRng::from_entropy()),
+            round_robin: Mutex::new(RoundRobin::default()),
+            tuner: Mutex::new(Tuner::new(config.block_size)),
+            cpu_seen: Mutex::new(0.0),
             config,
         });
+        shared
+            .metrics
+            .modes
+            .mode_info
+            .with_label_values(&[shared.config.selector.mode.name()])
+            .set(1);
         shared.metrics.max_workers.set(max_workers as i64);
         if let Some(limit) = open_files {
             shared
@@ -645,6 +668,7 @@ impl Router {
         self.shared.load.lock().tracker.drop_worker(key);
         self.shared.predictions.lock().forget(key);
         self.shared.cooldown.lock().remove(&key);
+        self.shared.tuner.lock().forget(key);
         self.shared
             .metrics
             .workers
@@ -890,21 +914,59 @@ impl Router {
                 load: load.tracker.load(worker),
             })
             .collect();
-        let selection = select(
-            &config.selector,
-            &candidates,
-            input_tokens,
-            config.block_size,
-            &mut *self.shared.rng.lock(),
-        )
+        let selector = &config.selector;
+        let block_size = config.block_size;
+        let selection = {
+            let mut rng = self.shared.rng.lock();
+            let mut round_robin = self.shared.round_robin.lock();
+            if selector.mode == RouterMode::Tuned {
+                let tuner = self.shared.tuner.lock();
+                let cost = |c: &Candidate| tuner.cost(c, input_tokens).unwrap_or(f64::MAX);
+                let learned: Option<&dyn Fn(&Candidate) -> f64> =
+                    if tuner.ready() { Some(&cost) } else { None };
+                select_mode(
+                    selector,
+                    &candidates,
+                    input_tokens,
+                    block_size,
+                    &mut *rng,
+                    &mut round_robin,
+                    learned,
+                )
+            } else {
+                select_mode(
+                    selector,
+                    &candidates,
+                    input_tokens,
+                    block_size,
+                    &mut *rng,
+                    &mut round_robin,
+                    None,
+                )
+            }
+        }
         .ok_or(RouteError::NoWorkers)?;
+        let features = candidates
+            .iter()
+            .find(|c| c.worker == selection.chosen)
+            .map_or_else(RouteFeatures::default, |c| {
+                RouteFeatures::of(c, input_tokens, block_size)
+            });
         let request_id = request_id.unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
         if load.tracker.len() < config.max_tracked_requests {
-            load.tracker.routed(
+            // Prefill load: the prompt less the credit the mode's cost gives its overlap, as
+            // Dynamo counts a routed request (`initial_effective_prefill_tokens`): all of it for
+            // the modes without credit, the tokens to compute or load for the others.
+            let overlap = candidates
+                .iter()
+                .find(|c| c.worker == selection.chosen)
+                .map_or(Overlap::default(), |c| c.overlap);
+            load.tracker.routed_uncached(
                 request_id.clone(),
                 selection.chosen,
                 input_tokens,
-                config.block_size,
+                selector.uncached_tokens(overlap, input_tokens, block_size),
+                block_size,
                 now,
             );
         } else {
@@ -915,6 +977,12 @@ impl Router {
             .active_requests
             .set(load.tracker.len() as i64);
         drop(load);
+        self.shared
+            .metrics
+            .modes
+            .routed
+            .with_label_values(&[selector.mode.name()])
+            .inc();
         let chosen = selection.chosen;
         {
             let mut predictions = self.shared.predictions.lock();
@@ -948,6 +1016,112 @@ impl Router {
                 })
                 .collect(),
             request_blocks: hashes.len(),
+            mode: selector.mode.name(),
+            features,
+            routed_at: Some(now),
+        })
+    }
+
+    /// A streamed request routed by `answer` had its first token `ttft_secs` after it was
+    /// routed (the tuned cost learns from it). False when the learner refused it.
+    pub fn observe_ttft(
+        &self,
+        worker: WorkerKey,
+        features: &RouteFeatures,
+        ttft_secs: f64,
+    ) -> bool {
+        self.shared
+            .tuner
+            .lock()
+            .observe_ttft(worker, features, ttft_secs)
+    }
+
+    /// A streamed request on `worker`, whose worker had `decode_blocks` of decode load when it was
+    /// routed, produced `completion_tokens` at `tpot_secs` each after the first.
+    pub fn observe_tpot(
+        &self,
+        worker: WorkerKey,
+        decode_blocks: usize,
+        completion_tokens: usize,
+        tpot_secs: f64,
+    ) -> bool {
+        self.shared
+            .tuner
+            .lock()
+            .observe_tpot(worker, decode_blocks, completion_tokens, tpot_secs)
+    }
+
+    /// A copy of the tuned cost's learner (for the debug view and tests).
+    pub fn tuner(&self) -> Tuner {
+        self.shared.tuner.lock().clone()
+    }
+
+    /// The tuned cost's state as GET /debug/cost shows it.
+    pub fn cost_view(&self) -> serde_json::Value {
+        let tuner = self.tuner();
+        let block_size = self.shared.config.block_size;
+        let selector = &self.shared.config.selector;
+        let coefficients = |c: Option<kvbm_events::router::Coefficients>| {
+            c.map(|c| {
+                serde_json::json!({
+                    "c0_seconds": c.c0,
+                    "compute_seconds_per_token": c.c_compute,
+                    "host_seconds_per_token": c.c_host,
+                    "disk_seconds_per_token": c.c_disk,
+                    "decode_seconds_per_block": c.c_dec,
+                    "tpot_seconds": c.d0,
+                    "tpot_seconds_per_decode_block": c.d1,
+                    "dynamo_weights": dynamo(c.dynamo_weights(block_size)),
+                })
+            })
+        };
+        fn dynamo(d: kvbm_events::router::DynamoEquivalent) -> serde_json::Value {
+            serde_json::json!({
+                "router_prefill_load_scale": d.prefill_load_scale,
+                "router_host_cache_hit_weight": d.host_cache_hit_weight,
+                "router_disk_cache_hit_weight": d.disk_cache_hit_weight,
+            })
+        }
+        let counts = tuner.counts();
+        let workers: Vec<serde_json::Value> = tuner
+            .view()
+            .into_iter()
+            .map(|w| {
+                serde_json::json!({
+                    "worker_id": w.worker.0,
+                    "dp_rank": w.worker.1,
+                    "ttft_observations": w.ttft_observations,
+                    "tpot_observations": w.tpot_observations,
+                    "mean_abs_error_seconds": w.mean_abs_error,
+                    "recent_residuals_seconds": w.residuals,
+                    "coefficients": coefficients(w.coefficients),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "mode": selector.mode.name(),
+            "block_size": block_size,
+            "weights_in_force": {
+                "router_prefill_load_scale": selector.prefill_load_scale,
+                "router_kv_overlap_score_credit": selector.overlap_score_credit,
+                "router_host_cache_hit_weight": selector.host_weight,
+                "router_disk_cache_hit_weight": selector.disk_weight,
+                "router_decode_active_request_weight": selector.decode_active_request_weight,
+            },
+            "tuned": {
+                "active": tuner.ready(),
+                "warmup_observations": kvbm_events::router::tune::WARMUP_OBSERVATIONS,
+                "observations": {
+                    "ttft": counts.ttft,
+                    "tpot": counts.tpot,
+                    "refused": counts.refused,
+                    "clipped": counts.clipped,
+                },
+                "mean_abs_error_seconds": tuner.mean_abs_error(),
+                "fleet": coefficients(tuner.fleet_coefficients()),
+                "dynamo_weights": tuner.dynamo_weights().map(dynamo),
+                "workers": workers,
+            },
         })
     }
 
@@ -1037,8 +1211,59 @@ impl Router {
             m.claims_suspended.set(suspended as i64);
             m.max_workers.set(self.shared.config.max_workers as i64);
         }
+        self.refresh_mode_metrics();
         m.render()
     }
+}
+
+impl Router {
+    /// Copies the tuned cost's state and the process CPU time into the metrics.
+    fn refresh_mode_metrics(&self) {
+        let mm = &self.shared.metrics.modes;
+        {
+            let tuner = self.shared.tuner.lock();
+            mm.tuned_active.set(i64::from(tuner.ready()));
+            if let Some(d) = tuner.dynamo_weights() {
+                mm.tuned_prefill_load_scale.set(d.prefill_load_scale);
+                mm.tuned_host_cache_hit_weight.set(d.host_cache_hit_weight);
+                mm.tuned_disk_cache_hit_weight.set(d.disk_cache_hit_weight);
+            }
+            let counts = tuner.counts();
+            for (kind, n) in [
+                ("ttft", counts.ttft),
+                ("tpot", counts.tpot),
+                ("refused", counts.refused),
+                ("clipped", counts.clipped),
+            ] {
+                mm.tuned_observations
+                    .with_label_values(&[kind])
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
+            }
+            mm.tuned_abs_error.set(tuner.mean_abs_error());
+            mm.tuned_compute_seconds_per_token.reset();
+            for w in tuner.view() {
+                if let Some(c) = w.coefficients {
+                    mm.tuned_compute_seconds_per_token
+                        .with_label_values(&[&w.worker.0.to_string(), &w.worker.1.to_string()])
+                        .set(c.c_compute);
+                }
+            }
+        }
+        if let Some(cpu) = process_cpu_seconds() {
+            let mut seen = self.shared.cpu_seen.lock();
+            if cpu > *seen {
+                mm.cpu_seconds.inc_by(cpu - *seen);
+                *seen = cpu;
+            }
+        }
+    }
+}
+
+/// The process's user and system CPU time, in seconds.
+fn process_cpu_seconds() -> Option<f64> {
+    let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
+    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
+    Some(secs(usage.user_time()) + secs(usage.system_time()))
 }
 
 impl Drop for Router {

@@ -441,7 +441,9 @@ fn the_router_follows_workers_over_zmq_and_answers_over_http() {
     assert!((runner_ups[0].1 - 2.5).abs() < 1e-9);
     assert!((runner_ups[1].1 - 8.5).abs() < 1e-9);
     assert_eq!(first["overlap"]["host_tokens"], 24);
-    // Worker 2 now carries r1's prefill: (34 + 34) / 4 - 6.5 = 10.5 > 2.5, so worker 1 wins.
+    // Worker 2 now carries r1's prefill, the prompt less its credit (as Dynamo counts a routed
+    // request's `initial_effective_prefill_tokens`): 34 - 6.5 * 4 = 8 tokens; then
+    // (8 + 34) / 4 - 6.5 = 4 > 2.5, so worker 1 wins.
     let second = router.ok("POST", "/route", Some(json!({ "token_ids": a })));
     assert_eq!(second["worker_id"], 1);
     assert_eq!(second["request_id"].as_str().unwrap().len(), 32);
@@ -451,7 +453,7 @@ fn the_router_follows_workers_over_zmq_and_answers_over_http() {
             w2_load["prefill_tokens"].as_u64(),
             w2_load["requests"].as_u64()
         ),
-        (Some(34), Some(1))
+        (Some(8), Some(1))
     );
     router.ok("POST", "/first_token", Some(json!({ "request_id": "r1" })));
     let w2_load = router.worker(2, 0).unwrap()["load"].clone();

@@ -30,6 +30,8 @@ pub struct WorkerLoad {
 struct Tracked {
     worker: WorkerKey,
     input_tokens: usize,
+    /// The part of the prompt the worker computes (not found in its cache).
+    prefill_tokens: usize,
     block_size: usize,
     decoding: bool,
     expires: Instant,
@@ -45,7 +47,7 @@ impl Tracked {
             }
         } else {
             WorkerLoad {
-                prefill_tokens: self.input_tokens,
+                prefill_tokens: self.prefill_tokens,
                 decode_blocks: 0,
                 requests: 1,
             }
@@ -89,7 +91,8 @@ impl LoadTracker {
         }
     }
 
-    /// A request of `input_tokens` was routed to `worker`: it counts as prefill load.
+    /// A request of `input_tokens` was routed to `worker`: its whole prompt counts as prefill
+    /// load.
     pub fn routed(
         &mut self,
         id: RequestId,
@@ -98,10 +101,27 @@ impl LoadTracker {
         block_size: usize,
         now: Instant,
     ) {
+        self.routed_uncached(id, worker, input_tokens, input_tokens, block_size, now);
+    }
+
+    /// A request of `input_tokens` was routed to `worker`, which holds all of its prompt but
+    /// `prefill_tokens` (at most `input_tokens`): those count as prefill load (as Dynamo counts
+    /// a routed request's `initial_effective_prefill_tokens`), the whole prompt as decode load
+    /// once its first token is out.
+    pub fn routed_uncached(
+        &mut self,
+        id: RequestId,
+        worker: WorkerKey,
+        input_tokens: usize,
+        prefill_tokens: usize,
+        block_size: usize,
+        now: Instant,
+    ) {
         self.finished(&id);
         let tracked = Tracked {
             worker,
             input_tokens,
+            prefill_tokens: prefill_tokens.min(input_tokens),
             block_size,
             decoding: false,
             expires: now + self.ttl,

@@ -4,8 +4,8 @@
 //! Owns: the per-worker, per-tier block index ([`index`]) with the translation of engine hashes
 //! to block identity ([`translate`]), a hybrid worker's KV cache groups (`groups`: sliding-window
 //! and Mamba groups cut a match where vLLM would cut the hit), pages smaller than a block
-//! regrouped into blocks (`regroup`: SGLang's page size 1), the selector (Dynamo's default cost,
-//! reproduced: [`selector`]), the tracking of routed requests' load ([`load`]) and the blocks a
+//! regrouped into blocks (`regroup`: SGLang's page size 1), the selector (the routing modes,
+//! Dynamo's default cost reproduced: [`selector`]), the self-tuning cost ([`tune`]), the tracking of routed requests' load ([`load`]) and the blocks a
 //! routing decision predicts on its worker ([`predict`]). The
 //! service around them is the `kvbm-router` crate.
 
@@ -18,6 +18,7 @@ mod regroup;
 pub mod selector;
 mod table;
 pub mod translate;
+pub mod tune;
 
 pub use index::{
     ApplyStatus, GroupEntry, GroupHolding, Holding, KvIndex, NameEntry, PageEntry, WorkerSnapshot,
@@ -26,5 +27,9 @@ pub use index::{
 };
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use predict::{with_prediction, Predictions, PREDICTIONS_MAX_DEFAULT};
-pub use selector::{select, Candidate, Overlap, Selection, SelectorConfig, WorkerKey};
+pub use selector::{
+    pick, select, select_mode, Candidate, Overlap, RoundRobin, RouterMode, Selection,
+    SelectorConfig, Weights, WorkerKey, DYNAMO_WEIGHTS, KV_WEIGHTS, ROUTER_MODE_DEFAULT,
+};
 pub use translate::Refusal;
+pub use tune::{Coefficients, DynamoEquivalent, RouteFeatures, Tuner, TunerCounts, WorkerView};
