@@ -6,6 +6,8 @@
 - kvbm-router depends on kvbm-events only;
 - kvbm-core depends on the leaves only;
 - kvbm-py (the Python bindings) depends on kvbm-core only;
+- kvbm-mocker (the simulated vLLM fleet) depends on kvbm-events, kvbm-core and kvbm-router (for
+  kvbm_router::tokenize::ModelTokenizer only: one tokenizer for the router and the mocker);
 - kvbm-bench may use anything.
 
 Reads `cargo metadata` (every dependency kind: normal, build and dev); prints each violation and
@@ -24,6 +26,7 @@ ALLOWED = {
     "kvbm-router": {"kvbm-events"},
     "kvbm-core": {"kvbm-events", "kvbm-cuda", "kvbm-disk"},
     "kvbm-py": {"kvbm-core"},
+    "kvbm-mocker": {"kvbm-events", "kvbm-core", "kvbm-router"},
 }
 
 
