@@ -811,12 +811,15 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     let started = Instant::now();
     let permit = fe.tokenize_permit(&admission).await;
     let large = admission.lane == Lane::Large;
+    let stage_cpu = fe.router.metrics().modes.stage_cpu.clone();
     let tokens = tokio::task::spawn_blocking(move || {
+        let cpu = crate::metrics::thread_cpu_seconds();
         let tokens = request_tokens(&tokenizer, endpoint, &body_value);
         drop(body_value);
         if large {
             release_freed_memory();
         }
+        crate::metrics::count_cpu(&stage_cpu, "tokenize", cpu);
         tokens
     })
     .await;
@@ -959,12 +962,14 @@ async fn forward(
     for attempt in 0..=fe.config.max_retries {
         let urls: BTreeMap<WorkerKey, String> = fe.router.http_urls();
         let started = Instant::now();
+        let cpu = crate::metrics::thread_cpu_seconds();
         let routed = fe.router.route_among(
             tokens,
             None,
             |k| urls.contains_key(&k) && !tried.contains(&k),
             true,
         );
+        crate::metrics::count_cpu(&fe.router.metrics().modes.stage_cpu, "route", cpu);
         m.routing.observe(started.elapsed().as_secs_f64());
         let answer = match routed {
             Ok(a) => a,

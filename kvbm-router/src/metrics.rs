@@ -52,11 +52,13 @@
 //!   dp_rank}`, `kv_router_tuned_observations{kind}` (ttft, tpot, refused, clipped),
 //!   `kv_router_tuned_ttft_abs_error_seconds` (running mean of the absolute TTFT prediction
 //!   error), and `kv_router_front_end_cpu_seconds_total` (the process's user and system CPU
-//!   time, read at each scrape: the front end's tokenizing, scoring and proxying are most of it).
+//!   time, read at each scrape: the front end's tokenizing, scoring and proxying are most of it),
+//!   `kv_router_front_end_stage_cpu_seconds_total{stage}` (`tokenize`, `route`: each stage's
+//!   thread CPU time).
 
 use prometheus::{
-    exponential_buckets, Counter, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec,
-    IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    exponential_buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, HistogramOpts,
+    HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric the router exports.
@@ -167,10 +169,42 @@ pub struct ModeMetrics {
     pub tuned_abs_error: Gauge,
     /// `kv_router_front_end_cpu_seconds_total`.
     pub cpu_seconds: Counter,
+    /// `kv_router_front_end_stage_cpu_seconds_total{stage}`: CPU time of the OpenAI front end's
+    /// tokenizing (`tokenize`) and routing (`route`: hashing, index lookup, scoring), measured
+    /// on the thread that did it; proxying is the process's time less these.
+    pub stage_cpu: CounterVec,
+}
+
+/// The calling thread's CPU time (user and system), in seconds; None where it cannot be read.
+pub fn thread_cpu_seconds() -> Option<f64> {
+    #[cfg(target_os = "linux")]
+    let who = nix::sys::resource::UsageWho::RUSAGE_THREAD;
+    #[cfg(not(target_os = "linux"))]
+    let who = nix::sys::resource::UsageWho::RUSAGE_SELF;
+    let usage = nix::sys::resource::getrusage(who).ok()?;
+    let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
+    Some(secs(usage.user_time()) + secs(usage.system_time()))
+}
+
+/// Adds the calling thread's CPU time since `since` (from [`thread_cpu_seconds`]) to `stage`.
+pub fn count_cpu(counter: &CounterVec, stage: &str, since: Option<f64>) {
+    if let (Some(before), Some(now)) = (since, thread_cpu_seconds()) {
+        if now > before {
+            counter.with_label_values(&[stage]).inc_by(now - before);
+        }
+    }
 }
 
 impl ModeMetrics {
     fn new(registry: &Registry) -> Self {
+        let m = Self::unlabelled(registry);
+        for stage in ["tokenize", "route"] {
+            m.stage_cpu.with_label_values(&[stage]);
+        }
+        m
+    }
+
+    fn unlabelled(registry: &Registry) -> Self {
         let gauge = |name: &str, help: &str| {
             register(registry, Gauge::new(name, help).expect("valid metric"))
         };
@@ -243,6 +277,18 @@ impl ModeMetrics {
                 Counter::new(
                     "kv_router_front_end_cpu_seconds_total",
                     "CPU time (user and system) of the router process",
+                )
+                .expect("valid metric"),
+            ),
+            stage_cpu: register(
+                registry,
+                CounterVec::new(
+                    Opts::new(
+                        "kv_router_front_end_stage_cpu_seconds_total",
+                        "CPU time of the OpenAI front end's stages, on the thread that ran them: \
+                         tokenize, route (hashing, index lookup, scoring)",
+                    ),
+                    &["stage"],
                 )
                 .expect("valid metric"),
             ),

@@ -28,6 +28,10 @@
 //!   is applied; restarts, clears and unregistering forget a worker's predictions.
 //! - Bounded by flags: workers registered, routed requests tracked (beyond it a request is
 //!   routed untracked, counted), request id length, predictions.
+//! - Every routing mode (`--router-mode`) goes through [`Router::route_among`]: eligibility,
+//!   cool-down, load tracking, predictions and metrics are the same whatever picks the worker.
+//!   The tuned cost's learner is fed in every mode (its evidence shows in GET /debug/cost before
+//!   an operator switches to it); it is used only in `tuned`, once warm.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -1260,7 +1264,7 @@ impl Router {
 }
 
 /// The process's user and system CPU time, in seconds.
-fn process_cpu_seconds() -> Option<f64> {
+pub fn process_cpu_seconds() -> Option<f64> {
     let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
     let secs = |t: nix::sys::time::TimeVal| t.tv_sec() as f64 + t.tv_usec() as f64 * 1e-6;
     Some(secs(usage.user_time()) + secs(usage.system_time()))

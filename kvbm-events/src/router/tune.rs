@@ -26,7 +26,8 @@
 //! fleet's fit until its own observations outweigh it).
 //!
 //! Robustness: an observation that is not finite, negative, or past [`TTFT_MAX_SECS`] is refused
-//! (counted); once warm, one above [`OUTLIER_FACTOR`] × its prediction is clipped there (counted).
+//! (counted); once warm, one above [`OUTLIER_FACTOR`] × its prediction (at least
+//! [`CLIP_FLOOR_SECS`]) is clipped there (counted).
 //! A worker that leaves is forgotten ([`Tuner::forget`]).
 //!
 //! The cost of a worker for a request (seconds): its predicted TTFT there, plus the slowdown the
@@ -57,8 +58,12 @@ pub const OUTLIER_FACTOR: f64 = 10.0;
 pub const TTFT_MAX_SECS: f64 = 3600.0;
 /// Longest TPOT taken as evidence.
 pub const TPOT_MAX_SECS: f64 = 60.0;
-/// Least cost of a computed token, in seconds (a million tokens per second).
-pub const C_COMPUTE_MIN: f64 = 1e-6;
+/// Least cost of a computed token, in seconds (a billion tokens per second: never binding for a
+/// real or simulated worker, but keeps the ratios finite).
+pub const C_COMPUTE_MIN: f64 = 1e-9;
+/// Predictions below this (seconds) do not set the clipping level: a model that still
+/// underestimates everything must be able to learn upward.
+pub const CLIP_FLOOR_SECS: f64 = 0.01;
 /// Bound of the decode slowdown term of the cost, in seconds.
 pub const DECODE_PENALTY_MAX_SECS: f64 = 2.0;
 /// Bound of a running decode's expected remaining tokens.
@@ -75,8 +80,15 @@ const P_INIT: f64 = 100.0;
 /// Bounds of the raw coefficients published, per thousand tokens or blocks (seconds).
 const C0_MAX: f64 = 600.0;
 const C_PER_K_MAX: f64 = 1000.0;
-/// Rate of the running mean of absolute errors and of completion lengths.
+/// Rate of the running mean of absolute errors and of completion lengths (a plain mean over the
+/// first 1 / EMA_RATE observations).
 const EMA_RATE: f64 = 0.02;
+
+/// Moves the running mean `mean` of `n` observations (this one included) toward `v`.
+fn running_mean(mean: &mut f64, n: u64, v: f64) {
+    let rate = (1.0 / n.max(1) as f64).max(EMA_RATE);
+    *mean += rate * (v - *mean);
+}
 
 /// What the router knew of a request and its worker when it routed it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -285,6 +297,7 @@ struct Model {
     tpot_n: u64,
     published: Option<Coefficients>,
     abs_error: f64,
+    residual_n: u64,
     residuals: VecDeque<f64>,
 }
 
@@ -297,6 +310,7 @@ impl Model {
             tpot_n: 0,
             published: None,
             abs_error: 0.0,
+            residual_n: 0,
             residuals: VecDeque::with_capacity(RESIDUALS_KEPT),
         }
     }
@@ -306,7 +320,8 @@ impl Model {
             self.residuals.pop_front();
         }
         self.residuals.push_back(r);
-        self.abs_error += EMA_RATE * (r.abs() - self.abs_error);
+        self.residual_n += 1;
+        running_mean(&mut self.abs_error, self.residual_n, r.abs());
     }
 
     fn publish(&mut self, target: Coefficients) {
@@ -451,8 +466,9 @@ impl Tuner {
             .map(|c| c.ttft(f))
             .filter(|p| p.is_finite() && *p > 0.0);
         if let (true, Some(p)) = (ready, predicted) {
-            if y > OUTLIER_FACTOR * p {
-                y = OUTLIER_FACTOR * p;
+            let level = OUTLIER_FACTOR * p.max(CLIP_FLOOR_SECS);
+            if y > level {
+                y = level;
                 self.counts.clipped += 1;
             }
         }
@@ -492,7 +508,11 @@ impl Tuner {
         }
         let x = [1.0, decode_blocks as f64 / UNIT];
         self.counts.tpot += 1;
-        self.completion_tokens += EMA_RATE * (completion_tokens as f64 - self.completion_tokens);
+        running_mean(
+            &mut self.completion_tokens,
+            self.counts.tpot,
+            (completion_tokens as f64).min(1e6),
+        );
         self.fleet.tpot.update(&x, tpot_secs);
         self.fleet.tpot_n += 1;
         let model = self.workers.entry(worker).or_insert_with(Model::new);
