@@ -5,12 +5,15 @@
 //! - `disk`: blocks written to and read from kvbm-disk's store, verified, next to fio with the same
 //!   block size, queue depth and bytes on the same file system.
 //! - `router`: the router index on issue 4's generated workload.
+//! - `replay`: a request trace (Mooncake's, or multi-turn sessions) through kvbm-router's OpenAI
+//!   front end against simulated vLLM workers (`kvbm-mocker`), once per routing mode.
 //! - `copy` and `pin`: the device layer alone (copy streams both ways and at once; pinning), for
 //!   the GPU checks of `scripts/gpu-check.sh`.
 
 mod copy;
 mod disk;
 mod offload;
+mod replay;
 mod router;
 mod router_workload;
 mod stats;
@@ -65,6 +68,9 @@ enum Command {
     Disk(disk::DiskArgs),
     /// The router index on the generated workload: apply rate, find_matches latency, bytes/pair.
     Router(router::RouterArgs),
+    /// Replay a request trace through kvbm-router against a simulated fleet (kvbm-mocker), one
+    /// fresh fleet and router per routing mode; a table on stdout, everything in a JSON file.
+    Replay(Box<replay::ReplayArgs>),
     /// The device layer alone: D2H, H2D and both at once between GPU and pinned host memory,
     /// in vLLM's GPU layouts or a contiguous one, every byte verified, against memcpy.
     Copy(copy::CopyArgs),
@@ -88,6 +94,7 @@ fn main() -> std::process::ExitCode {
         Command::Offload(args) => offload::run(args),
         Command::Disk(args) => disk::run(args),
         Command::Router(args) => router::run(args),
+        Command::Replay(args) => replay::run(*args),
         Command::Copy(args) => copy::run_copy(args),
         Command::Pin(args) => copy::run_pin(args),
     };

@@ -1,0 +1,669 @@
+//! What a replay measures per run, its JSON, its markdown table and its functional checks.
+//!
+//! Times are simulated seconds (wall × speedup). Per run: TTFT, ITL (per request over its whole
+//! answer, see `client`) and end-to-end latency (mean, p50, p90, p99, nearest rank); requests and
+//! output tokens per simulated second over the makespan (first send to last answer); errors and
+//! drops; prefix reuse per tier from the workers' `kvbm_mocker_prompt_tokens_total{source}`
+//! (fractions of prompt tokens); imbalance = max / mean over workers of computed prompt tokens and
+//! of requests; the router's CPU seconds (utime + stime) per routed request and per 1K prompt
+//! tokens; the tuned cost's `/debug/cost` at the end of a `tuned` run.
+
+use serde::Serialize;
+use serde_json::{json, Value as Json};
+
+use super::client::Answer;
+use super::fleet::prom_sum;
+use super::trace::{Scale, Session};
+use super::ReplayArgs;
+use crate::stats::percentile;
+
+/// One run: a routing mode and its extra router flags.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSpec {
+    pub label: String,
+    pub mode: String,
+    pub router_flags: Vec<String>,
+}
+
+/// One turn as it went (times in simulated seconds from the run's origin).
+#[derive(Debug)]
+pub struct Record {
+    pub session: usize,
+    pub turn: usize,
+    pub sent_s: f64,
+    /// The prompt's length by the trace (for sessions, answers at their nominal length).
+    pub nominal_prompt_tokens: usize,
+    /// `None`: dropped (over the in-flight bound).
+    pub answer: Option<Answer>,
+}
+
+/// Mean and nearest-rank percentiles.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Summary {
+    pub n: usize,
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+impl Summary {
+    pub fn of(values: &[f64]) -> Self {
+        let mean = if values.is_empty() {
+            f64::NAN
+        } else {
+            values.iter().sum::<f64>() / values.len() as f64
+        };
+        Self {
+            n: values.len(),
+            mean,
+            p50: percentile(values, 0.5),
+            p90: percentile(values, 0.9),
+            p99: percentile(values, 0.99),
+        }
+    }
+}
+
+/// One worker's counters after a run.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct WorkerCounts {
+    pub computed: f64,
+    pub gpu: f64,
+    pub host: f64,
+    pub disk: f64,
+    pub requests: f64,
+    pub generation_tokens: f64,
+    pub sim_seconds: f64,
+}
+
+impl WorkerCounts {
+    pub fn from_metrics(text: &str) -> Self {
+        let p = "kvbm_mocker_prompt_tokens_total";
+        Self {
+            computed: prom_sum(text, p, Some(("source", "computed"))),
+            gpu: prom_sum(text, p, Some(("source", "gpu"))),
+            host: prom_sum(text, p, Some(("source", "host"))),
+            disk: prom_sum(text, p, Some(("source", "disk"))),
+            requests: prom_sum(text, "kvbm_mocker_requests_total", None),
+            generation_tokens: prom_sum(text, "kvbm_mocker_generation_tokens_total", None),
+            sim_seconds: prom_sum(text, "kvbm_mocker_sim_seconds", None),
+        }
+    }
+    fn prompt_tokens(&self) -> f64 {
+        self.computed + self.gpu + self.host + self.disk
+    }
+}
+
+/// Fractions of prompt tokens by where the workers found them.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Reuse {
+    pub computed: f64,
+    pub gpu: f64,
+    pub host: f64,
+    pub disk: f64,
+    /// Prompt tokens the workers counted (all tiers).
+    pub prompt_tokens: f64,
+}
+
+/// max / mean over workers.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Imbalance {
+    pub computed_prompt_tokens: f64,
+    pub requests: f64,
+}
+
+/// CPU seconds spent during the trace.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Cpu {
+    pub router_s: Option<f64>,
+    pub router_ms_per_request: Option<f64>,
+    pub router_ms_per_1k_prompt_tokens: Option<f64>,
+    pub mocker_s: Option<f64>,
+    pub client_s: Option<f64>,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    pub label: String,
+    pub mode: String,
+    pub router_flags: Vec<String>,
+    /// Why the run did not complete (the fleet or router did not start...), if it did not.
+    pub failed: Option<String>,
+    pub requests: usize,
+    pub answered: usize,
+    pub errors: usize,
+    pub error_samples: Vec<String>,
+    pub dropped: usize,
+    pub ttft_s: Summary,
+    pub itl_s: Summary,
+    pub e2e_s: Summary,
+    pub makespan_s: f64,
+    pub requests_per_s: f64,
+    pub output_tokens_per_s: f64,
+    pub prompt_tokens: u64,
+    /// The answered prompts' lengths by the trace: equal to `prompt_tokens` when the router's
+    /// tokenizer gave back exactly the replay's tokens.
+    pub trace_prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub mean_prompt_tokens: f64,
+    pub output_tokens: u64,
+    pub reuse: Reuse,
+    pub imbalance: Imbalance,
+    pub workers: Vec<WorkerCounts>,
+    pub cpu: Cpu,
+    pub engine: Option<Json>,
+    pub scale: Option<Scale>,
+    pub debug_cost: Option<Json>,
+    pub wall_s: f64,
+}
+
+fn max_over_mean(values: impl Iterator<Item = f64> + Clone) -> f64 {
+    let n = values.clone().count();
+    let sum: f64 = values.clone().sum();
+    if n == 0 || sum <= 0.0 {
+        return f64::NAN;
+    }
+    values.fold(0.0, f64::max) / (sum / n as f64)
+}
+
+impl RunResult {
+    pub fn failed(spec: &RunSpec, why: String) -> Self {
+        let mut r = Self::from_records(spec, &[], 1.0, Vec::new());
+        r.failed = Some(why);
+        r
+    }
+
+    pub fn from_records(
+        spec: &RunSpec,
+        records: &[Record],
+        speedup: f64,
+        workers: Vec<WorkerCounts>,
+    ) -> Self {
+        let mut ttft = Vec::new();
+        let mut itl = Vec::new();
+        let mut e2e = Vec::new();
+        let (mut errors, mut dropped, mut answered) = (0, 0, 0);
+        let mut samples: Vec<String> = Vec::new();
+        let (mut prompt_tokens, mut cached_tokens, mut output_tokens) = (0u64, 0u64, 0u64);
+        let mut trace_prompt_tokens = 0u64;
+        let (mut first, mut last) = (f64::INFINITY, 0.0f64);
+        for r in records {
+            let Some(a) = &r.answer else {
+                dropped += 1;
+                continue;
+            };
+            first = first.min(r.sent_s);
+            last = last.max(r.sent_s + a.done_s * speedup);
+            if let Some(e) = &a.error {
+                errors += 1;
+                if samples.len() < 5 && !samples.contains(e) {
+                    samples.push(e.clone());
+                }
+                continue;
+            }
+            answered += 1;
+            if let Some(t) = a.first_token_s {
+                ttft.push(t * speedup);
+            }
+            if let Some(t) = a.itl_s() {
+                itl.push(t * speedup);
+            }
+            e2e.push(a.done_s * speedup);
+            prompt_tokens += a.prompt_tokens.unwrap_or(0);
+            trace_prompt_tokens += r.nominal_prompt_tokens as u64;
+            cached_tokens += a.cached_tokens.unwrap_or(0);
+            output_tokens += a.completion_tokens.unwrap_or(0);
+        }
+        let makespan = if last > first { last - first } else { f64::NAN };
+        let total: f64 = workers.iter().map(WorkerCounts::prompt_tokens).sum();
+        let frac = |f: fn(&WorkerCounts) -> f64| {
+            if total > 0.0 {
+                workers.iter().map(f).sum::<f64>() / total
+            } else {
+                f64::NAN
+            }
+        };
+        let reuse = Reuse {
+            computed: frac(|w| w.computed),
+            gpu: frac(|w| w.gpu),
+            host: frac(|w| w.host),
+            disk: frac(|w| w.disk),
+            prompt_tokens: total,
+        };
+        let imbalance = Imbalance {
+            computed_prompt_tokens: max_over_mean(workers.iter().map(|w| w.computed)),
+            requests: max_over_mean(workers.iter().map(|w| w.requests)),
+        };
+        Self {
+            label: spec.label.clone(),
+            mode: spec.mode.clone(),
+            router_flags: spec.router_flags.clone(),
+            failed: None,
+            requests: records.len(),
+            answered,
+            errors,
+            error_samples: samples,
+            dropped,
+            ttft_s: Summary::of(&ttft),
+            itl_s: Summary::of(&itl),
+            e2e_s: Summary::of(&e2e),
+            makespan_s: makespan,
+            requests_per_s: answered as f64 / makespan,
+            output_tokens_per_s: output_tokens as f64 / makespan,
+            prompt_tokens,
+            trace_prompt_tokens,
+            cached_tokens,
+            mean_prompt_tokens: if answered > 0 {
+                prompt_tokens as f64 / answered as f64
+            } else {
+                f64::NAN
+            },
+            output_tokens,
+            reuse,
+            imbalance,
+            workers,
+            cpu: Cpu::default(),
+            engine: None,
+            scale: None,
+            debug_cost: None,
+            wall_s: 0.0,
+        }
+    }
+
+    pub fn set_cpu(&mut self, router: Option<f64>, mocker: Option<f64>, client: Option<f64>) {
+        let routed = self.answered + self.errors;
+        self.cpu = Cpu {
+            router_s: router,
+            router_ms_per_request: router
+                .filter(|_| routed > 0)
+                .map(|s| s * 1e3 / routed as f64),
+            router_ms_per_1k_prompt_tokens: router
+                .filter(|_| self.prompt_tokens > 0)
+                .map(|s| s * 1e3 / (self.prompt_tokens as f64 / 1e3)),
+            mocker_s: mocker,
+            client_s: client,
+        };
+    }
+}
+
+fn git_commit() -> Option<String> {
+    let out = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// The label of the best run with fixed weights (not `tuned`): the lowest mean TTFT.
+fn best_fixed(runs: &[RunResult]) -> Option<&RunResult> {
+    runs.iter()
+        .filter(|r| r.mode != "tuned" && r.failed.is_none() && r.ttft_s.mean.is_finite())
+        .min_by(|a, b| a.ttft_s.mean.total_cmp(&b.ttft_s.mean))
+}
+
+/// The whole output document.
+pub fn output(args: &ReplayArgs, sessions: &[Session], runs: Vec<RunResult>, wall_s: f64) -> Json {
+    let best = best_fixed(&runs).map(|r| r.label.clone());
+    json!({
+        "command": std::env::args().collect::<Vec<_>>(),
+        "git_commit": git_commit(),
+        "trace": {
+            "path": args.trace.display().to_string(),
+            "format": args.format,
+            "sessions": sessions.len(),
+            "requests": sessions.iter().map(|s| s.turns.len()).sum::<usize>(),
+        },
+        "workers": args.workers,
+        "load": args.load,
+        "speedup": args.speedup,
+        "preset": args.preset,
+        "gpu_blocks": args.gpu_blocks,
+        "host_blocks": args.host_blocks,
+        "disk_blocks": args.disk_blocks,
+        "seed": args.seed,
+        "block_tokens": args.block_tokens,
+        "max_output_tokens": args.max_output_tokens,
+        "max_inflight": args.max_inflight,
+        "vocab": args.vocab,
+        "best_fixed": best,
+        "wall_s": wall_s,
+        "runs": runs,
+    })
+}
+
+fn num(v: &Json, path: &str) -> f64 {
+    v.pointer(path).and_then(Json::as_f64).unwrap_or(f64::NAN)
+}
+
+fn ratio(a: f64, b: f64) -> String {
+    if a.is_finite() && b.is_finite() && b > 0.0 {
+        format!("{:.2}", a / b)
+    } else {
+        "-".into()
+    }
+}
+
+fn fmt(x: f64, digits: usize) -> String {
+    if x.is_finite() {
+        format!("{x:.digits$}")
+    } else {
+        "-".into()
+    }
+}
+
+/// The markdown table of an output document.
+pub fn table(doc: &Json) -> String {
+    let runs = doc["runs"].as_array().cloned().unwrap_or_default();
+    let find = |label: &str| runs.iter().find(|r| r["label"] == label);
+    let rr = find("round-robin");
+    let best = doc["best_fixed"].as_str().and_then(find);
+    let mut out = String::from(
+        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | imbalance (tok) | router ms/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
+         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+    );
+    for r in &runs {
+        let label = r["label"].as_str().unwrap_or("?");
+        if let Some(why) = r["failed"].as_str() {
+            out.push_str(&format!(
+                "| {label} | failed: {} |\n",
+                why.lines().next().unwrap_or("")
+            ));
+            continue;
+        }
+        let pct = |p: &str| fmt(num(r, p) * 100.0, 1) + "%";
+        let vs = |other: Option<&Json>, p: &str| {
+            other.map_or("-".into(), |o| ratio(num(r, p), num(o, p)))
+        };
+        out.push_str(&format!(
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            fmt(num(r, "/ttft_s/p50"), 3),
+            fmt(num(r, "/ttft_s/p90"), 3),
+            fmt(num(r, "/ttft_s/p99"), 3),
+            fmt(num(r, "/ttft_s/mean"), 3),
+            fmt(num(r, "/itl_s/p50") * 1e3, 1),
+            fmt(num(r, "/itl_s/p90") * 1e3, 1),
+            fmt(num(r, "/e2e_s/p50"), 2),
+            fmt(num(r, "/requests_per_s"), 2),
+            fmt(num(r, "/output_tokens_per_s"), 0),
+            pct("/reuse/gpu"),
+            pct("/reuse/host"),
+            pct("/reuse/disk"),
+            fmt(num(r, "/imbalance/computed_prompt_tokens"), 2),
+            fmt(num(r, "/cpu/router_ms_per_request"), 3),
+            r["errors"],
+            r["dropped"],
+            vs(rr, "/ttft_s/p50"),
+            vs(rr, "/ttft_s/p90"),
+            vs(best, "/ttft_s/p50"),
+            vs(best, "/ttft_s/p90"),
+        ));
+    }
+    out.push_str(&format!(
+        "\nTimes in simulated seconds; best fixed setting (lowest mean TTFT, not tuned): {}\n",
+        doc["best_fixed"].as_str().unwrap_or("-")
+    ));
+    out
+}
+
+/// Fields every run of the output carries.
+const RUN_FIELDS: &[&str] = &[
+    "/label",
+    "/requests",
+    "/answered",
+    "/errors",
+    "/dropped",
+    "/ttft_s/p50",
+    "/itl_s/p50",
+    "/e2e_s/p50",
+    "/makespan_s",
+    "/requests_per_s",
+    "/output_tokens_per_s",
+    "/reuse/gpu",
+    "/reuse/host",
+    "/reuse/disk",
+    "/imbalance/computed_prompt_tokens",
+    "/imbalance/requests",
+    "/cpu/router_ms_per_request",
+    "/mean_prompt_tokens",
+    "/engine/prefill_tokens_per_sec",
+    "/scale/factor",
+];
+
+/// The functional failures of an output document (empty: all well).
+pub fn check(doc: &Json) -> Vec<String> {
+    let mut failures = Vec::new();
+    for key in ["command", "trace", "runs", "workers", "speedup", "load"] {
+        if doc.get(key).is_none() {
+            failures.push(format!("the output has no {key:?}"));
+        }
+    }
+    let runs = doc["runs"].as_array().cloned().unwrap_or_default();
+    if runs.is_empty() {
+        failures.push("no runs".into());
+    }
+    let expected = doc.pointer("/trace/requests").and_then(Json::as_u64);
+    for r in &runs {
+        let label = r["label"].as_str().unwrap_or("?");
+        if let Some(why) = r["failed"].as_str() {
+            failures.push(format!("{label}: the run failed: {why}"));
+            continue;
+        }
+        for field in RUN_FIELDS {
+            match r.pointer(field) {
+                None => failures.push(format!("{label}: the output has no {field}")),
+                Some(Json::Null) => failures.push(format!("{label}: {field} is null")),
+                Some(_) => {}
+            }
+        }
+        let answered = r["answered"].as_u64();
+        if answered != expected {
+            failures.push(format!(
+                "{label}: {answered:?} requests answered whole of {expected:?}"
+            ));
+        }
+        if r["errors"].as_u64() != Some(0) {
+            failures.push(format!(
+                "{label}: {} errors, e.g. {}",
+                r["errors"], r["error_samples"]
+            ));
+        }
+        if r["dropped"].as_u64() != Some(0) {
+            failures.push(format!("{label}: {} requests dropped", r["dropped"]));
+        }
+        let counted = num(r, "/reuse/prompt_tokens");
+        let sent = num(r, "/prompt_tokens");
+        if counted != sent {
+            failures.push(format!(
+                "{label}: the workers counted {counted} prompt tokens, the answers' usage {sent}"
+            ));
+        }
+        if doc.pointer("/trace/format") == Some(&json!("mooncake"))
+            && r["trace_prompt_tokens"] != r["prompt_tokens"]
+        {
+            failures.push(format!(
+                "{label}: the router counted {} prompt tokens, the trace says {}",
+                r["prompt_tokens"], r["trace_prompt_tokens"]
+            ));
+        }
+        let workers = r["workers"].as_array().map_or(0, Vec::len) as u64;
+        if doc["workers"].as_u64() != Some(workers) {
+            failures.push(format!("{label}: metrics of {workers} workers"));
+        }
+        if r["mode"] == "tuned" && r["debug_cost"].is_null() {
+            failures.push(format!("{label}: no /debug/cost from the tuned router"));
+        }
+    }
+    failures
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(first: f64, last: f64, done: f64, tokens: u64, prompt: u64) -> Answer {
+        Answer {
+            first_token_s: Some(first),
+            last_token_s: Some(last),
+            done_s: done,
+            streamed_tokens: tokens as usize,
+            chunks: 1,
+            prompt_tokens: Some(prompt),
+            completion_tokens: Some(tokens),
+            cached_tokens: Some(0),
+            text: String::new(),
+            done: true,
+            error: None,
+        }
+    }
+
+    #[test]
+    fn percentiles_are_nearest_rank_and_summaries_skip_nothing() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let s = Summary::of(&v);
+        assert_eq!((s.n, s.mean), (100, 50.5));
+        // Nearest rank on (n - 1) q: index 49.5 rounds to 50 -> 51; 89.1 -> 89 -> 90; 98.01 -> 99.
+        assert_eq!((s.p50, s.p90, s.p99), (51.0, 90.0, 99.0));
+        let one = Summary::of(&[3.0]);
+        assert_eq!((one.p50, one.p99, one.mean), (3.0, 3.0, 3.0));
+        assert!(Summary::of(&[]).p50.is_nan());
+        // Order does not matter.
+        let mut r = v.clone();
+        r.reverse();
+        assert_eq!(Summary::of(&r), s);
+    }
+
+    #[test]
+    fn runs_report_simulated_times_reuse_and_imbalance() {
+        let spec = RunSpec {
+            label: "kv".into(),
+            mode: "kv".into(),
+            router_flags: vec![],
+        };
+        let mut bad = answer(0.1, 0.1, 0.2, 1, 10);
+        bad.error = Some("HTTP 500".into());
+        let records = vec![
+            Record {
+                session: 0,
+                turn: 0,
+                sent_s: 0.0,
+                nominal_prompt_tokens: 100,
+                answer: Some(answer(0.1, 0.5, 0.6, 5, 100)),
+            },
+            Record {
+                session: 1,
+                turn: 0,
+                sent_s: 2.0,
+                nominal_prompt_tokens: 300,
+                answer: Some(answer(0.2, 0.2, 0.4, 1, 300)),
+            },
+            Record {
+                session: 2,
+                turn: 0,
+                sent_s: 3.0,
+                nominal_prompt_tokens: 10,
+                answer: Some(bad),
+            },
+            Record {
+                session: 3,
+                turn: 0,
+                sent_s: 3.0,
+                nominal_prompt_tokens: 10,
+                answer: None,
+            },
+        ];
+        let workers = vec![
+            WorkerCounts {
+                computed: 300.0,
+                gpu: 100.0,
+                requests: 1.0,
+                ..Default::default()
+            },
+            WorkerCounts {
+                computed: 100.0,
+                host: 100.0,
+                disk: 0.0,
+                requests: 3.0,
+                ..Default::default()
+            },
+        ];
+        let mut r = RunResult::from_records(&spec, &records, 10.0, workers);
+        assert_eq!((r.answered, r.errors, r.dropped, r.requests), (2, 1, 1, 4));
+        assert_eq!(r.error_samples, vec!["HTTP 500".to_owned()]);
+        // Simulated: wall × 10.
+        // Nearest rank of two: index round(0.5) = 1.
+        assert_eq!(r.ttft_s.p50, 2.0);
+        assert_eq!(r.ttft_s.mean, 1.5);
+        assert_eq!(r.itl_s.n, 1);
+        assert!((r.itl_s.p50 - 1.0).abs() < 1e-12); // (0.5 - 0.1) / 4 × 10
+                                                    // First send at 0, last answer end at 0 + 6.0 (the error's ends at 3.0 + 2.0).
+        assert_eq!(r.makespan_s, 6.0);
+        assert!((r.requests_per_s - 2.0 / 6.0).abs() < 1e-12);
+        assert!((r.output_tokens_per_s - 1.0).abs() < 1e-12);
+        assert_eq!(r.mean_prompt_tokens, 200.0);
+        assert_eq!(r.reuse.prompt_tokens, 600.0);
+        assert!((r.reuse.computed - 400.0 / 600.0).abs() < 1e-12);
+        assert!((r.reuse.gpu - 100.0 / 600.0).abs() < 1e-12);
+        assert_eq!(r.reuse.disk, 0.0);
+        assert_eq!(r.imbalance.computed_prompt_tokens, 1.5); // 300 / 200
+        assert_eq!(r.imbalance.requests, 1.5); // 3 / 2
+        r.set_cpu(Some(0.3), None, None);
+        assert_eq!(r.cpu.router_ms_per_request, Some(100.0)); // 0.3 s over 3 routed
+        assert_eq!(r.cpu.router_ms_per_1k_prompt_tokens, Some(750.0)); // 0.3 s / 0.4K
+    }
+
+    #[test]
+    fn the_check_names_what_failed_and_passes_a_clean_run() {
+        let spec = RunSpec {
+            label: "round-robin".into(),
+            mode: "round-robin".into(),
+            router_flags: vec![],
+        };
+        let records = vec![Record {
+            session: 0,
+            turn: 0,
+            sent_s: 0.0,
+            nominal_prompt_tokens: 10,
+            answer: Some(answer(0.1, 0.2, 0.3, 2, 10)),
+        }];
+        let workers = vec![WorkerCounts {
+            computed: 10.0,
+            requests: 1.0,
+            ..Default::default()
+        }];
+        let mut r = RunResult::from_records(&spec, &records, 1.0, workers);
+        r.engine = Some(json!({"prefill_tokens_per_sec": 1000.0}));
+        r.scale = Some(Scale {
+            origin: 0.0,
+            factor: 1.0,
+            trace_span_s: 0.0,
+            prompt_tokens: 10,
+            offered_prompt_tokens_per_s: 0.0,
+        });
+        r.set_cpu(Some(0.01), Some(0.1), Some(0.1));
+        let doc = |runs: Vec<RunResult>| {
+            json!({"command": [], "trace": {"requests": 1}, "workers": 1, "speedup": 1.0,
+                   "load": 1.0, "runs": runs, "best_fixed": "round-robin"})
+        };
+        let clean = doc(vec![r.clone()]);
+        assert_eq!(check(&clean), Vec::<String>::new());
+        assert!(table(&clean).contains("| round-robin | 0.100 |"));
+
+        let mut tuned = r.clone();
+        tuned.label = "tuned".into();
+        tuned.mode = "tuned".into();
+        tuned.errors = 1;
+        tuned.reuse.prompt_tokens = 9.0;
+        let failures = check(&doc(vec![r.clone(), tuned]));
+        assert_eq!(failures.len(), 3, "{failures:?}");
+        assert!(failures.iter().any(|f| f.contains("tuned: 1 errors")));
+        assert!(failures.iter().any(|f| f.contains("counted 9")));
+        assert!(failures.iter().any(|f| f.contains("/debug/cost")));
+
+        let failed = RunResult::failed(&spec, "the mocker exited".into());
+        let failures = check(&doc(vec![failed]));
+        assert!(failures[0].contains("the mocker exited"), "{failures:?}");
+    }
+}
