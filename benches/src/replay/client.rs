@@ -162,6 +162,18 @@ impl Answer {
     }
 }
 
+/// An error and its sources, `: `-separated (reqwest's own text omits the cause).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// Sends one completion and reads its stream to the end.
 pub async fn complete(
     client: &reqwest::Client,
@@ -188,7 +200,7 @@ pub async fn complete(
             .body(serde_json::to_vec(&body).expect("a JSON value serializes"))
             .send()
             .await
-            .map_err(|e| format!("sending: {e}"))?;
+            .map_err(|e| format!("sending: {}", chain(&e)))?;
         let status = response.status();
         if !status.is_success() {
             let text = response.text().await.unwrap_or_default();
@@ -201,7 +213,7 @@ pub async fn complete(
         while let Some(chunk) = response
             .chunk()
             .await
-            .map_err(|e| format!("reading the stream: {e}"))?
+            .map_err(|e| format!("reading the stream: {}", chain(&e)))?
         {
             let at = sent.elapsed().as_secs_f64();
             for data in parser.push(&chunk) {

@@ -256,6 +256,16 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
         };
         results.push(result);
     }
+    if results
+        .iter()
+        .any(|r| r.failed.is_some() || r.errors > 0 || !r.metrics_errors.is_empty())
+    {
+        let kept = tmp.keep();
+        eprintln!(
+            "replay: some run went wrong; the mocker and router logs are kept in {}",
+            kept.display()
+        );
+    }
     let output = report::output(&args, &sessions, results, wall.elapsed().as_secs_f64());
     let text = serde_json::to_string_pretty(&output)?;
     std::fs::write(&args.out, &text).with_context(|| format!("writing {}", args.out.display()))?;
@@ -404,6 +414,11 @@ async fn run_one(
         .args(["--block-size", "16"])
         .args(["--http-port", &port.to_string()])
         .args(["--workers", &lines.join(";")])
+        // Every request in flight holds a connection to the router (its default is 1024).
+        .args([
+            "--max-connections",
+            &(args.max_inflight + 256).max(1024).to_string(),
+        ])
         .args(&spec.router_flags)
         .args(&args.router_args);
     let mut router = Process::spawn("kvbm-router", cmd, dir.join("router.log"))?;
@@ -431,10 +446,17 @@ async fn run_one(
     );
     let delta = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
 
+    // A worker that cannot be scraped leaves the run's latencies standing; the check fails it.
     let mut workers = Vec::new();
+    let mut metrics_errors = Vec::new();
     for http in &https {
-        let text = get_text(&client, &format!("{http}/metrics")).await?;
-        workers.push(report::WorkerCounts::from_metrics(&text));
+        match get_text(&client, &format!("{http}/metrics")).await {
+            Ok(text) => workers.push(report::WorkerCounts::from_metrics(&text)),
+            Err(e) => metrics_errors.push(format!("{http}/metrics: {e:#}")),
+        }
+    }
+    if let Err(e) = mocker.check_alive() {
+        metrics_errors.push(format!("{e:#}"));
     }
     let debug_cost = if spec.mode == "tuned" {
         match get_json(&client, &format!("{base}/debug/cost")).await {
@@ -454,6 +476,7 @@ async fn run_one(
     result.engine = Some(engine);
     result.scale = Some(scale);
     result.debug_cost = debug_cost;
+    result.metrics_errors = metrics_errors;
     result.set_cpu(
         delta(cpu_before.0, cpu_after.0),
         delta(cpu_before.1, cpu_after.1),

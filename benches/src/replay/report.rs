@@ -151,6 +151,8 @@ pub struct RunResult {
     pub reuse: Reuse,
     pub imbalance: Imbalance,
     pub workers: Vec<WorkerCounts>,
+    /// Workers whose metrics could not be read after the run (or a mocker that had exited).
+    pub metrics_errors: Vec<String>,
     pub cpu: Cpu,
     pub engine: Option<Json>,
     pub scale: Option<Scale>,
@@ -263,6 +265,7 @@ impl RunResult {
             reuse,
             imbalance,
             workers,
+            metrics_errors: Vec::new(),
             cpu: Cpu::default(),
             engine: None,
             scale: None,
@@ -487,6 +490,9 @@ pub fn check(doc: &Json) -> Vec<String> {
                 "{label}: the router counted {} prompt tokens, the trace says {}",
                 r["prompt_tokens"], r["trace_prompt_tokens"]
             ));
+        }
+        if let Some(errors) = r["metrics_errors"].as_array().filter(|e| !e.is_empty()) {
+            failures.push(format!("{label}: {}", errors[0]));
         }
         let workers = r["workers"].as_array().map_or(0, Vec::len) as u64;
         if doc["workers"].as_u64() != Some(workers) {
