@@ -87,8 +87,8 @@ pub struct Args {
 
     /// How workers are picked: `round-robin` (cycles over the eligible workers in id order),
     /// `random` (uniformly), `least-loaded` (lowest `prefill_blocks + decode_blocks`, no cache
-    /// credit), `kv-gpu` (Dynamo's cost with GPU overlap only: host and disk weights 0), `kv`
-    /// (kvbm's tier-aware weights), `dynamo` (Dynamo's default cost and weights), `tuned` (a
+    /// credit), `kv-gpu` (`kv`'s cost with GPU overlap only: host and disk weights 0), `kv`
+    /// (kvbm's tier-aware weights: Dynamo's cost with the prefill term weighted 10), `dynamo` (Dynamo's default cost and weights), `tuned` (a
     /// cost learned online from the front end's observed time to first token and time per
     /// output token; `kv`'s weights until 50 streamed requests were observed; see GET
     /// /debug/cost). The weight flags below change `kv-gpu`'s, `kv`'s, `dynamo`'s and `tuned`'s
@@ -97,7 +97,7 @@ pub struct Args {
     pub router_mode: RouterMode,
 
     /// Weight of the prefill term of the cost (Dynamo's `--router-prefill-load-scale`). Default:
-    /// the mode's (1.0).
+    /// the mode's (10 for `kv`, `kv-gpu` and `tuned`'s start, 1.0 for `dynamo`).
     #[arg(long)]
     pub router_prefill_load_scale: Option<f64>,
 

@@ -373,7 +373,12 @@ fn the_router_follows_workers_over_zmq_and_answers_over_http() {
     w2.batch(&[stored(&a, 0, 2, Tier::Gpu)], false, &mut expected);
     w2.batch(&[stored(&a, 2, 8, Tier::Host)], false, &mut expected);
 
-    let router = RouterProcess::start(&format!("{};{}", w1.spec(), w2.spec()));
+    // Dynamo's cost and weights, so the costs below can be computed by hand as Dynamo's
+    // `worker_logit` computes them (kvbm's default `kv` weighs the prefill term 10).
+    let router = RouterProcess::start_with(
+        &format!("{};{}", w1.spec(), w2.spec()),
+        &["--router-mode", "dynamo"],
+    );
     router.wait_applied(&w1, 0);
     router.wait_applied(&w2, 1);
     w1.wait_for_subscriber();

@@ -3,8 +3,9 @@
 //! fleet and router, with the same arrivals.
 //!
 //! Time: the mocker simulates an engine at `--speedup` times wall-clock speed. The trace's clock
-//! is stretched so that its prompt tokens arrive at `--load` × workers × the mocker's
-//! `prefill_tokens_per_sec` (its no-cache prefill throughput, simulated), then divided by
+//! is stretched so that its prompt tokens arrive at `--load` × workers × one worker's no-cache
+//! throughput on the trace's mix (`capacity`: the mocker's own step-time model, prefill,
+//! attention and decodes of every request with nothing cached, in simulated time), then divided by
 //! `--speedup` for wall time; every latency is reported in simulated seconds (wall × speedup).
 //! Arrivals are open loop: a request is sent at its time whatever is still running, up to
 //! `--max-inflight` requests at once (beyond that it is dropped and counted). Turns of a session
@@ -14,6 +15,7 @@
 //! user's; answers are streamed, `max_tokens` = the trace's output length (at least 1),
 //! `ignore_eos`, with usage.
 
+pub mod capacity;
 pub mod client;
 pub mod fleet;
 pub mod report;
@@ -396,13 +398,15 @@ async fn run_one(
         .map(|l| fleet::worker_http(l))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let engine = get_json(&client, &format!("{}/v1/kvbm/mocker", https[0])).await?;
-    let prefill_rate = engine["prefill_tokens_per_sec"]
-        .as_f64()
-        .filter(|r| *r > 0.0)
-        .with_context(|| {
-            format!("the mocker's /v1/kvbm/mocker has no prefill_tokens_per_sec: {engine}")
-        })?;
-    let scale = trace::scale_for(sessions, args.load * args.workers as f64 * prefill_rate);
+    // One worker's no-cache throughput on this trace's mix, attention and decodes included
+    // (capacity.rs): prefill alone would offer far more than `--load` says.
+    let capacity = capacity::WorkModel::from_info(&engine)?
+        .no_cache_tokens_per_s(sessions, args.max_output_tokens);
+    anyhow::ensure!(
+        capacity > 0.0,
+        "the mocker's cost model gives no capacity: {engine}"
+    );
+    let scale = trace::scale_for(sessions, args.load * args.workers as f64 * capacity);
 
     let port = fleet::free_port()?;
     let base = format!("http://127.0.0.1:{port}");
@@ -455,6 +459,14 @@ async fn run_one(
             Err(e) => metrics_errors.push(format!("{http}/metrics: {e:#}")),
         }
     }
+    let mut lag_max: Option<f64> = None;
+    for http in &https {
+        if let Ok(info) = get_json(&client, &format!("{http}/v1/kvbm/mocker")).await {
+            if let Some(lag) = info["lag_max_seconds"].as_f64() {
+                lag_max = Some(lag_max.map_or(lag, |m: f64| m.max(lag)));
+            }
+        }
+    }
     if let Err(e) = mocker.check_alive() {
         metrics_errors.push(format!("{e:#}"));
     }
@@ -477,6 +489,7 @@ async fn run_one(
     result.scale = Some(scale);
     result.debug_cost = debug_cost;
     result.metrics_errors = metrics_errors;
+    result.mocker_lag_max_s = lag_max;
     result.set_cpu(
         delta(cpu_before.0, cpu_after.0),
         delta(cpu_before.1, cpu_after.1),

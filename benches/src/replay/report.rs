@@ -153,6 +153,9 @@ pub struct RunResult {
     pub workers: Vec<WorkerCounts>,
     /// Workers whose metrics could not be read after the run (or a mocker that had exited).
     pub metrics_errors: Vec<String>,
+    /// The largest lag behind wall time any worker's simulated clock had (simulated seconds,
+    /// read after the run): how far the mocker fell short of `--speedup`.
+    pub mocker_lag_max_s: Option<f64>,
     pub cpu: Cpu,
     pub engine: Option<Json>,
     pub scale: Option<Scale>,
@@ -266,6 +269,7 @@ impl RunResult {
             imbalance,
             workers,
             metrics_errors: Vec::new(),
+            mocker_lag_max_s: None,
             cpu: Cpu::default(),
             engine: None,
             scale: None,

@@ -17,7 +17,7 @@
 //! The modes ([`RouterMode`]) differ only in their weights, except round robin and random
 //! (no cost) and `tuned` (a learned cost, [`crate::router::tune`]):
 //! - `least-loaded`: every credit 0, `prefill_load_scale` 1: `prefill_blocks + decode_blocks`;
-//! - `kv-gpu`: Dynamo's default weights with the host and disk weights 0;
+//! - `kv-gpu`: kvbm's fixed weights with the host and disk weights 0 (GPU overlap only);
 //! - `kv`: kvbm's own fixed weights, [`KV_WEIGHTS`];
 //! - `dynamo`: Dynamo's default weights, [`DYNAMO_WEIGHTS`].
 
@@ -83,7 +83,7 @@ impl RouterMode {
             RouterMode::KvGpu => Weights {
                 host_weight: 0.0,
                 disk_weight: 0.0,
-                ..DYNAMO_WEIGHTS
+                ..KV_WEIGHTS
             },
             RouterMode::LeastLoaded | RouterMode::RoundRobin | RouterMode::Random => Weights {
                 prefill_load_scale: 1.0,
@@ -147,10 +147,12 @@ pub const DYNAMO_WEIGHTS: Weights = Weights {
     disk_weight: 0.25,
 };
 
-/// kvbm's own fixed weights (mode `kv`, and `tuned` until it has evidence): today Dynamo's
-/// numbers; the one place to set the best measured by the replay.
+/// kvbm's own fixed weights (mode `kv`, and `tuned` until it has evidence): Dynamo's, with the
+/// prefill term weighted 10, the best of the fixed settings `kvbm-bench replay` measured on the
+/// Mooncake conversation trace (README, "Routing policies, measured"): with Dynamo's 1.0 the
+/// decode term outweighs queued prefill and TTFT suffers.
 pub const KV_WEIGHTS: Weights = Weights {
-    prefill_load_scale: 1.0,
+    prefill_load_scale: 10.0,
     overlap_score_credit: 1.0,
     host_weight: 0.75,
     disk_weight: 0.25,

@@ -34,7 +34,8 @@
 //! request brings to the worker's running decodes: `d1 · request_blocks · running_requests ·
 //! remaining`, where `remaining` is half the mean observed completion length (a running decode
 //! is, on average, halfway), capped at [`REMAINING_TOKENS_MAX`], and the whole term capped at
-//! [`DECODE_PENALTY_MAX_SECS`] so that a noisy TPOT fit cannot outweigh the TTFT it is added to.
+//! [`DECODE_PENALTY_MAX_SECS`] and at [`DECODE_PENALTY_SHARE`] of the predicted TTFT, so that a noisy
+//! TPOT fit cannot outweigh the TTFT it is added to.
 //!
 //! In Dynamo's terms (fleet fit): `prefill_load_scale = c_compute · block_size / c_dec`,
 //! `host_cache_hit_weight = 1 − c_host / c_compute`, `disk_cache_hit_weight = 1 − c_disk /
@@ -66,6 +67,11 @@ pub const C_COMPUTE_MIN: f64 = 1e-9;
 pub const CLIP_FLOOR_SECS: f64 = 0.01;
 /// Bound of the decode slowdown term of the cost, in seconds.
 pub const DECODE_PENALTY_MAX_SECS: f64 = 2.0;
+/// Bound of the decode slowdown term as a share of the predicted TTFT it is added to. Measured
+/// (`kvbm-bench replay`, Mooncake conversation trace, 8 workers): bounded by 2 s alone, the term
+/// sat at its bound on every busy worker and steered requests toward decode balance, at the cost
+/// of TTFT (p90 2.3× the best fixed setting's); as a tie-breaker it leaves TTFT in charge.
+pub const DECODE_PENALTY_SHARE: f64 = 0.1;
 /// Bound of a running decode's expected remaining tokens.
 pub const REMAINING_TOKENS_MAX: f64 = 512.0;
 /// Bound of the Dynamo-equivalent `prefill_load_scale`.
@@ -540,9 +546,11 @@ impl Tuner {
         let c = self.coefficients(candidate.worker)?;
         let f = RouteFeatures::of(candidate, input_tokens, self.block_size);
         let remaining = (self.completion_tokens / 2.0).min(REMAINING_TOKENS_MAX);
+        let ttft = c.ttft(&f);
         let penalty = (c.d1 * f.request_blocks as f64 * f.requests as f64 * remaining)
-            .min(DECODE_PENALTY_MAX_SECS);
-        let cost = c.ttft(&f) + penalty;
+            .min(DECODE_PENALTY_MAX_SECS)
+            .min(DECODE_PENALTY_SHARE * ttft.max(0.0));
+        let cost = ttft + penalty;
         Some(if cost.is_finite() { cost } else { f64::MAX })
     }
 
