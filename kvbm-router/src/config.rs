@@ -88,7 +88,8 @@ pub struct Args {
     /// How workers are picked: `round-robin` (cycles over the eligible workers in id order),
     /// `random` (uniformly), `least-loaded` (lowest `prefill_blocks + decode_blocks`, no cache
     /// credit), `kv-gpu` (`kv`'s cost with GPU overlap only: host and disk weights 0), `kv`
-    /// (kvbm's tier-aware weights: Dynamo's cost with the prefill term weighted 10), `dynamo` (Dynamo's default cost and weights), `tuned` (a
+    /// (kvbm's tier-aware weights: Dynamo's cost with the prefill term weighted 10 and host
+    /// hits credited as GPU hits), `dynamo` (Dynamo's default cost and weights), `tuned` (a
     /// cost learned online from the front end's observed time to first token and time per
     /// output token; `kv`'s weights until 50 streamed requests were observed; see GET
     /// /debug/cost). The weight flags below change `kv-gpu`'s, `kv`'s, `dynamo`'s and `tuned`'s
@@ -112,7 +113,7 @@ pub struct Args {
     pub router_kv_overlap_score_credit: Option<f64>,
 
     /// Credit of a block found in a worker's pinned host memory, relative to one on its GPU.
-    /// Default: the mode's (0.75).
+    /// Default: the mode's (1.0 for `kv` and `tuned`'s start, 0.75 for `dynamo`).
     #[arg(long)]
     pub router_host_cache_hit_weight: Option<f64>,
 

@@ -148,13 +148,14 @@ pub const DYNAMO_WEIGHTS: Weights = Weights {
 };
 
 /// kvbm's own fixed weights (mode `kv`, and `tuned` until it has evidence): Dynamo's, with the
-/// prefill term weighted 10, the best of the fixed settings `kvbm-bench replay` measured on the
-/// Mooncake conversation trace (README, "Routing policies, measured"): with Dynamo's 1.0 the
-/// decode term outweighs queued prefill and TTFT suffers.
+/// prefill term weighted 10 and a host hit worth a GPU hit, the best of the fixed settings
+/// `kvbm-bench replay` measured on the Mooncake conversation trace (README, "Routing policies,
+/// measured"): with Dynamo's 1.0 the decode term outweighs queued prefill and TTFT suffers, and
+/// loading a block from pinned host memory costs a small fraction of computing it.
 pub const KV_WEIGHTS: Weights = Weights {
     prefill_load_scale: 10.0,
     overlap_score_credit: 1.0,
-    host_weight: 0.75,
+    host_weight: 1.0,
     disk_weight: 0.25,
 };
 
