@@ -244,7 +244,9 @@ fn a_routed_request_counts_only_its_uncached_prompt_as_prefill() {
             160,
             16
         ),
-        80
+        // 2 GPU blocks and 4 host blocks of 16 tokens at kv's weights.
+        160 - (16.0 * (2.0 * KV_WEIGHTS.overlap_score_credit + 4.0 * KV_WEIGHTS.host_weight))
+            as usize
     );
     assert_eq!(
         kv.uncached_tokens(

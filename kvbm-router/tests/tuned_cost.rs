@@ -193,7 +193,7 @@ async fn streamed_answers_teach_the_tuned_cost_and_it_shows_in_debug_cost_and_me
     assert_eq!(cost["tuned"]["observations"]["ttft"], 0);
     assert_eq!(
         cost["weights_in_force"]["router_host_cache_hit_weight"],
-        0.75
+        kvbm_events::router::KV_WEIGHTS.host_weight
     );
     // Streamed, with usage: TTFT and TPOT. Until one meets the dead worker first (a tie among
     // idle workers is broken at random) and is retried elsewhere: its times are no evidence.
