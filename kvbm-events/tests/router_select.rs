@@ -2,7 +2,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvbm_events::router::{select, Candidate, LoadTracker, Overlap, SelectorConfig, WorkerLoad};
+use kvbm_events::router::{
+    select, Candidate, LoadTracker, Overlap, RouterMode, SelectorConfig, WorkerLoad, DYNAMO_WEIGHTS,
+};
 use rand::SeedableRng;
 
 fn cand(id: u64, gpu: usize, host: usize, disk: usize, load: WorkerLoad) -> Candidate {
@@ -26,27 +28,19 @@ fn costs_follow_dynamos_formula() {
     // 160 input tokens in 16-token blocks: 10 blocks of prefill.
     let idle = WorkerLoad::default();
     let cases: Vec<(SelectorConfig, Candidate, f64)> = vec![
-        (SelectorConfig::default(), cand(1, 6, 0, 0, idle), 4.0),
+        (dynamo(), cand(1, 6, 0, 0, idle), 4.0),
         // 2 + 0.75 * 4 + 0.25 * 4 = 6 blocks of credit.
-        (SelectorConfig::default(), cand(2, 2, 4, 4, idle), 4.0),
+        (dynamo(), cand(2, 2, 4, 4, idle), 4.0),
         // Credit beyond the prefill is worth nothing more.
-        (SelectorConfig::default(), cand(3, 30, 0, 0, idle), 0.0),
+        (dynamo(), cand(3, 30, 0, 0, idle), 0.0),
         // Prefill already queued on the worker: (32 + 160) / 16 = 12 blocks.
-        (
-            SelectorConfig::default(),
-            cand(4, 0, 0, 0, load(32, 0, 1)),
-            12.0,
-        ),
+        (dynamo(), cand(4, 0, 0, 0, load(32, 0, 1)), 12.0),
         // Decode blocks count one for one; active requests by their weight.
-        (
-            SelectorConfig::default(),
-            cand(5, 0, 0, 0, load(0, 5, 3)),
-            15.0,
-        ),
+        (dynamo(), cand(5, 0, 0, 0, load(0, 5, 3)), 15.0),
         (
             SelectorConfig {
                 decode_active_request_weight: 2.0,
-                ..Default::default()
+                ..dynamo()
             },
             cand(6, 0, 0, 0, load(0, 5, 3)),
             21.0,
@@ -54,7 +48,7 @@ fn costs_follow_dynamos_formula() {
         (
             SelectorConfig {
                 prefill_load_scale: 0.5,
-                ..Default::default()
+                ..dynamo()
             },
             cand(7, 6, 0, 0, idle),
             2.0,
@@ -63,7 +57,7 @@ fn costs_follow_dynamos_formula() {
             SelectorConfig {
                 host_weight: 1.0,
                 disk_weight: 1.0,
-                ..Default::default()
+                ..dynamo()
             },
             cand(8, 2, 4, 4, idle),
             0.0,
@@ -81,7 +75,7 @@ fn costs_follow_dynamos_formula() {
 #[test]
 fn the_lowest_cost_wins_and_ties_go_either_way() {
     let idle = WorkerLoad::default();
-    let config = SelectorConfig::default();
+    let config = dynamo();
     let candidates = [
         cand(1, 2, 0, 0, idle),
         cand(2, 6, 0, 0, idle),
@@ -135,7 +129,7 @@ fn a_temperature_samples_by_softened_cost() {
         "chose the cheaper worker {seen:.3} of the time, expected {expected:.3}"
     );
     // Temperature 0: always the cheaper one.
-    let cold = SelectorConfig::default();
+    let cold = dynamo();
     assert!(
         (0..100).all(|_| select(&cold, &candidates, 160, 16, &mut rng)
             .unwrap()
@@ -181,4 +175,17 @@ fn load_moves_from_prefill_to_decode_and_goes_away() {
     tracker.routed("c".into(), w, 16, 16, t0);
     tracker.drop_worker(w);
     assert_eq!((tracker.len(), tracker.load(w)), (0, WorkerLoad::default()));
+}
+
+/// Dynamo's cost and default weights, which these tests compute by hand (kvbm's `kv` default
+/// weighs the prefill term 10 and host hits 1.0).
+fn dynamo() -> SelectorConfig {
+    SelectorConfig {
+        mode: RouterMode::Dynamo,
+        prefill_load_scale: DYNAMO_WEIGHTS.prefill_load_scale,
+        overlap_score_credit: DYNAMO_WEIGHTS.overlap_score_credit,
+        host_weight: DYNAMO_WEIGHTS.host_weight,
+        disk_weight: DYNAMO_WEIGHTS.disk_weight,
+        ..SelectorConfig::default()
+    }
 }

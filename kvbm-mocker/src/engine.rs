@@ -706,7 +706,7 @@ impl Engine {
 }
 
 fn placeholder() -> Seq {
-    let (out, _) = tokio::sync::mpsc::unbounded_channel();
+    let (out, _) = tokio::sync::mpsc::unbounded_channel(); // bounded: never sent to (a placeholder)
     Seq {
         out,
         stream: false,
@@ -865,7 +865,7 @@ mod tests {
     }
 
     fn request(prompt: Vec<u32>, max_tokens: u32) -> (Request, UnboundedReceiver<Output>) {
-        let (out, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (out, rx) = tokio::sync::mpsc::unbounded_channel(); // bounded: a test's one request
         let req = Request {
             prompt,
             max_tokens,

@@ -346,7 +346,9 @@ async fn serve(w: Arc<WorkerHttp>, body: &[u8], chat: bool) -> Response {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    // bounded: one request's outputs, at most one per engine step it decodes in (max_tokens)
+    // plus its end; the engine thread must never block on a slow client.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel(); // bounded: at most max_tokens + 1 messages
     let req = Request {
         prompt: p.prompt,
         max_tokens: p.max_tokens,
