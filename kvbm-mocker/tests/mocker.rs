@@ -681,6 +681,7 @@ async fn router_follows_each_workers_prefix() {
     let overlap = |router: &kvbm_router::Router| {
         let answer = router.query(&kvbm_router::state::RequestTokens {
             token_ids: &ids,
+            untokenized_tokens: 0,
             lora_name: None,
             cache_salt: None,
         });
@@ -722,4 +723,105 @@ async fn router_follows_each_workers_prefix() {
     assert_eq!(s, 200);
     let got = wait_for((0, 10));
     assert_eq!(got, (0, 10), "evicted from the GPU, still on the host");
+}
+
+/// The router's front end before two workers: it tokenizes a prompt only as far as some worker
+/// holds its blocks (`PrefixProbe`), and still sends a conversation's next turn to the worker
+/// holding its history, which then finds all of it cached (the worker counts every token itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_end_tokenizes_only_as_far_as_a_worker_holds_the_prompt() {
+    use kvbm_router::config::FrontendConfig;
+    let fleet = Fleet::start(&args(&["--workers", "2", "--gpu-blocks", "4096"]))
+        .await
+        .unwrap();
+    let workers = kvbm_router::config::parse_workers(&fleet.lines().join(";")).unwrap();
+    let config = kvbm_router::RouterConfig {
+        block_size: 4,
+        frontend: FrontendConfig {
+            model_path: Some(fixture()),
+            model_name: Some("mock".into()),
+            ..FrontendConfig::default()
+        },
+        ..Default::default()
+    };
+    let router = std::sync::Arc::new(kvbm_router::Router::start(config, workers).unwrap());
+    let frontend = kvbm_router::frontend::Frontend::load(&router).unwrap();
+    let listener = kvbm_router::bind("127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let r = router.clone();
+    tokio::spawn(
+        async move { kvbm_router::serve(r, frontend, listener, std::future::pending()).await },
+    );
+    let c = reqwest::Client::builder().no_proxy().build().unwrap();
+    let skipped = |c: reqwest::Client, base: String| async move {
+        metric(
+            &c,
+            &base,
+            "kv_router_frontend_prompt_bytes_total{how=\"skipped\"}",
+        )
+        .await
+    };
+
+    // A first prompt no worker holds: one window tokenized, the rest skipped.
+    let history = words(0..3000);
+    let (s, first) = post(
+        &c,
+        format!("{base}/v1/completions"),
+        json!({"model": "mock", "prompt": history, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(s, 200, "{first}");
+    let skipped_first = skipped(c.clone(), base.clone()).await;
+    assert!(
+        skipped_first > (history.len() / 2) as f64,
+        "{skipped_first} of {} bytes skipped",
+        history.len()
+    );
+    // Its blocks reach the router's index.
+    let tok = kvbm_router::tokenize::ModelTokenizer::from_dir(&fixture()).unwrap();
+    let ids = tok.encode_prompt(&history, true).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let q = router.query(&kvbm_router::state::RequestTokens {
+            token_ids: &ids,
+            ..Default::default()
+        });
+        let most = q.workers.iter().map(|w| w.overlap.gpu_blocks).max();
+        if most == Some(ids.len() / 4) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{q:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // The next turn: the history is tokenized (a worker holds it), the new question only as
+    // far as its first window; the turn goes where the history is, all of it cached there.
+    let turn = format!("{history} {}", words(10_000..13_000));
+    let (s, second) = post(
+        &c,
+        format!("{base}/v1/completions"),
+        json!({"model": "mock", "prompt": turn, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(s, 200, "{second}");
+    let usage = &second["usage"];
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        usage["prompt_tokens"].as_u64().unwrap() as usize,
+        tok.encode_prompt(&turn, true).unwrap().len()
+    );
+    assert!(
+        cached as usize >= ids.len() / 4 * 4 - 4,
+        "{cached} cached tokens; the history has {}",
+        ids.len()
+    );
+    let skipped_second = skipped(c.clone(), base.clone()).await - skipped_first;
+    assert!(
+        skipped_second > 0.0 && skipped_second < (turn.len() - history.len()) as f64,
+        "{skipped_second} bytes of the turn skipped"
+    );
 }

@@ -154,10 +154,14 @@ fn main() -> anyhow::Result<()> {
     wait_for_index(&router, &workload)?;
     let populate_s = populate.elapsed().as_secs_f64();
 
+    // The front end's own tokenizer: with the prefix cache (`--tokenizer-cache-mb`' default).
+    let cached = ModelTokenizer::from_dir(&model_dir)?
+        .with_prefix_cache(kvbm_router::config::TOKENIZER_CACHE_MB_DEFAULT << 20);
     let mut rows: Vec<Row> = Vec::new();
     let mut overlaps = Vec::new();
     for p in &prompts {
         rows.extend(measure(&args, &tokenizer, &router, p)?);
+        rows.extend(measure_front_end(&args, &cached, &router, p)?);
         overlaps.push(overlap_line(&router, p)?);
     }
 
@@ -677,6 +681,7 @@ fn measure(
 ) -> anyhow::Result<Vec<Row>> {
     let request = RequestTokens {
         token_ids: &p.ids,
+        untokenized_tokens: 0,
         lora_name: None,
         cache_salt: None,
     };
@@ -749,6 +754,7 @@ fn measure(
             let ids = tokenizer.encode_prompt(&p.text, true)?;
             let request = RequestTokens {
                 token_ids: &ids,
+                untokenized_tokens: 0,
                 lora_name: None,
                 cache_salt: None,
             };
@@ -760,10 +766,89 @@ fn measure(
     Ok(rows)
 }
 
+/// What the front end does for a prompt (`serve_openai`): tokenize as far as an overlap can reach
+/// (`encode_prompt_until` with a `PrefixProbe`, the prefix cache on), route, finish.
+fn front_end(tokenizer: &ModelTokenizer, router: &Router, text: &str) -> anyhow::Result<usize> {
+    let mut probe = router.prefix_probe(None, None);
+    let encoded = tokenizer.encode_prompt_until(text, true, &mut |ids| probe.holds_all(ids))?;
+    let request = RequestTokens {
+        token_ids: &encoded.ids,
+        untokenized_tokens: encoded.estimated_tokens() - encoded.ids.len(),
+        lora_name: None,
+        cache_salt: None,
+    };
+    let answer = router.route_among(&request, None, |_| true, true)?;
+    router.finished(&answer.request_id);
+    Ok(encoded.ids.len())
+}
+
+/// The front end's path for three kinds of request of `p`'s size: the prompt again (workers hold
+/// all of it, the cache has seen it), a conversation's next turn (the prompt, which workers hold,
+/// then a new question of an eighth of its length), and a prompt never seen (a unique opening
+/// line: no worker holds its first block, the cache has none of its windows).
+fn measure_front_end(
+    args: &Args,
+    tokenizer: &ModelTokenizer,
+    router: &Router,
+    p: &Prompt,
+) -> anyhow::Result<Vec<Row>> {
+    let n = p.ids.len();
+    let calls = args.tokenize_iterations + args.tokenize_iterations.div_ceil(10);
+    // The texts are made before timing.
+    let question_bytes = p.text.len() / 8;
+    let next_turns: Vec<String> = (0..calls as u64)
+        .map(|t| {
+            let (question, _) = prose(question_bytes / 4, args.seed ^ (t + 1));
+            let mut cut = question_bytes.min(question.len());
+            while !question.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            format!("{}\n\nTurn {t}: {}", p.text, &question[..cut])
+        })
+        .collect();
+    let unseen: Vec<String> = (0..calls)
+        .map(|t| format!("Request {t}. {}", p.text))
+        .collect();
+    let mut rows = Vec::new();
+    rows.push(Row {
+        step: "**front end: the same prompt again** (cached, held)",
+        tokens: n,
+        samples_us: time_us(args.tokenize_iterations, || {
+            std::hint::black_box(front_end(tokenizer, router, &p.text)?);
+            Ok(())
+        })?,
+    });
+    for (step, texts, tokens) in [
+        (
+            "**front end: next turn** (prompt cached and held, new question)",
+            &next_turns,
+            n + n / 8,
+        ),
+        (
+            "**front end: a prompt never seen** (no worker holds it)",
+            &unseen,
+            n,
+        ),
+    ] {
+        let mut next = texts.iter();
+        rows.push(Row {
+            step,
+            tokens,
+            samples_us: time_us(args.tokenize_iterations, || {
+                let text = next.next().context("more calls than texts")?;
+                std::hint::black_box(front_end(tokenizer, router, text)?);
+                Ok(())
+            })?,
+        });
+    }
+    Ok(rows)
+}
+
 /// Which workers hold part of the prompt, and what the router chose for it.
 fn overlap_line(router: &Router, p: &Prompt) -> anyhow::Result<String> {
     let request = RequestTokens {
         token_ids: &p.ids,
+        untokenized_tokens: 0,
         lora_name: None,
         cache_salt: None,
     };

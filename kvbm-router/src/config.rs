@@ -265,7 +265,22 @@ pub struct Args {
     /// with an error event (counted in kv_router_frontend_sse_events_too_large_total).
     #[arg(long, default_value_t = MAX_SSE_EVENT_BYTES_DEFAULT)]
     pub max_sse_event_bytes: usize,
+
+    /// Tokenize every prompt whole. By default the front end stops at the first window of text
+    /// (4 KiB) whose blocks no worker holds: no overlap can reach past it, and the rest's length
+    /// is estimated from its bytes (kv_router_frontend_prompt_bytes_total{how="skipped"}).
+    #[arg(long)]
+    pub tokenize_whole_prompts: bool,
+
+    /// MiB of tokenized windows the front end keeps, by the text before them, so that a prompt
+    /// repeating an earlier one's text (a conversation's history, a shared system prompt) is
+    /// tokenized only past it; 0 turns the cache off.
+    #[arg(long, default_value_t = TOKENIZER_CACHE_MB_DEFAULT)]
+    pub tokenizer_cache_mb: usize,
 }
+
+/// `--tokenizer-cache-mb`' default.
+pub const TOKENIZER_CACHE_MB_DEFAULT: usize = 256;
 
 /// `--max-inflight-prompt-bytes`' default.
 pub const MAX_INFLIGHT_PROMPT_BYTES_DEFAULT: usize = 64 << 20;
@@ -377,6 +392,10 @@ pub struct FrontendConfig {
     pub large_prompt_bytes: usize,
     /// Longest server-sent event relayed from a worker.
     pub max_sse_event_bytes: usize,
+    /// Tokenize prompts whole, not only as far as an overlap can reach.
+    pub tokenize_whole_prompts: bool,
+    /// Bytes of the tokenizer's prefix cache (0: none).
+    pub tokenizer_cache_bytes: usize,
 }
 
 impl Default for FrontendConfig {
@@ -393,6 +412,8 @@ impl Default for FrontendConfig {
             max_inflight_prompt_bytes: MAX_INFLIGHT_PROMPT_BYTES_DEFAULT,
             large_prompt_bytes: LARGE_PROMPT_BYTES_DEFAULT,
             max_sse_event_bytes: MAX_SSE_EVENT_BYTES_DEFAULT,
+            tokenize_whole_prompts: false,
+            tokenizer_cache_bytes: TOKENIZER_CACHE_MB_DEFAULT << 20,
         }
     }
 }
@@ -735,6 +756,17 @@ impl Args {
                 self.max_sse_event_bytes as u64,
                 1 << 34,
             )? as usize,
+            tokenize_whole_prompts: self.tokenize_whole_prompts,
+            tokenizer_cache_bytes: if self.tokenizer_cache_mb == 0 {
+                0
+            } else {
+                (bounded(
+                    "tokenizer-cache-mb",
+                    self.tokenizer_cache_mb as u64,
+                    1 << 20,
+                )? as usize)
+                    << 20
+            },
         })
     }
 }

@@ -60,7 +60,7 @@ use serde_json::{json, Value};
 use crate::config::FrontendConfig;
 use crate::listener::{BusyGuard, ConnBusy};
 use crate::state::{RequestTokens, RouteAnswer, Router};
-use crate::tokenize::{ChatRequest, ModelTokenizer, TokenizeError};
+use crate::tokenize::{ChatRequest, Encoded, ModelTokenizer, TokenizeError};
 
 type WorkerKey = (u64, u32);
 
@@ -258,7 +258,8 @@ impl Frontend {
             return Ok(None);
         };
         let tokenizer = ModelTokenizer::from_dir(path)
-            .map_err(|e| anyhow::anyhow!("--model-path {}: {e}", path.display()))?;
+            .map_err(|e| anyhow::anyhow!("--model-path {}: {e}", path.display()))?
+            .with_prefix_cache(config.tokenizer_cache_bytes);
         Ok(Some(Arc::new(Self::new(
             router.clone(),
             Arc::new(tokenizer),
@@ -634,27 +635,34 @@ fn completion_prompt(body: &serde_json::Map<String, Value>) -> Result<Prompt<'_>
     }
 }
 
-/// The token ids the worker will compute for `body`.
+/// The token ids the worker will compute for `body`, as far as `more` lets the tokenizer go
+/// (see [`ModelTokenizer::encode_prompt_until`]).
 fn request_tokens(
     tokenizer: &ModelTokenizer,
     endpoint: Endpoint,
     body: &Value,
-) -> Result<Vec<u32>, TokenizeError> {
+    more: &mut dyn FnMut(&[u32]) -> bool,
+) -> Result<Encoded, TokenizeError> {
     match endpoint {
         Endpoint::Completions => {
             let obj = body.as_object().expect("checked: an object");
             match completion_prompt(obj)? {
-                Prompt::Ids(ids) => Ok(ids),
+                Prompt::Ids(ids) => Ok(Encoded {
+                    ids,
+                    ..Encoded::default()
+                }),
                 Prompt::Text(text) => {
                     let add = obj
                         .get("add_special_tokens")
                         .and_then(Value::as_bool)
                         .unwrap_or(true);
-                    tokenizer.encode_prompt(text, add)
+                    tokenizer.encode_prompt_until(text, add, more)
                 }
             }
         }
-        Endpoint::ChatCompletions => tokenizer.encode_chat(&ChatRequest::from_body(body)?),
+        Endpoint::ChatCompletions => {
+            tokenizer.encode_chat_until(&ChatRequest::from_body(body)?, more)
+        }
     }
 }
 
@@ -811,8 +819,13 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         Err(e) => return ledger.fail("prompt_budget", e),
     };
 
-    // Tokenize as the worker will, off the async workers (an 8K-token prompt takes milliseconds).
+    // Tokenize as the worker will, off the async workers (an 8K-token prompt takes milliseconds),
+    // as far as any worker's overlap can reach unless --tokenize-whole-prompts.
     let tokenizer = fe.tokenizer.clone();
+    let router = fe.router.clone();
+    let whole = fe.config.tokenize_whole_prompts;
+    let probe_lora = lora_name.clone();
+    let probe_salt = cache_salt.clone();
     let body_value = Value::Object(body);
     let started = Instant::now();
     let permit = fe.tokenize_permit(&admission).await;
@@ -820,7 +833,9 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     let stage_cpu = fe.router.metrics().modes.stage_cpu.clone();
     let tokens = tokio::task::spawn_blocking(move || {
         let cpu = crate::metrics::thread_cpu_seconds();
-        let tokens = request_tokens(&tokenizer, endpoint, &body_value);
+        let mut probe = router.prefix_probe(probe_lora.as_deref(), probe_salt.as_deref());
+        let mut more = |ids: &[u32]| whole || probe.holds_all(ids);
+        let tokens = request_tokens(&tokenizer, endpoint, &body_value, &mut more);
         drop(body_value);
         if large {
             release_freed_memory();
@@ -835,18 +850,30 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     m.tokenize
         .with_label_values(&[endpoint.kind()])
         .observe(started.elapsed().as_secs_f64());
-    let token_ids = match tokens {
-        Ok(Ok(ids)) => {
+    let encoded = match tokens {
+        Ok(Ok(encoded)) => {
+            let e = &encoded;
+            let bytes = &m.prompt_bytes;
+            let skipped = e.untokenized_bytes;
+            bytes
+                .with_label_values(&["cached"])
+                .inc_by(e.cached_bytes as u64);
+            bytes.with_label_values(&["skipped"]).inc_by(skipped as u64);
+            bytes
+                .with_label_values(&["tokenized"])
+                .inc_by((e.text_bytes - skipped - e.cached_bytes) as u64);
+            m.tokenizer_cache_bytes
+                .set(fe.tokenizer.prefix_cache_usage().0 as i64);
             m.input_tokens
                 .with_label_values(&[fe.model.as_str()])
-                .observe(ids.len() as f64);
-            ids
+                .observe(e.estimated_tokens() as f64);
+            encoded
         }
         Ok(Err(e)) => {
             // The worker is the judge of its own input: route by load alone and let it answer.
             m.tokenize_fallbacks.inc();
             tracing::debug!(error = %e, "prompt not tokenized; routing by load alone");
-            Vec::new()
+            Encoded::default()
         }
         Err(e) => {
             return ledger.fail(
@@ -856,7 +883,8 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
         }
     };
     let tokens = RequestTokens {
-        token_ids: &token_ids,
+        token_ids: &encoded.ids,
+        untokenized_tokens: encoded.estimated_tokens() - encoded.ids.len(),
         lora_name: lora_name.as_deref(),
         cache_salt: cache_salt.as_deref(),
     };

@@ -92,6 +92,7 @@ impl TokensBody {
     fn tokens(&self) -> RequestTokens<'_> {
         RequestTokens {
             token_ids: &self.token_ids,
+            untokenized_tokens: 0,
             lora_name: self.lora_name.as_deref(),
             cache_salt: self.cache_salt.as_deref(),
         }

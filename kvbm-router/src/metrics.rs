@@ -42,6 +42,9 @@
 //!   `dynamo_frontend_input_sequence_tokens`; kvbm's `kv_router_frontend_outcomes_total{outcome}`,
 //!   `kv_router_frontend_retries_total`, `kv_router_frontend_overlap_blocks{tier}`,
 //!   `kv_router_frontend_tokenize_seconds{kind}`, `kv_router_frontend_tokenize_fallbacks_total`,
+//!   `kv_router_frontend_prompt_bytes_total{how}` (`tokenized`, `cached`: taken from the
+//!   tokenizer's prefix cache, `skipped`: past the last block any worker could match),
+//!   `kv_router_frontend_tokenizer_cache_bytes`,
 //!   `kv_router_frontend_routing_seconds`, and
 //!   `kv_router_worker_failures_total`.
 //! - Routing modes and the tuned cost ([`ModeMetrics`]): `kv_router_mode_info{mode}` (1 for the
@@ -326,6 +329,11 @@ pub struct FrontendMetrics {
     /// `kv_router_frontend_tokenize_fallbacks_total`: requests the router could not tokenize as
     /// the worker will (a multimodal part, a per-request template), routed by load alone.
     pub tokenize_fallbacks: IntCounter,
+    /// `kv_router_frontend_prompt_bytes_total{how}`: prompt text `tokenized`, taken from the
+    /// prefix cache (`cached`), or `skipped` (past every worker's overlap; its length estimated).
+    pub prompt_bytes: IntCounterVec,
+    /// `kv_router_frontend_tokenizer_cache_bytes`: bytes the tokenizer's prefix cache holds.
+    pub tokenizer_cache_bytes: IntGauge,
     /// `kv_router_frontend_inflight_prompt_bytes`: bytes of large request bodies held while
     /// tokenizing (at most `--max-inflight-prompt-bytes`).
     pub inflight_prompt_bytes: IntGauge,
@@ -679,6 +687,27 @@ impl FrontendMetrics {
                     "kv_router_frontend_tokenize_fallbacks_total",
                     "Requests the router could not tokenize as their worker will (routed by load \
                      alone; the worker judges them)",
+                )
+                .expect("valid metric"),
+            ),
+            prompt_bytes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kv_router_frontend_prompt_bytes_total",
+                        "Prompt text by what tokenizing did with it: tokenized, cached (ids from \
+                         the prefix cache), skipped (past the last block any worker held; its \
+                         tokens estimated)",
+                    ),
+                    &["how"],
+                )
+                .expect("valid metric"),
+            ),
+            tokenizer_cache_bytes: register(
+                registry,
+                IntGauge::new(
+                    "kv_router_frontend_tokenizer_cache_bytes",
+                    "Bytes of tokenized windows the prefix cache holds (--tokenizer-cache-mb)",
                 )
                 .expect("valid metric"),
             ),

@@ -236,12 +236,50 @@ pub struct RouteAnswer {
 /// What a request is about: its tokens and what seeds their hashes.
 #[derive(Debug, Clone, Default)]
 pub struct RequestTokens<'a> {
-    /// Prompt token ids.
+    /// Prompt token ids: all of them, or its first ones when the front end stopped tokenizing
+    /// where no worker's overlap could reach (see [`PrefixProbe`]).
     pub token_ids: &'a [u32],
+    /// Tokens of the prompt past `token_ids`, estimated from their bytes (0 when it was all
+    /// tokenized): they count in the request's length and load, never in an overlap.
+    pub untokenized_tokens: usize,
     /// The LoRA adapter, if any.
     pub lora_name: Option<&'a str>,
     /// The cache salt (namespace), if any.
     pub cache_salt: Option<&'a str>,
+}
+
+/// Tells the front end when tokenizing a prompt further cannot change its overlap with any worker
+/// ([`Router::prefix_probe`]).
+#[derive(Debug)]
+pub struct PrefixProbe<'r> {
+    router: &'r Router,
+    hasher: BlockHasher,
+    hashes: Vec<u64>,
+    parent: Option<kvbm_events::SequenceHash>,
+}
+
+impl PrefixProbe<'_> {
+    /// Whether some worker holds (indexed in any tier, or predicted) every full block of `ids`,
+    /// a prompt's first tokens, so that its overlap may go on past them. False when none does:
+    /// overlaps are prefixes, so none can then reach further, and the rest of the prompt only
+    /// adds to its length. Each call hashes only the blocks the last one did not see.
+    pub fn holds_all(&mut self, ids: &[u32]) -> bool {
+        let bs = self.hasher.block_size_tokens();
+        let full = ids.len() / bs * bs;
+        let seen = self.hashes.len() * bs;
+        if full > seen {
+            let new = self.hasher.sequence_hashes(self.parent, &ids[seen..full]);
+            self.parent = new.last().copied().or(self.parent);
+            self.hashes.extend(new.into_iter().map(|h| h.0));
+        }
+        let n = self.hashes.len();
+        n == 0
+            || self
+                .router
+                .overlaps(&self.hashes)
+                .iter()
+                .any(|(_, o)| o.gpu + o.host + o.disk >= n)
+    }
 }
 
 /// Why a routing call failed.
@@ -735,6 +773,20 @@ impl Router {
         .collect()
     }
 
+    /// A probe for a prompt of `lora_name` and `cache_salt` being tokenized (see [`PrefixProbe`]).
+    pub fn prefix_probe(
+        &self,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> PrefixProbe<'_> {
+        PrefixProbe {
+            router: self,
+            hasher: BlockHasher::new(self.shared.config.block_size, lora_name, cache_salt),
+            hashes: Vec::new(),
+            parent: None,
+        }
+    }
+
     /// Every registered worker's overlap with `hashes` (with its predicted blocks, if any).
     fn overlaps(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let start = Instant::now();
@@ -903,7 +955,7 @@ impl Router {
             overlaps.retain(|(k, _)| !cooling.contains(k));
         }
         let config = &self.shared.config;
-        let input_tokens = request.token_ids.len();
+        let input_tokens = request.token_ids.len() + request.untokenized_tokens;
         let now = Instant::now();
         let mut load = self.shared.load.lock();
         if now.duration_since(load.last_expiry) >= EXPIRY_INTERVAL {

@@ -36,7 +36,7 @@
 //! Invariants: a request cannot make the router do unbounded work. Prompt text and a chat's
 //! strings are bounded by [`PROMPT_BYTES_MAX`], a render by [`TEMPLATE_FUEL_MAX`] (minijinja fuel)
 //! and its output by [`RENDERED_BYTES_MAX`], `strftime_now`'s format by 256 bytes. Encoding costs
-//! a few bytes per byte of text: windows of [`ENCODE_WINDOW_BYTES`], ids only, each window's
+//! a few bytes per byte of text: windows of [`ENCODE_CELL_BYTES`], ids only, each window's
 //! first words checked against the previous window's, else the text is encoded whole, so the ids
 //! are always `encode`'s. Nothing here panics on input (the tokenizer and the template engine run
 //! under `catch_unwind` as a last guard). Every refusal is a
@@ -70,15 +70,18 @@ pub const RENDERED_BYTES_MAX: usize = 16 << 20;
 /// per unit. A 64-turn chat of the fixtures' templates uses under 20 000.
 pub const TEMPLATE_FUEL_MAX: u64 = 4_000_000;
 
-/// Bytes of text tokenized at once (see [`ModelTokenizer::encode_ids`]); the tokenizer's working
-/// memory is about 130 bytes per byte of a window.
-pub const ENCODE_WINDOW_BYTES: usize = 64 << 10;
+/// The grid windows end on (see [`ModelTokenizer::encode_ids`]): a window ends at a multiple of
+/// this many bytes (or at the text's end), so that two prompts sharing a prefix cut it at the same
+/// places and a window's words can be cached under the prefix that ends it. The tokenizer's
+/// working memory is about 130 bytes per byte of a window; a window grows (doubling) only past a
+/// word longer than its margins.
+pub const ENCODE_CELL_BYTES: usize = 2 << 10;
 /// Bytes at a window's end whose words are not trusted (its cut may change them); the words of
 /// the next such stretch are tokenized again by the next window and must come out the same.
-const ENCODE_WINDOW_MARGIN: usize = 2 << 10;
+const ENCODE_WINDOW_MARGIN: usize = 128;
 
 /// One word of a window (a split of the pre-tokenizer): where it lies in the text, its ids.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct WordIds {
     start: usize,
     end: usize,
@@ -132,6 +135,104 @@ pub struct ModelTokenizer {
     /// The special tokens the post-processor puts before and after a sequence, without and with
     /// `add_special_tokens`; None where [`Self::encode_ids`] must use the whole `encode`.
     special_wrap: [Option<(Vec<u32>, Vec<u32>)>; 2],
+    /// Windows already tokenized, by the prefix that ends them (see [`Self::with_prefix_cache`]).
+    prefix_cache: Option<PrefixCache>,
+}
+
+/// What [`ModelTokenizer::encode_prompt_until`] made of a text.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Encoded {
+    /// The ids of the text's first `text_bytes - untokenized_bytes` bytes; all of them, with the
+    /// post-processor's special tokens at both ends, when `untokenized_bytes` is 0.
+    pub ids: Vec<u32>,
+    /// Bytes at the text's end left untokenized because the caller said stop.
+    pub untokenized_bytes: usize,
+    /// Bytes whose ids came from the prefix cache.
+    pub cached_bytes: usize,
+    /// The text's bytes.
+    pub text_bytes: usize,
+}
+
+impl Encoded {
+    /// Tokens the whole text has: exact when it was all tokenized; else the ids so far and the
+    /// untokenized bytes at the rate the tokenized ones came at.
+    pub fn estimated_tokens(&self) -> usize {
+        if self.untokenized_bytes == 0 {
+            return self.ids.len();
+        }
+        let done = self.text_bytes - self.untokenized_bytes;
+        let rate = self.ids.len() as f64 / done.max(1) as f64;
+        self.ids.len() + (self.untokenized_bytes as f64 * rate).ceil() as usize
+    }
+}
+
+/// One committed window: what a prompt whose text up to `end` hashes to its key gets without
+/// tokenizing, when its walk reaches `end` from `start` (always, for the same prefix).
+#[derive(Debug)]
+struct CachedWindow {
+    start: usize,
+    end: usize,
+    /// It ends the text (its words all committed, none to check).
+    last: bool,
+    /// The ids of the words in `start..commit_at`.
+    ids: Vec<u32>,
+    commit_at: usize,
+    /// The words the next window must reproduce.
+    check: Vec<WordIds>,
+}
+
+impl CachedWindow {
+    fn bytes(&self) -> usize {
+        // The entry, its key and the map's links, then what it owns.
+        std::mem::size_of::<Self>()
+            + 64
+            + self.ids.capacity() * 4
+            + self
+                .check
+                .iter()
+                .map(|w| std::mem::size_of::<WordIds>() + w.ids.capacity() * 4)
+                .sum::<usize>()
+    }
+}
+
+/// Tokenized windows keyed by XXH3-128 of the text before their end, under a seed drawn at start
+/// (a client cannot aim a collision at another's prompt), least recently used out first, held
+/// to a byte budget.
+#[derive(Debug)]
+struct PrefixCache {
+    seed: u64,
+    budget: usize,
+    inner: parking_lot::Mutex<PrefixCacheInner>,
+}
+
+#[derive(Debug)]
+struct PrefixCacheInner {
+    windows: lru::LruCache<u128, std::sync::Arc<CachedWindow>>,
+    bytes: usize,
+}
+
+impl PrefixCache {
+    fn get(&self, key: u128) -> Option<std::sync::Arc<CachedWindow>> {
+        self.inner.lock().windows.get(&key).cloned()
+    }
+
+    fn insert(&self, key: u128, window: CachedWindow) {
+        let size = window.bytes();
+        if size > self.budget {
+            return;
+        }
+        let mut inner = self.inner.lock();
+        if let Some(old) = inner.windows.put(key, std::sync::Arc::new(window)) {
+            inner.bytes -= old.bytes();
+        }
+        inner.bytes += size;
+        while inner.bytes > self.budget {
+            match inner.windows.pop_lru() {
+                Some((_, w)) => inner.bytes -= w.bytes(),
+                None => break,
+            }
+        }
+    }
 }
 
 /// What the post-processor puts around one sequence: found by processing a one-token sequence
@@ -245,6 +346,30 @@ impl ModelTokenizer {
             templates,
             named_templates,
             env,
+            prefix_cache: None,
+        })
+    }
+
+    /// With a cache of tokenized windows of at most `bytes` (none if 0): a prompt that repeats an
+    /// earlier one's text (the history of a conversation, a shared system prompt) tokenizes only
+    /// what follows the repeated part, windows of [`ENCODE_CELL_BYTES`] at a time.
+    pub fn with_prefix_cache(mut self, bytes: usize) -> Self {
+        self.prefix_cache = (bytes > 0).then(|| PrefixCache {
+            seed: rand::random(),
+            budget: bytes,
+            inner: parking_lot::Mutex::new(PrefixCacheInner {
+                windows: lru::LruCache::unbounded(),
+                bytes: 0,
+            }),
+        });
+        self
+    }
+
+    /// Bytes the prefix cache holds, and windows.
+    pub fn prefix_cache_usage(&self) -> (usize, usize) {
+        self.prefix_cache.as_ref().map_or((0, 0), |c| {
+            let inner = c.inner.lock();
+            (inner.bytes, inner.windows.len())
         })
     }
 
@@ -254,13 +379,37 @@ impl ModelTokenizer {
         prompt: &str,
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self
+            .encode_prompt_until(prompt, add_special_tokens, &mut |_| true)?
+            .ids)
+    }
+
+    /// As [`Self::encode_prompt`], asking `more` before each window it has to tokenize (from the
+    /// second on) whether to go on, with the ids so far; stopped, the ids are a prefix of the
+    /// prompt's and the rest is counted in [`Encoded::untokenized_bytes`].
+    pub fn encode_prompt_until(
+        &self,
+        prompt: &str,
+        add_special_tokens: bool,
+        more: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Encoded, TokenizeError> {
         if prompt.len() > PROMPT_BYTES_MAX {
             return Err(TokenizeError::BadRequest(format!(
                 "the prompt has {} bytes; the router tokenizes at most {PROMPT_BYTES_MAX}",
                 prompt.len()
             )));
         }
-        self.encode(prompt, add_special_tokens)
+        self.encode_until(prompt, add_special_tokens, more)
+    }
+
+    /// As [`Self::encode_chat`], stopping where `more` says (see [`Self::encode_prompt_until`]).
+    pub fn encode_chat_until(
+        &self,
+        chat: &ChatRequest,
+        more: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Encoded, TokenizeError> {
+        let rendered = self.prepare_chat(chat)?;
+        self.encode_until(&rendered.text, rendered.add_special_tokens, more)
     }
 
     /// The chat template's text, as transformers' `apply_chat_template(tokenize=False)` renders
@@ -300,8 +449,19 @@ impl ModelTokenizer {
     }
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        Ok(self
+            .encode_until(text, add_special_tokens, &mut |_| true)?
+            .ids)
+    }
+
+    fn encode_until(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        more: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> Result<Encoded, TokenizeError> {
         catch_unwind(AssertUnwindSafe(|| {
-            self.encode_ids(text, add_special_tokens)
+            self.encode_ids(text, add_special_tokens, more)
         }))
         .map_err(|_| TokenizeError::Encode("the tokenizer panicked".into()))?
         .map_err(|e| TokenizeError::Encode(e.to_string()))
@@ -309,30 +469,90 @@ impl ModelTokenizer {
 
     /// The ids `Tokenizer::encode` gives, at a cost of a few bytes per byte of text: the same
     /// pipeline (added tokens, normalizer, pre-tokenizer, model, then the post-processor's special
-    /// tokens), run over windows of [`ENCODE_WINDOW_BYTES`] (see [`Self::window_ids`]), each
-    /// word's tokens reduced to their ids as soon as the model returns them. `encode` itself keeps,
-    /// per token, a `String`, offsets, a word index and masks, and per byte of text an alignment
-    /// pair in each word's normalized string: over 100 bytes per byte of prompt. A tokenizer that
-    /// truncates or pads, or text whose windows do not join exactly, goes the usual way.
-    fn encode_ids(&self, text: &str, add_special_tokens: bool) -> tokenizers::Result<Vec<u32>> {
+    /// tokens), run over windows (see [`Self::window_ids`]), each word's tokens reduced to their
+    /// ids as soon as the model returns them. `encode` itself keeps, per token, a `String`,
+    /// offsets, a word index and masks, and per byte of text an alignment pair in each word's
+    /// normalized string: over 100 bytes per byte of prompt. A tokenizer that truncates or pads,
+    /// or text whose windows do not join exactly, goes the usual way (whole, never stopped early).
+    ///
+    /// Windows end on a grid of [`ENCODE_CELL_BYTES`], so a window is a function of the text up
+    /// to its end: with the prefix cache on, its committed ids are stored under a keyed hash of
+    /// that prefix and a later prompt with the same prefix takes them without tokenizing. Before
+    /// each window it must tokenize, `more` gets the ids so far (from the second window on) and
+    /// may stop the work there: the router stops once no worker holds all of their blocks.
+    fn encode_ids(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        more: &mut dyn FnMut(&[u32]) -> bool,
+    ) -> tokenizers::Result<Encoded> {
         let t = &self.tokenizer;
-        let whole = || -> tokenizers::Result<Vec<u32>> {
-            Ok(t.encode_fast(text, add_special_tokens)?.get_ids().to_vec())
+        let whole = || -> tokenizers::Result<Encoded> {
+            Ok(Encoded {
+                ids: t.encode_fast(text, add_special_tokens)?.get_ids().to_vec(),
+                text_bytes: text.len(),
+                ..Encoded::default()
+            })
         };
         let Some((prefix, suffix)) = &self.special_wrap[usize::from(add_special_tokens)] else {
             return whole();
         };
         let mut ids = prefix.clone();
+        let mut cached_bytes = 0usize;
         // Splits of the last window that the next window must reproduce before it is trusted.
         let mut check: Vec<WordIds> = Vec::new();
         let mut start = 0usize;
-        let mut window = ENCODE_WINDOW_BYTES;
+        let mut window = ENCODE_CELL_BYTES;
+        // The prefix hash runs forward only: every window ends past the one before.
+        let mut hasher = self
+            .prefix_cache
+            .as_ref()
+            .map(|c| xxhash_rust::xxh3::Xxh3::with_seed(c.seed));
+        let mut hashed_to = 0usize;
+        let mut asked_at = usize::MAX;
         loop {
-            let mut end = start.saturating_add(window).min(text.len());
+            let want = start.saturating_add(window).max(hashed_to + 1);
+            let mut end = want
+                .div_ceil(ENCODE_CELL_BYTES)
+                .saturating_mul(ENCODE_CELL_BYTES)
+                .min(text.len());
             while !text.is_char_boundary(end) {
                 end += 1;
             }
             let last = end == text.len();
+            let key = hasher.as_mut().map(|h| {
+                h.update(&text.as_bytes()[hashed_to..end]);
+                h.digest128()
+            });
+            hashed_to = end;
+            if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
+                let hit = cache
+                    .get(key)
+                    .filter(|w| w.start == start && w.end == end && w.last == last);
+                if let Some(w) = hit {
+                    // Its words were checked against this same previous window when stored.
+                    ids.extend_from_slice(&w.ids);
+                    cached_bytes += w.commit_at - start;
+                    if last {
+                        break;
+                    }
+                    check.clone_from(&w.check);
+                    start = w.commit_at;
+                    window = ENCODE_CELL_BYTES;
+                    continue;
+                }
+            }
+            if start > 0 && asked_at != ids.len() {
+                asked_at = ids.len();
+                if !more(&ids) {
+                    return Ok(Encoded {
+                        ids,
+                        untokenized_bytes: text.len() - start,
+                        cached_bytes,
+                        text_bytes: text.len(),
+                    });
+                }
+            }
             let words = self.window_ids(text, start, end, last)?;
             if words.len() < check.len() || words[..check.len()] != check[..] {
                 tracing::debug!(
@@ -342,8 +562,24 @@ impl ModelTokenizer {
                 return whole();
             }
             if last {
+                let mut rest = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
                 for w in words {
-                    ids.extend_from_slice(&w.ids);
+                    rest.extend_from_slice(&w.ids);
+                }
+                ids.extend_from_slice(&rest);
+                if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
+                    // The same prompt again (a retry, a shared system prompt alone, n > 1).
+                    cache.insert(
+                        key,
+                        CachedWindow {
+                            start,
+                            end,
+                            last,
+                            ids: rest,
+                            commit_at: end,
+                            check: Vec::new(),
+                        },
+                    );
                 }
                 break;
             }
@@ -365,16 +601,36 @@ impl ModelTokenizer {
             let commit_at = words[committed - 1].end;
             let mut words = words;
             let rest = words.split_off(committed);
+            let mut delta = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
             for w in words {
-                ids.extend_from_slice(&w.ids);
+                delta.extend_from_slice(&w.ids);
             }
+            ids.extend_from_slice(&delta);
             check = rest.into_iter().take(checked).collect();
+            if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
+                cache.insert(
+                    key,
+                    CachedWindow {
+                        start,
+                        end,
+                        last,
+                        ids: delta,
+                        commit_at,
+                        check: check.clone(),
+                    },
+                );
+            }
             start = commit_at;
-            window = ENCODE_WINDOW_BYTES;
+            window = ENCODE_CELL_BYTES;
         }
         ids.extend_from_slice(suffix);
         ids.shrink_to_fit();
-        Ok(ids)
+        Ok(Encoded {
+            ids,
+            untokenized_bytes: 0,
+            cached_bytes,
+            text_bytes: text.len(),
+        })
     }
 
     /// The words of `text[start..end]` and their ids (positions in `text`), all of them if `last`,

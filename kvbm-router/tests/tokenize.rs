@@ -532,3 +532,139 @@ fn a_pipeline_whose_windows_do_not_join_falls_back_to_a_whole_encode() {
     let text = long_text(&["<|im_start|>"]);
     assert!(tok.encode_prompt(&text, true).unwrap() == tok.encode_whole(&text, true).unwrap());
 }
+
+/// About `bytes` bytes of what moves word boundaries (as [`long_text`], no word longer than a
+/// window), different for each `seed`.
+fn mixed_text(bytes: usize, seed: usize) -> String {
+    let mut text = String::new();
+    let mut i = seed;
+    while text.len() < bytes {
+        let piece = match i % 7 {
+            0 => format!("The router's index holds {i} blocks; it's fast. "),
+            1 => "\r\n\n   \t ".to_owned(),
+            2 => " déjà vu — 日本語のテキスト ".to_owned(),
+            3 => "    indented(x) == y?!\n".to_owned(),
+            4 => format!("{i}{i}{i}"),
+            5 => "<|im_start|>".to_owned(),
+            _ => " and so on, ".to_owned(),
+        };
+        text.push_str(&piece);
+        i += 1;
+    }
+    text
+}
+
+fn cut(text: &str, mut at: usize) -> &str {
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    &text[..at]
+}
+
+#[test]
+fn windows_from_the_prefix_cache_give_the_ids_of_a_whole_encode() {
+    use kvbm_router::tokenize::ENCODE_CELL_BYTES;
+    let tok = load("chatml").with_prefix_cache(64 << 20);
+    let base = mixed_text(24_000, 0);
+    let go_on = &mut |_: &[u32]| true;
+    let first = tok.encode_prompt_until(&base, true, go_on).unwrap();
+    assert_eq!(first.cached_bytes, 0, "an empty cache");
+    assert!(first.ids == tok.encode_whole(&base, true).unwrap());
+    // The same prompt again: every window from the cache, the last one too.
+    let again = tok.encode_prompt_until(&base, true, go_on).unwrap();
+    assert_eq!(again.cached_bytes, base.len());
+    assert!(again.ids == first.ids);
+    // Prefixes of it cut anywhere (on the grid, around it, inside a multi-byte character), then
+    // new text: the ids of a whole encode, the shared windows taken from the cache.
+    for at in [
+        1,
+        ENCODE_CELL_BYTES - 1,
+        ENCODE_CELL_BYTES,
+        5 * ENCODE_CELL_BYTES + 1,
+        12_345,
+    ] {
+        let text = format!("{}{}", cut(&base, at), mixed_text(5_000, at));
+        let e = tok.encode_prompt_until(&text, true, go_on).unwrap();
+        assert!(
+            e.ids == tok.encode_whole(&text, true).unwrap(),
+            "cut at {at}: the ids differ"
+        );
+        assert_eq!(e.untokenized_bytes, 0);
+        // All but the window the new text starts in (and the one before, whose margin reaches
+        // into it) came from the cache.
+        assert!(
+            e.cached_bytes + 2 * ENCODE_CELL_BYTES >= at,
+            "cut at {at}: only {} bytes from the cache",
+            e.cached_bytes
+        );
+    }
+    let (bytes, windows) = tok.prefix_cache_usage();
+    assert!(
+        bytes > 0 && windows > 10,
+        "{bytes} bytes in {windows} windows"
+    );
+}
+
+#[test]
+fn the_prefix_cache_keeps_to_its_budget_and_stays_exact() {
+    // About two texts' windows: the six texts overflow it.
+    let budget = 40 << 10;
+    let tok = load("llama3").with_prefix_cache(budget);
+    for seed in 0..6 {
+        let text = mixed_text(12_000, seed * 1000);
+        for _ in 0..2 {
+            let e = tok
+                .encode_prompt_until(&text, false, &mut |_| true)
+                .unwrap();
+            assert!(
+                e.ids == tok.encode_whole(&text, false).unwrap(),
+                "seed {seed}"
+            );
+            let (bytes, _) = tok.prefix_cache_usage();
+            assert!(bytes <= budget, "{bytes} bytes held, budget {budget}");
+        }
+    }
+    // The newest text's windows are still there (least recently used go first), the oldest's not.
+    let newest = mixed_text(12_000, 5000);
+    let e = tok
+        .encode_prompt_until(&newest, false, &mut |_| true)
+        .unwrap();
+    assert_eq!(e.cached_bytes, newest.len());
+    let oldest = mixed_text(12_000, 0);
+    let e = tok
+        .encode_prompt_until(&oldest, false, &mut |_| true)
+        .unwrap();
+    assert_eq!(e.cached_bytes, 0);
+}
+
+#[test]
+fn a_stopped_encode_gives_a_prefix_of_the_ids_and_estimates_the_rest() {
+    let tok = load("chatml");
+    let text = mixed_text(20_000, 7);
+    let whole = tok.encode_whole(&text, true).unwrap();
+    // `more` sees growing prefixes of the ids; the third time it says stop.
+    let mut seen: Vec<Vec<u32>> = Vec::new();
+    let e = tok
+        .encode_prompt_until(&text, true, &mut |ids| {
+            seen.push(ids.to_vec());
+            seen.len() < 3
+        })
+        .unwrap();
+    assert_eq!(seen.len(), 3);
+    for (i, ids) in seen.iter().enumerate() {
+        assert!(!ids.is_empty() && whole.starts_with(ids), "call {i}");
+        assert!(i == 0 || ids.len() > seen[i - 1].len(), "call {i}");
+    }
+    assert!(e.ids == seen[2], "stopped where it was told");
+    assert!(e.untokenized_bytes > 0 && e.untokenized_bytes < text.len());
+    let estimate = e.estimated_tokens() as f64;
+    let exact = whole.len() as f64;
+    assert!(
+        (estimate / exact - 1.0).abs() < 0.15,
+        "estimated {estimate} tokens of {exact}"
+    );
+    // A caller that never stops gets the whole encode, and an exact count.
+    let all = tok.encode_prompt_until(&text, true, &mut |_| true).unwrap();
+    assert!(all.ids == whole);
+    assert_eq!(all.estimated_tokens(), whole.len());
+}

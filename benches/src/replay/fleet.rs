@@ -63,6 +63,22 @@ impl Process {
         cpu_seconds(&format!("/proc/{}/stat", self.pid()))
     }
 
+    /// CPU seconds its live threads whose names start with one of `prefixes` have used.
+    pub fn threads_cpu_s(&self, prefixes: &[&str]) -> Option<f64> {
+        let dir = format!("/proc/{}/task", self.pid());
+        let mut total = 0.0;
+        for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+            let task = entry.path();
+            let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
+                continue;
+            };
+            if prefixes.iter().any(|p| comm.starts_with(p)) {
+                total += cpu_seconds(&task.join("stat").to_string_lossy()).unwrap_or(0.0);
+            }
+        }
+        Some(total)
+    }
+
     /// SIGTERM, up to `grace` for it to exit, then SIGKILL.
     pub fn stop(&mut self, grace: Duration) {
         if self.child.try_wait().ok().flatten().is_some() {

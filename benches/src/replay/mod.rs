@@ -350,6 +350,10 @@ async fn wait_router(
     }
 }
 
+/// The router's threads that follow the workers' KV events (its ZMQ subscribers, libzmq's I/O
+/// threads, the pump that writes the index): their CPU is the index's, not the front end's.
+const ROUTER_EVENT_THREADS: &[&str] = &["kvbm-sub-", "kvbm-router-pum", "ZMQbg"];
+
 #[allow(clippy::too_many_arguments)]
 async fn run_one(
     args: &ReplayArgs,
@@ -432,6 +436,7 @@ async fn run_one(
         router.cpu_s(),
         mocker.cpu_s(),
         fleet::cpu_seconds("/proc/self/stat"),
+        router.threads_cpu_s(ROUTER_EVENT_THREADS),
     );
     let records = drive(
         &client,
@@ -447,6 +452,7 @@ async fn run_one(
         router.cpu_s(),
         mocker.cpu_s(),
         fleet::cpu_seconds("/proc/self/stat"),
+        router.threads_cpu_s(ROUTER_EVENT_THREADS),
     );
     let delta = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
 
@@ -495,6 +501,7 @@ async fn run_one(
         delta(cpu_before.1, cpu_after.1),
         delta(cpu_before.2, cpu_after.2),
     );
+    result.set_router_events_cpu(delta(cpu_before.3, cpu_after.3));
     Ok(result)
 }
 

@@ -118,6 +118,10 @@ pub struct Cpu {
     pub router_s: Option<f64>,
     pub router_ms_per_request: Option<f64>,
     pub router_ms_per_1k_prompt_tokens: Option<f64>,
+    /// Of `router_s`, the threads following the workers' events (subscribers, pump).
+    pub router_events_s: Option<f64>,
+    /// The rest (tokenizing, scoring, proxying) per request: the front end's own cost.
+    pub front_end_ms_per_request: Option<f64>,
     pub mocker_s: Option<f64>,
     pub client_s: Option<f64>,
 }
@@ -288,8 +292,20 @@ impl RunResult {
             router_ms_per_1k_prompt_tokens: router
                 .filter(|_| self.prompt_tokens > 0)
                 .map(|s| s * 1e3 / (self.prompt_tokens as f64 / 1e3)),
+            router_events_s: None,
+            front_end_ms_per_request: None,
             mocker_s: mocker,
             client_s: client,
+        };
+    }
+
+    /// Splits the router's CPU: `events` seconds were its event threads'.
+    pub fn set_router_events_cpu(&mut self, events: Option<f64>) {
+        let routed = self.answered + self.errors;
+        self.cpu.router_events_s = events;
+        self.cpu.front_end_ms_per_request = match (self.cpu.router_s, events) {
+            (Some(all), Some(ev)) if routed > 0 => Some((all - ev).max(0.0) * 1e3 / routed as f64),
+            _ => None,
         };
     }
 }
@@ -368,8 +384,8 @@ pub fn table(doc: &Json) -> String {
     let rr = find("round-robin");
     let best = doc["best_fixed"].as_str().and_then(find);
     let mut out = String::from(
-        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | imbalance (tok) | router ms/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
-         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | imbalance (tok) | router ms/req | front end ms/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
+         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
     );
     for r in &runs {
         let label = r["label"].as_str().unwrap_or("?");
@@ -385,7 +401,7 @@ pub fn table(doc: &Json) -> String {
             other.map_or("-".into(), |o| ratio(num(r, p), num(o, p)))
         };
         out.push_str(&format!(
-            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             fmt(num(r, "/ttft_s/p50"), 3),
             fmt(num(r, "/ttft_s/p90"), 3),
             fmt(num(r, "/ttft_s/p99"), 3),
@@ -400,6 +416,7 @@ pub fn table(doc: &Json) -> String {
             pct("/reuse/disk"),
             fmt(num(r, "/imbalance/computed_prompt_tokens"), 2),
             fmt(num(r, "/cpu/router_ms_per_request"), 3),
+            fmt(num(r, "/cpu/front_end_ms_per_request"), 3),
             r["errors"],
             r["dropped"],
             vs(rr, "/ttft_s/p50"),
