@@ -118,6 +118,10 @@ pub struct ReplayArgs {
     /// An extra argument for every router (repeatable).
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     pub router_args: Vec<String>,
+    /// Run every setting this many times, in rounds (each round runs every setting once, so drift
+    /// on the machine spreads over all of them); the table adds each setting's medians.
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
     /// Seconds the fleet and the router have to come up.
     #[arg(long, default_value_t = 120.0)]
     pub start_timeout_s: f64,
@@ -189,8 +193,13 @@ fn binary(given: &Option<PathBuf>, name: &str) -> anyhow::Result<PathBuf> {
 /// Runs the whole comparison; `Ok(false)` when `--check` found a functional failure.
 pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
     let wall = Instant::now();
-    if args.workers == 0 || args.speedup <= 0.0 || args.load <= 0.0 || args.max_inflight == 0 {
-        bail!("--workers, --speedup, --load and --max-inflight must be positive");
+    if args.workers == 0
+        || args.speedup <= 0.0
+        || args.load <= 0.0
+        || args.max_inflight == 0
+        || args.repeat == 0
+    {
+        bail!("--workers, --speedup, --load, --max-inflight and --repeat must be positive");
     }
     let specs = run_specs(&args.modes, &args.sweep)?;
     let mut sessions = trace::read(&args.trace, args.format, args.requests)?;
@@ -218,9 +227,14 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
 
     let turns: usize = sessions.iter().map(|s| s.turns.len()).sum();
     eprintln!(
-        "replay: {} sessions, {turns} requests, {} runs: {}",
+        "replay: {} sessions, {turns} requests, {} runs{}: {}",
         sessions.len(),
-        specs.len(),
+        specs.len() * args.repeat,
+        if args.repeat > 1 {
+            format!(" ({} rounds)", args.repeat)
+        } else {
+            String::new()
+        },
         specs
             .iter()
             .map(|s| s.label.as_str())
@@ -232,7 +246,8 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
         .build()?;
     let sessions = Arc::new(sessions);
     let mut results = Vec::new();
-    for (i, spec) in specs.iter().enumerate() {
+    let rounds = (0..args.repeat).flat_map(|round| specs.iter().map(move |s| (round, s)));
+    for (i, (round, spec)) in rounds.enumerate() {
         let dir = tmp.path().join(format!("run{i}"));
         std::fs::create_dir(&dir)?;
         let started = Instant::now();
@@ -246,7 +261,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
             &mocker_bin,
             &router_bin,
         ));
-        let result = match result {
+        let mut result = match result {
             Ok(mut r) => {
                 r.wall_s = started.elapsed().as_secs_f64();
                 r
@@ -256,6 +271,7 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<bool> {
                 RunResult::failed(spec, format!("{e:#}"))
             }
         };
+        result.repeat = round;
         results.push(result);
     }
     if results

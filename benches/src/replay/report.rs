@@ -165,6 +165,8 @@ pub struct RunResult {
     pub scale: Option<Scale>,
     pub debug_cost: Option<Json>,
     pub wall_s: f64,
+    /// Which of `--repeat` rounds this run was (0 for the first).
+    pub repeat: usize,
 }
 
 fn max_over_mean(values: impl Iterator<Item = f64> + Clone) -> f64 {
@@ -279,6 +281,7 @@ impl RunResult {
             scale: None,
             debug_cost: None,
             wall_s: 0.0,
+            repeat: 0,
         }
     }
 
@@ -321,15 +324,88 @@ fn git_commit() -> Option<String> {
 }
 
 /// The label of the best run with fixed weights (not `tuned`): the lowest mean TTFT.
-fn best_fixed(runs: &[RunResult]) -> Option<&RunResult> {
-    runs.iter()
-        .filter(|r| r.mode != "tuned" && r.failed.is_none() && r.ttft_s.mean.is_finite())
-        .min_by(|a, b| a.ttft_s.mean.total_cmp(&b.ttft_s.mean))
+/// One setting over its `--repeat` runs: medians, and the spread of p90.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Medians {
+    pub label: String,
+    pub mode: String,
+    /// Completed runs.
+    pub runs: usize,
+    pub ttft_p50_s: f64,
+    pub ttft_p90_s: f64,
+    pub ttft_p99_s: f64,
+    pub ttft_mean_s: f64,
+    pub ttft_p90_min_s: f64,
+    pub ttft_p90_max_s: f64,
+    pub imbalance: f64,
+    pub front_end_ms_per_request: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Each setting's medians over its completed runs, in the order the settings first ran.
+pub fn medians(runs: &[RunResult]) -> Vec<Medians> {
+    let mut labels: Vec<&str> = Vec::new();
+    for r in runs {
+        if !labels.contains(&r.label.as_str()) {
+            labels.push(&r.label);
+        }
+    }
+    labels
+        .into_iter()
+        .map(|label| {
+            let done: Vec<&RunResult> = runs
+                .iter()
+                .filter(|r| r.label == label && r.failed.is_none())
+                .collect();
+            let of = |f: &dyn Fn(&RunResult) -> f64| median(done.iter().map(|r| f(r)).collect());
+            let p90s = done.iter().map(|r| r.ttft_s.p90).filter(|x| x.is_finite());
+            Medians {
+                label: label.to_owned(),
+                mode: runs
+                    .iter()
+                    .find(|r| r.label == label)
+                    .map_or_else(String::new, |r| r.mode.clone()),
+                runs: done.len(),
+                ttft_p50_s: of(&|r| r.ttft_s.p50),
+                ttft_p90_s: of(&|r| r.ttft_s.p90),
+                ttft_p99_s: of(&|r| r.ttft_s.p99),
+                ttft_mean_s: of(&|r| r.ttft_s.mean),
+                ttft_p90_min_s: p90s.clone().fold(f64::NAN, f64::min),
+                ttft_p90_max_s: p90s.fold(f64::NAN, f64::max),
+                imbalance: of(&|r| r.imbalance.computed_prompt_tokens),
+                front_end_ms_per_request: of(&|r| {
+                    r.cpu.front_end_ms_per_request.unwrap_or(f64::NAN)
+                }),
+            }
+        })
+        .collect()
+}
+
+/// The fixed setting (any mode but `tuned`) with the lowest median mean TTFT.
+fn best_fixed(medians: &[Medians]) -> Option<&Medians> {
+    medians
+        .iter()
+        .filter(|m| m.mode != "tuned" && m.runs > 0 && m.ttft_mean_s.is_finite())
+        .min_by(|a, b| a.ttft_mean_s.total_cmp(&b.ttft_mean_s))
 }
 
 /// The whole output document.
 pub fn output(args: &ReplayArgs, sessions: &[Session], runs: Vec<RunResult>, wall_s: f64) -> Json {
-    let best = best_fixed(&runs).map(|r| r.label.clone());
+    let medians = medians(&runs);
+    let best = best_fixed(&medians).map(|m| m.label.clone());
     json!({
         "command": std::env::args().collect::<Vec<_>>(),
         "git_commit": git_commit(),
@@ -352,6 +428,8 @@ pub fn output(args: &ReplayArgs, sessions: &[Session], runs: Vec<RunResult>, wal
         "max_inflight": args.max_inflight,
         "vocab": args.vocab,
         "best_fixed": best,
+        "repeat": args.repeat,
+        "medians": medians,
         "wall_s": wall_s,
         "runs": runs,
     })
@@ -425,8 +503,41 @@ pub fn table(doc: &Json) -> String {
             vs(best, "/ttft_s/p90"),
         ));
     }
+    let medians = doc["medians"].as_array().cloned().unwrap_or_default();
+    if medians.iter().any(|m| m["runs"].as_u64().unwrap_or(0) > 1) {
+        let find = |label: &str| medians.iter().find(|m| m["label"] == label);
+        let rr = find("round-robin");
+        let best = doc["best_fixed"].as_str().and_then(find);
+        out.push_str(
+            "\nMedians over the repeated runs:\n\n\
+             | setting | runs | TTFT p50 | TTFT p90 | p90 min-max | TTFT p99 | TTFT mean | imbalance (tok) | front end ms/req | p90 vs RR | p90 vs best fixed |\n\
+             |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        );
+        for m in &medians {
+            let vs = |other: Option<&Json>| {
+                other.map_or("-".into(), |o| {
+                    ratio(num(m, "/ttft_p90_s"), num(o, "/ttft_p90_s"))
+                })
+            };
+            out.push_str(&format!(
+                "| {} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} |\n",
+                m["label"].as_str().unwrap_or("?"),
+                m["runs"],
+                fmt(num(m, "/ttft_p50_s"), 3),
+                fmt(num(m, "/ttft_p90_s"), 3),
+                fmt(num(m, "/ttft_p90_min_s"), 2),
+                fmt(num(m, "/ttft_p90_max_s"), 2),
+                fmt(num(m, "/ttft_p99_s"), 3),
+                fmt(num(m, "/ttft_mean_s"), 3),
+                fmt(num(m, "/imbalance"), 2),
+                fmt(num(m, "/front_end_ms_per_request"), 3),
+                vs(rr),
+                vs(best),
+            ));
+        }
+    }
     out.push_str(&format!(
-        "\nTimes in simulated seconds; best fixed setting (lowest mean TTFT, not tuned): {}\n",
+        "\nTimes in simulated seconds; best fixed setting (lowest median mean TTFT, not tuned): {}\n",
         doc["best_fixed"].as_str().unwrap_or("-")
     ));
     out
@@ -639,6 +750,53 @@ mod tests {
         r.set_cpu(Some(0.3), None, None);
         assert_eq!(r.cpu.router_ms_per_request, Some(100.0)); // 0.3 s over 3 routed
         assert_eq!(r.cpu.router_ms_per_1k_prompt_tokens, Some(750.0)); // 0.3 s / 0.4K
+        r.set_router_events_cpu(Some(0.12));
+        assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9); // 0.18 s / 3
+    }
+
+    #[test]
+    fn repeated_runs_give_each_setting_its_medians_and_the_best_by_them() {
+        let run = |label: &str, mode: &str, p90: f64, mean: f64, failed: bool| {
+            let spec = RunSpec {
+                label: label.into(),
+                mode: mode.into(),
+                router_flags: vec![],
+            };
+            let mut r = RunResult::from_records(&spec, &[], 1.0, Vec::new());
+            r.ttft_s = Summary {
+                n: 1,
+                mean,
+                p50: mean,
+                p90,
+                p99: p90,
+            };
+            if failed {
+                r.failed = Some("down".into());
+            }
+            r
+        };
+        let runs = vec![
+            run("kv", "kv", 4.0, 1.0, false),
+            run("tuned", "tuned", 1.0, 0.1, false),
+            run("round-robin", "round-robin", 40.0, 9.0, false),
+            run("kv", "kv", 6.0, 3.0, false),
+            run("tuned", "tuned", 1.0, 0.1, false),
+            run("round-robin", "round-robin", 30.0, 8.0, false),
+            run("kv", "kv", 5.0, 2.0, false),
+            run("kv", "kv", 99.0, 99.0, true),
+        ];
+        let m = medians(&runs);
+        let labels: Vec<&str> = m.iter().map(|m| m.label.as_str()).collect();
+        assert_eq!(labels, ["kv", "tuned", "round-robin"], "first-run order");
+        let kv = &m[0];
+        // The failed run is left out: the median of three, and their spread.
+        assert_eq!(kv.runs, 3);
+        assert_eq!((kv.ttft_p90_s, kv.ttft_mean_s), (5.0, 2.0));
+        assert_eq!((kv.ttft_p90_min_s, kv.ttft_p90_max_s), (4.0, 6.0));
+        // An even count: the mean of the middle two.
+        assert_eq!(m[2].ttft_p90_s, 35.0);
+        // Tuned is never the best fixed setting, however good.
+        assert_eq!(best_fixed(&m).map(|m| m.label.as_str()), Some("kv"));
     }
 
     #[test]
