@@ -1,5 +1,7 @@
 //! The routing modes: each picks what its definition says, from the same candidates.
 
+mod common;
+
 use kvbm_events::router::{
     select_mode, Candidate, LoadTracker, Overlap, RoundRobin, RouterMode, SelectorConfig, Weights,
     WorkerLoad, DYNAMO_WEIGHTS, KV_WEIGHTS, ROUTER_MODE_DEFAULT,
@@ -7,21 +9,7 @@ use kvbm_events::router::{
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-fn cand(id: u64, gpu: usize, host: usize, disk: usize, load: WorkerLoad) -> Candidate {
-    Candidate {
-        worker: (id, 0),
-        overlap: Overlap { gpu, host, disk },
-        load,
-    }
-}
-
-fn load(prefill_tokens: usize, decode_blocks: usize, requests: usize) -> WorkerLoad {
-    WorkerLoad {
-        prefill_tokens,
-        decode_blocks,
-        requests,
-    }
-}
+use common::{cand, load};
 
 fn choose(config: &SelectorConfig, candidates: &[Candidate], rng: &mut StdRng) -> u64 {
     select_mode(

@@ -1,27 +1,15 @@
 //! The selector's cost (Dynamo's default) and the load tracker, as data.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use kvbm_events::router::{
-    select, Candidate, LoadTracker, Overlap, RouterMode, SelectorConfig, WorkerLoad, DYNAMO_WEIGHTS,
+    select, Candidate, LoadTracker, RouterMode, SelectorConfig, WorkerLoad, DYNAMO_WEIGHTS,
 };
 use rand::SeedableRng;
 
-fn cand(id: u64, gpu: usize, host: usize, disk: usize, load: WorkerLoad) -> Candidate {
-    Candidate {
-        worker: (id, 0),
-        overlap: Overlap { gpu, host, disk },
-        load,
-    }
-}
-
-fn load(prefill_tokens: usize, decode_blocks: usize, requests: usize) -> WorkerLoad {
-    WorkerLoad {
-        prefill_tokens,
-        decode_blocks,
-        requests,
-    }
-}
+use common::{cand, load};
 
 #[test]
 fn costs_follow_dynamos_formula() {

@@ -975,31 +975,29 @@ impl Router {
         let selection = {
             let mut rng = self.shared.rng.lock();
             let mut round_robin = self.shared.round_robin.lock();
-            if selector.mode == RouterMode::Tuned {
-                let tuner = self.shared.tuner.lock();
-                let cost = |c: &Candidate| tuner.cost(c, input_tokens).unwrap_or(f64::MAX);
-                let learned: Option<&dyn Fn(&Candidate) -> f64> =
-                    if tuner.ready() { Some(&cost) } else { None };
-                select_mode(
-                    selector,
-                    &candidates,
-                    input_tokens,
-                    block_size,
-                    &mut *rng,
-                    &mut round_robin,
-                    learned,
-                )
-            } else {
-                select_mode(
-                    selector,
-                    &candidates,
-                    input_tokens,
-                    block_size,
-                    &mut *rng,
-                    &mut round_robin,
-                    None,
-                )
-            }
+            // The learned cost, in the tuned mode once the learner is warm.
+            let tuner = (selector.mode == RouterMode::Tuned).then(|| self.shared.tuner.lock());
+            let cost = |c: &Candidate| {
+                tuner
+                    .as_ref()
+                    .and_then(|t| t.cost(c, input_tokens))
+                    .unwrap_or(f64::MAX)
+            };
+            let learned: Option<&dyn Fn(&Candidate) -> f64> =
+                if tuner.as_ref().is_some_and(|t| t.ready()) {
+                    Some(&cost)
+                } else {
+                    None
+                };
+            select_mode(
+                selector,
+                &candidates,
+                input_tokens,
+                block_size,
+                &mut *rng,
+                &mut round_robin,
+                learned,
+            )
         }
         .ok_or(RouteError::NoWorkers)?;
         let features = candidates

@@ -80,6 +80,15 @@ pub const ENCODE_CELL_BYTES: usize = 2 << 10;
 /// the next such stretch are tokenized again by the next window and must come out the same.
 const ENCODE_WINDOW_MARGIN: usize = 128;
 
+/// The ids of `words`, in order.
+fn concat_ids(words: Vec<WordIds>) -> Vec<u32> {
+    let mut ids = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
+    for w in words {
+        ids.extend_from_slice(&w.ids);
+    }
+    ids
+}
+
 /// One word of a window (a split of the pre-tokenizer): where it lies in the text, its ids.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct WordIds {
@@ -561,53 +570,37 @@ impl ModelTokenizer {
                 );
                 return whole();
             }
-            if last {
-                let mut rest = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
-                for w in words {
-                    rest.extend_from_slice(&w.ids);
+            let (delta, commit_at, next_check) = if last {
+                (concat_ids(words), end, Vec::new())
+            } else {
+                // Commit up to the last word ending a margin before the window's end; the words
+                // of the next margin are checked when the next window starts at the commit point.
+                let commit_limit = end - 2 * ENCODE_WINDOW_MARGIN;
+                let check_limit = end - ENCODE_WINDOW_MARGIN;
+                let committed = words.iter().take_while(|w| w.end <= commit_limit).count();
+                let checked = words[committed..]
+                    .iter()
+                    .take_while(|w| w.end <= check_limit)
+                    .count();
+                if committed == 0 || checked == 0 || words[committed - 1].end <= start {
+                    // A word longer than the margins: a wider window.
+                    // The same start again, checked against the same words.
+                    window = window.saturating_mul(2);
+                    continue;
                 }
-                ids.extend_from_slice(&rest);
-                if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
-                    // The same prompt again (a retry, a shared system prompt alone, n > 1).
-                    cache.insert(
-                        key,
-                        CachedWindow {
-                            start,
-                            end,
-                            last,
-                            ids: rest,
-                            commit_at: end,
-                            check: Vec::new(),
-                        },
-                    );
-                }
-                break;
-            }
-            // Commit up to the last word ending a margin before the window's end; the words of
-            // the next margin are checked when the next window starts at the commit point.
-            let commit_limit = end - 2 * ENCODE_WINDOW_MARGIN;
-            let check_limit = end - ENCODE_WINDOW_MARGIN;
-            let committed = words.iter().take_while(|w| w.end <= commit_limit).count();
-            let checked = words[committed..]
-                .iter()
-                .take_while(|w| w.end <= check_limit)
-                .count();
-            if committed == 0 || checked == 0 || words[committed - 1].end <= start {
-                // A word longer than the margins: a wider window.
-                // The same start again, checked against the same words.
-                window = window.saturating_mul(2);
-                continue;
-            }
-            let commit_at = words[committed - 1].end;
-            let mut words = words;
-            let rest = words.split_off(committed);
-            let mut delta = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
-            for w in words {
-                delta.extend_from_slice(&w.ids);
-            }
+                let commit_at = words[committed - 1].end;
+                let mut words = words;
+                let rest = words.split_off(committed);
+                (
+                    concat_ids(words),
+                    commit_at,
+                    rest.into_iter().take(checked).collect(),
+                )
+            };
             ids.extend_from_slice(&delta);
-            check = rest.into_iter().take(checked).collect();
             if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
+                // A last window serves the same prompt again (a retry, n > 1, a system prompt
+                // alone).
                 cache.insert(
                     key,
                     CachedWindow {
@@ -616,10 +609,14 @@ impl ModelTokenizer {
                         last,
                         ids: delta,
                         commit_at,
-                        check: check.clone(),
+                        check: next_check.clone(),
                     },
                 );
             }
+            if last {
+                break;
+            }
+            check = next_check;
             start = commit_at;
             window = ENCODE_CELL_BYTES;
         }

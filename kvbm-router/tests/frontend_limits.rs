@@ -5,12 +5,12 @@
 //! router and front end on 127.0.0.1 against a scripted worker (an axum server in the test);
 //! waiting is bounded polling on the router's own metrics, never a fixed sleep.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::response::Response;
-use axum::routing::post;
 use futures_util::stream;
 use kvbm_events::WorkerEndpoint;
 use kvbm_router::config::{FrontendConfig, WorkerSpec};
@@ -24,33 +24,15 @@ const POLL_DEADLINE: Duration = Duration::from_secs(20);
 /// A scripted worker: `/v1/completions` answers a small completion, or, for `"stream": true`, one
 /// event and then 64 MiB of an event that never ends.
 async fn scripted_worker() -> String {
-    async fn completions(body: Bytes) -> Response {
-        let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        if req["stream"] == json!(true) {
-            let first = Bytes::from_static(b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: ");
-            let endless = stream::iter(
-                std::iter::once(first)
-                    .chain(std::iter::repeat_n(Bytes::from(vec![b'x'; 64 << 10]), 1024))
-                    .map(Ok::<Bytes, std::io::Error>),
-            );
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(Body::from_stream(endless))
-                .unwrap()
-        } else {
-            Response::builder()
-                .header("content-type", "application/json")
-                .body(Body::from(
-                    json!({"object": "text_completion", "choices": [{"text": "ok"}]}).to_string(),
-                ))
-                .unwrap()
-        }
-    }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = axum::Router::new().route("/v1/completions", post(completions));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+    common::scripted_worker(|_| {
+        let first = Bytes::from_static(b"data: {\"choices\": [{\"text\": \"a\"}]}\n\ndata: ");
+        Body::from_stream(stream::iter(
+            std::iter::once(first)
+                .chain(std::iter::repeat_n(Bytes::from(vec![b'x'; 64 << 10]), 1024))
+                .map(Ok::<Bytes, std::io::Error>),
+        ))
+    })
+    .await
 }
 
 struct Setup {

@@ -5,12 +5,12 @@
 //! and front end run on 127.0.0.1 against scripted workers (axum servers in the test); nothing
 //! here asserts a duration.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::response::Response;
-use axum::routing::post;
 use futures_util::StreamExt;
 use kvbm_events::router::{RouterMode, SelectorConfig};
 use kvbm_events::WorkerEndpoint;
@@ -24,42 +24,24 @@ use serde_json::{json, Value};
 /// the client asked for it, vLLM's usage chunk (`choices: []`), then `[DONE]`; a whole answer
 /// otherwise.
 async fn scripted_worker() -> String {
-    async fn completions(body: Bytes) -> Response {
-        let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-        if req["stream"] == json!(true) {
-            let usage = req["stream_options"]["include_usage"] == json!(true);
-            let mut events: Vec<String> = (0..3)
-                .map(|_| "data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n".to_owned())
-                .collect();
-            if usage {
-                events.push(
-                    "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\": 3,\"total_tokens\":7}}\n\n"
-                        .to_owned(),
-                );
-            }
-            events.push("data: [DONE]\n\n".to_owned());
-            let body = futures_util::stream::iter(events).then(|e| async move {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                Ok::<Bytes, std::io::Error>(Bytes::from(e))
-            });
-            Response::builder()
-                .header("content-type", "text/event-stream")
-                .body(Body::from_stream(body))
-                .unwrap()
-        } else {
-            Response::builder()
-                .header("content-type", "application/json")
-                .body(Body::from(
-                    json!({"object": "text_completion", "choices": [{"text": "ok"}]}).to_string(),
-                ))
-                .unwrap()
+    common::scripted_worker(|req| {
+        let usage = req["stream_options"]["include_usage"] == json!(true);
+        let mut events: Vec<String> = (0..3)
+            .map(|_| "data: {\"choices\":[{\"text\":\"a\"}],\"usage\":null}\n\n".to_owned())
+            .collect();
+        if usage {
+            events.push(
+                "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\": 3,\"total_tokens\":7}}\n\n"
+                    .to_owned(),
+            );
         }
-    }
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let app = axum::Router::new().route("/v1/completions", post(completions));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    url
+        events.push("data: [DONE]\n\n".to_owned());
+        Body::from_stream(futures_util::stream::iter(events).then(|e| async move {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            Ok::<Bytes, std::io::Error>(Bytes::from(e))
+        }))
+    })
+    .await
 }
 
 /// A port nobody listens on (bound, then released).

@@ -492,6 +492,11 @@ async fn run_one(
     if let Err(e) = mocker.check_alive() {
         metrics_errors.push(format!("{e:#}"));
     }
+    // What the front end's tokenizer did with the prompt text (tokenized, cached, skipped).
+    let prompt_bytes = get_text(&client, &format!("{base}/metrics"))
+        .await
+        .ok()
+        .map(|text| report::PromptBytes::from_metrics(&text));
     let debug_cost = if spec.mode == "tuned" {
         match get_json(&client, &format!("{base}/debug/cost")).await {
             Ok(j) => Some(j),
@@ -510,6 +515,7 @@ async fn run_one(
     result.engine = Some(engine);
     result.scale = Some(scale);
     result.debug_cost = debug_cost;
+    result.prompt_bytes = prompt_bytes;
     result.metrics_errors = metrics_errors;
     result.mocker_lag_max_s = lag_max;
     result.set_cpu(

@@ -64,6 +64,34 @@ impl Summary {
     }
 }
 
+/// Prompt text by what the router's tokenizer did with it (bytes).
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct PromptBytes {
+    pub tokenized: f64,
+    /// Ids taken from its prefix cache.
+    pub cached: f64,
+    /// Past the last block any worker held: not tokenized.
+    pub skipped: f64,
+}
+
+impl PromptBytes {
+    /// From the router's Prometheus text.
+    pub fn from_metrics(text: &str) -> Self {
+        let get = |how: &str| {
+            let name = format!("kv_router_frontend_prompt_bytes_total{{how=\"{how}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&name))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0.0)
+        };
+        Self {
+            tokenized: get("tokenized"),
+            cached: get("cached"),
+            skipped: get("skipped"),
+        }
+    }
+}
+
 /// One worker's counters after a run.
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct WorkerCounts {
@@ -164,6 +192,8 @@ pub struct RunResult {
     pub engine: Option<Json>,
     pub scale: Option<Scale>,
     pub debug_cost: Option<Json>,
+    /// The router's `kv_router_frontend_prompt_bytes_total{how}` after the run.
+    pub prompt_bytes: Option<PromptBytes>,
     pub wall_s: f64,
     /// Which of `--repeat` rounds this run was (0 for the first).
     pub repeat: usize,
@@ -280,6 +310,7 @@ impl RunResult {
             engine: None,
             scale: None,
             debug_cost: None,
+            prompt_bytes: None,
             wall_s: 0.0,
             repeat: 0,
         }
@@ -752,6 +783,18 @@ mod tests {
         assert_eq!(r.cpu.router_ms_per_1k_prompt_tokens, Some(750.0)); // 0.3 s / 0.4K
         r.set_router_events_cpu(Some(0.12));
         assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9); // 0.18 s / 3
+    }
+
+    #[test]
+    fn the_routers_prompt_bytes_are_read_by_how() {
+        let text = "# TYPE kv_router_frontend_prompt_bytes_total counter\n\
+                    kv_router_frontend_prompt_bytes_total{how=\"cached\"} 2048\n\
+                    kv_router_frontend_prompt_bytes_total{how=\"skipped\"} 1e6\n\
+                    kv_router_frontend_prompt_bytes_total{how=\"tokenized\"} 512\n\
+                    kv_router_frontend_prompt_bytes_totalx{how=\"tokenized\"} 7\n";
+        let b = PromptBytes::from_metrics(text);
+        assert_eq!((b.tokenized, b.cached, b.skipped), (512.0, 2048.0, 1e6));
+        assert_eq!(PromptBytes::from_metrics(""), PromptBytes::default());
     }
 
     #[test]
