@@ -132,6 +132,29 @@ struct Seq {
 }
 
 impl Seq {
+    /// A request not yet looked up, nothing computed.
+    fn new(req: Request) -> Self {
+        Self {
+            out: req.out,
+            stream: req.stream,
+            max_tokens: req.max_tokens,
+            output_token: req.output_token,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            hashes: Vec::new(),
+            blocks: Vec::new(),
+            registered: 0,
+            computed: 0,
+            generated: 0,
+            prefilled: false,
+            looked_up: false,
+            cached: [0; 3],
+            load: None,
+        }
+    }
+}
+
+impl Seq {
     fn release(&mut self) {
         self.blocks.clear();
         self.registered = 0;
@@ -259,23 +282,7 @@ impl Engine {
             )));
             return;
         }
-        let mut seq = Seq {
-            out: req.out,
-            stream: req.stream,
-            max_tokens: req.max_tokens,
-            output_token: req.output_token,
-            prompt_len: req.prompt.len(),
-            tokens: req.prompt,
-            hashes: Vec::new(),
-            blocks: Vec::new(),
-            registered: 0,
-            computed: 0,
-            generated: 0,
-            prefilled: false,
-            looked_up: false,
-            cached: [0; 3],
-            load: None,
-        };
+        let mut seq = Seq::new(req);
         self.extend_hashes(&mut seq);
         self.waiting.push_back(seq);
     }
@@ -707,23 +714,13 @@ impl Engine {
 
 fn placeholder() -> Seq {
     let (out, _) = tokio::sync::mpsc::unbounded_channel(); // bounded: never sent to (a placeholder)
-    Seq {
-        out,
-        stream: false,
+    Seq::new(Request {
+        prompt: Vec::new(),
         max_tokens: 0,
         output_token: 0,
-        tokens: Vec::new(),
-        prompt_len: 0,
-        hashes: Vec::new(),
-        blocks: Vec::new(),
-        registered: 0,
-        computed: 0,
-        generated: 0,
-        prefilled: false,
-        looked_up: false,
-        cached: [0; 3],
-        load: None,
-    }
+        stream: false,
+        out,
+    })
 }
 
 /// A GPU event with kvbm's hashes replaced by the engine's; other tiers' events unchanged.

@@ -70,6 +70,18 @@ impl JsonBody for reqwest::RequestBuilder {
     }
 }
 
+/// The chunks of a streamed answer to `body`, which must end with `[DONE]`.
+async fn streamed(client: &reqwest::Client, url: String, body: &Value) -> Vec<Value> {
+    let r = client.post(url).json_body(body).send().await.unwrap();
+    let text = r.text().await.unwrap();
+    let events = sse_events(&text);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
 /// The SSE events of a body, without the `data: ` prefix.
 fn sse_events(body: &str) -> Vec<String> {
     body.split("\n\n")
@@ -150,21 +162,7 @@ async fn completions_and_chat_whole_and_streamed() {
 
     // Streamed completion with usage.
     let body = json!({"prompt": prompt, "max_tokens": 7, "stream": true, "stream_options": {"include_usage": true}});
-    let text = c
-        .post(format!("{base}/v1/completions"))
-        .json_body(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let events = sse_events(&text);
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = streamed(&c, format!("{base}/v1/completions"), &body).await;
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]));
     assert_eq!(usage["usage"]["completion_tokens"], 7);
@@ -186,21 +184,7 @@ async fn completions_and_chat_whole_and_streamed() {
     // Streamed chat: the role first, then content, no usage chunk unless asked.
     let mut body = chat;
     body["stream"] = json!(true);
-    let text = c
-        .post(format!("{base}/v1/chat/completions"))
-        .json_body(&body)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let events = sse_events(&text);
-    assert_eq!(events.last().unwrap(), "[DONE]");
-    let chunks: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| serde_json::from_str(e).unwrap())
-        .collect();
+    let chunks = streamed(&c, format!("{base}/v1/chat/completions"), &body).await;
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let n: usize = chunks
