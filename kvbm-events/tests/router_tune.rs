@@ -250,3 +250,56 @@ fn tuned_routing_beats_kv_when_one_worker_is_three_times_slower() {
         "mean TTFT: tuned {tuned_ttft}, kv {kv_ttft}"
     );
 }
+
+/// The externality term: the same evidence, two weights on a request's own service time. A
+/// worker with a queue of 3,000 tokens that holds the whole 2,000-token prompt, against an idle
+/// worker that holds none of it: the request's own predicted TTFT is lower on the idle worker
+/// (2,000 tokens to compute against 3,000 queued), so the greedy cost (weight 0) picks it; with
+/// weight 1 the 2,000 computed tokens also count for the requests that will queue behind them,
+/// and the worker that holds the prompt wins. The cost differs by exactly weight × service.
+#[test]
+fn the_externality_charges_a_request_its_own_service_time() {
+    let mut rng = StdRng::seed_from_u64(8);
+    let mut greedy = Tuner::new(16).with_externality(0.0);
+    let mut social = Tuner::new(16).with_externality(1.0);
+    assert_eq!(Tuner::new(16).with_externality(f64::NAN).externality(), 1.0);
+    assert_eq!(Tuner::new(16).with_externality(1e9).externality(), 100.0);
+    for _ in 0..2000 {
+        let f = random_features(&mut rng);
+        let (w, y) = ((1 + rng.gen_range(0..2), 0), TRUTH.ttft(&f));
+        assert!(greedy.observe_ttft(w, &f, y));
+        assert!(social.observe_ttft(w, &f, y));
+    }
+    let holder = Candidate {
+        worker: (1, 0),
+        overlap: Overlap {
+            gpu: 125,
+            host: 0,
+            disk: 0,
+        },
+        load: WorkerLoad {
+            prefill_tokens: 3000,
+            decode_blocks: 0,
+            requests: 1,
+        },
+    };
+    let idle = Candidate {
+        worker: (2, 0),
+        overlap: Overlap::default(),
+        load: WorkerLoad::default(),
+    };
+    let pick = |t: &Tuner| {
+        if t.cost(&holder, 2000).unwrap() < t.cost(&idle, 2000).unwrap() {
+            holder.worker
+        } else {
+            idle.worker
+        }
+    };
+    assert_eq!(pick(&greedy), idle.worker);
+    assert_eq!(pick(&social), holder.worker);
+    let c = social.coefficients(idle.worker).unwrap();
+    let service = c.service(&RouteFeatures::of(&idle, 2000, 16));
+    assert!(close(service, TRUTH.c_compute * 2000.0, 0.05), "{service}");
+    let diff = social.cost(&idle, 2000).unwrap() - greedy.cost(&idle, 2000).unwrap();
+    assert!(close(diff, service, 1e-9), "{diff} vs {service}");
+}

@@ -131,6 +131,12 @@ pub struct Args {
     #[arg(long, default_value_t = 0.0)]
     pub router_decode_active_request_weight: f64,
 
+    /// `tuned` only: weight of a request's own predicted service time (its computed tokens and
+    /// loads) in its cost, for the delay it brings to the requests queued after it on that
+    /// worker; 0 minimizes each request's own predicted TTFT (at most 100).
+    #[arg(long, default_value_t = kvbm_events::router::tune::EXTERNALITY_DEFAULT)]
+    pub router_tuned_externality: f64,
+
     /// Seconds a routed request counts toward its worker's load when the caller never reports its
     /// first token or its end (at most a week).
     #[arg(long, default_value_t = 600)]
@@ -329,6 +335,8 @@ pub struct RouterConfig {
     pub block_size: usize,
     /// The selector's weights.
     pub selector: SelectorConfig,
+    /// `tuned`: weight of a request's own service time in its cost.
+    pub tuned_externality: f64,
     /// How long an unreported request counts toward load.
     pub request_ttl: Duration,
     /// Per-worker index limit.
@@ -423,6 +431,7 @@ impl Default for RouterConfig {
         Self {
             block_size: 16,
             selector: SelectorConfig::default(),
+            tuned_externality: kvbm_events::router::tune::EXTERNALITY_DEFAULT,
             request_ttl: Duration::from_secs(600),
             max_blocks_per_worker: BLOCKS_PER_WORKER_MAX_DEFAULT,
             index_capacity_blocks: 0,
@@ -638,6 +647,17 @@ impl Args {
         Ok(RouterConfig {
             block_size: self.block_size,
             selector: self.selector_config()?,
+            tuned_externality: {
+                let e = weight("router-tuned-externality", self.router_tuned_externality)?;
+                if e > kvbm_events::router::tune::EXTERNALITY_MAX {
+                    return Err(ConfigError::Flag {
+                        flag: "router-tuned-externality",
+                        value: e.to_string(),
+                        why: "must be at most 100",
+                    });
+                }
+                e
+            },
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
             index_capacity_blocks: index_capacity(self.index_capacity_blocks, physical_memory())?,

@@ -437,7 +437,9 @@ impl Router {
             metrics: RouterMetrics::new(),
             rng: Mutex::new(StdRng::from_entropy()),
             round_robin: Mutex::new(RoundRobin::default()),
-            tuner: Mutex::new(Tuner::new(config.block_size)),
+            tuner: Mutex::new(
+                Tuner::new(config.block_size).with_externality(config.tuned_externality),
+            ),
             cpu_seen: Mutex::new(0.0),
             config,
         });
@@ -1164,6 +1166,7 @@ impl Router {
             },
             "tuned": {
                 "active": tuner.ready(),
+                "externality": tuner.externality(),
                 "warmup_observations": kvbm_events::router::tune::WARMUP_OBSERVATIONS,
                 "observations": {
                     "ttft": counts.ttft,

@@ -68,8 +68,9 @@ pub struct ReplayArgs {
         default_value = "round-robin,random,least-loaded,kv-gpu,kv,dynamo,tuned"
     )]
     pub modes: Vec<String>,
-    /// Extra `kv` runs with fixed weights: KEY=V1,V2,... with KEY one of prefill_load_scale,
-    /// kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight (repeatable).
+    /// Extra runs: KEY=V1,V2,... with KEY one of `kv`'s weights (prefill_load_scale,
+    /// kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight) or `tuned`'s
+    /// tuned_externality (repeatable).
     #[arg(long)]
     pub sweep: Vec<String>,
     /// Offered prompt tokens as a fraction of the fleet's no-cache prefill throughput.
@@ -127,20 +128,23 @@ pub struct ReplayArgs {
     pub start_timeout_s: f64,
 }
 
-/// The router flag of a sweep key (Dynamo's names, see kvbm-router's config).
-fn sweep_flag(key: &str) -> anyhow::Result<&'static str> {
+/// The routing mode and router flag of a sweep key (Dynamo's names for `kv`'s weights, see
+/// kvbm-router's config; `tuned_externality` for `tuned`).
+fn sweep_flag(key: &str) -> anyhow::Result<(&'static str, &'static str)> {
     Ok(match key {
-        "prefill_load_scale" => "--router-prefill-load-scale",
-        "kv_overlap_score_credit" => "--router-kv-overlap-score-credit",
-        "host_cache_hit_weight" => "--router-host-cache-hit-weight",
-        "disk_cache_hit_weight" => "--router-disk-cache-hit-weight",
+        "prefill_load_scale" => ("kv", "--router-prefill-load-scale"),
+        "kv_overlap_score_credit" => ("kv", "--router-kv-overlap-score-credit"),
+        "host_cache_hit_weight" => ("kv", "--router-host-cache-hit-weight"),
+        "disk_cache_hit_weight" => ("kv", "--router-disk-cache-hit-weight"),
+        "tuned_externality" => ("tuned", "--router-tuned-externality"),
         _ => bail!(
-            "--sweep {key:?}: not one of prefill_load_scale, kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight"
+            "--sweep {key:?}: not one of prefill_load_scale, kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, tuned_externality"
         ),
     })
 }
 
-/// The runs the arguments ask for, in order: the modes, then the sweep's `kv` runs.
+/// The runs the arguments ask for, in order: the modes, then the sweep's runs (`kv`'s, or
+/// `tuned`'s for its key).
 pub fn run_specs(modes: &[String], sweeps: &[String]) -> anyhow::Result<Vec<RunSpec>> {
     let mut specs: Vec<RunSpec> = modes
         .iter()
@@ -156,14 +160,14 @@ pub fn run_specs(modes: &[String], sweeps: &[String]) -> anyhow::Result<Vec<RunS
         let (key, values) = sweep
             .split_once('=')
             .with_context(|| format!("--sweep {sweep:?}: expected KEY=V1,V2,..."))?;
-        let flag = sweep_flag(key.trim())?;
+        let (mode, flag) = sweep_flag(key.trim())?;
         for v in values.split(',').map(str::trim).filter(|v| !v.is_empty()) {
             let x: f64 = v
                 .parse()
                 .with_context(|| format!("--sweep {sweep:?}: {v:?} is not a number"))?;
             specs.push(RunSpec {
-                label: format!("kv {}={v}", key.trim()),
-                mode: "kv".into(),
+                label: format!("{mode} {}={v}", key.trim()),
+                mode: mode.into(),
                 router_flags: vec![flag.into(), x.to_string()],
             });
         }
@@ -666,12 +670,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sweeps_add_kv_runs_with_the_router_flag() {
+    fn sweeps_add_runs_of_their_mode_with_the_router_flag() {
         let specs = run_specs(
             &["round-robin".into(), " tuned".into(), "".into()],
             &[
                 "prefill_load_scale=1,2.5".into(),
                 "host_cache_hit_weight=0.5".into(),
+                "tuned_externality=0".into(),
             ],
         )
         .unwrap();
@@ -683,9 +688,12 @@ mod tests {
                 "tuned",
                 "kv prefill_load_scale=1",
                 "kv prefill_load_scale=2.5",
-                "kv host_cache_hit_weight=0.5"
+                "kv host_cache_hit_weight=0.5",
+                "tuned tuned_externality=0"
             ]
         );
+        assert_eq!(specs[5].mode, "tuned");
+        assert_eq!(specs[5].router_flags, ["--router-tuned-externality", "0"]);
         assert_eq!(specs[3].mode, "kv");
         assert_eq!(
             specs[3].router_flags,

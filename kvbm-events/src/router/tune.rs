@@ -37,6 +37,13 @@
 //! [`DECODE_PENALTY_MAX_SECS`] and at [`DECODE_PENALTY_SHARE`] of the predicted TTFT, so that a noisy
 //! TPOT fit cannot outweigh the TTFT it is added to.
 //!
+//! The externality (`--router-tuned-externality`, factor `e`, default
+//! [`EXTERNALITY_DEFAULT`]): the predicted TTFT is the request's own; the prefill it adds to the
+//! worker delays every request queued there after it. The cost adds `e` times the request's own
+//! service time there (`c_compute · compute + c_host · host + c_disk · disk`), so that a choice
+//! that saves compute is credited for what it saves the requests behind it, not only itself. At
+//! `e = 0` the router minimizes each request's own predicted TTFT (greedy).
+//!
 //! In Dynamo's terms (fleet fit): `prefill_load_scale = c_compute · block_size / c_dec`,
 //! `host_cache_hit_weight = 1 − c_host / c_compute`, `disk_cache_hit_weight = 1 − c_disk /
 //! c_compute` (clamped to [0, 1]; `prefill_load_scale` to [0, [`PREFILL_LOAD_SCALE_MAX`]]).
@@ -76,6 +83,10 @@ pub const DECODE_PENALTY_SHARE: f64 = 0.1;
 pub const REMAINING_TOKENS_MAX: f64 = 512.0;
 /// Bound of the Dynamo-equivalent `prefill_load_scale`.
 pub const PREFILL_LOAD_SCALE_MAX: f64 = 1000.0;
+/// Default weight of a request's own service time in its cost (see the module's text).
+pub const EXTERNALITY_DEFAULT: f64 = 1.0;
+/// Largest accepted externality weight.
+pub const EXTERNALITY_MAX: f64 = 100.0;
 /// Residuals kept per worker for the debug view.
 pub const RESIDUALS_KEPT: usize = 16;
 
@@ -268,6 +279,14 @@ impl Coefficients {
             + self.c_dec * f.decode_blocks as f64
     }
 
+    /// Predicted time the request itself occupies the worker's prefill (seconds): its computed
+    /// tokens and its loads, without the queue ahead of it.
+    pub fn service(&self, f: &RouteFeatures) -> f64 {
+        self.c_compute * f.compute_tokens as f64
+            + self.c_host * f.host_tokens as f64
+            + self.c_disk * f.disk_tokens as f64
+    }
+
     /// Dynamo's weights that rank workers as these coefficients do (see the module's text).
     pub fn dynamo_weights(&self, block_size: usize) -> DynamoEquivalent {
         let c = self.c_compute.max(C_COMPUTE_MIN);
@@ -377,6 +396,8 @@ pub struct Tuner {
     counts: TunerCounts,
     /// Running mean of completion lengths (tokens).
     completion_tokens: f64,
+    /// Weight of the request's own service time in its cost.
+    externality: f64,
 }
 
 impl Tuner {
@@ -388,7 +409,24 @@ impl Tuner {
             workers: HashMap::new(),
             counts: TunerCounts::default(),
             completion_tokens: 0.0,
+            externality: EXTERNALITY_DEFAULT,
         }
+    }
+
+    /// The same learner with weight `e` on a request's own service time in its cost (clamped to
+    /// 0..=[`EXTERNALITY_MAX`]; not finite: the default).
+    pub fn with_externality(mut self, e: f64) -> Self {
+        self.externality = if e.is_finite() {
+            e.clamp(0.0, EXTERNALITY_MAX)
+        } else {
+            EXTERNALITY_DEFAULT
+        };
+        self
+    }
+
+    /// Weight of a request's own service time in its cost.
+    pub fn externality(&self) -> f64 {
+        self.externality
     }
 
     /// Whether the fleet has enough observations for the learned cost.
@@ -550,7 +588,7 @@ impl Tuner {
         let penalty = (c.d1 * f.request_blocks as f64 * f.requests as f64 * remaining)
             .min(DECODE_PENALTY_MAX_SECS)
             .min(DECODE_PENALTY_SHARE * ttft.max(0.0));
-        let cost = ttft + penalty;
+        let cost = ttft + penalty + self.externality * c.service(&f);
         Some(if cost.is_finite() { cost } else { f64::MAX })
     }
 
