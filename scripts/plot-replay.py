@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Plots a `kvbm-bench replay` results file: TTFT p50/p90 per run (log scale) and, under it, where
-the workers found the prompt tokens (computed, GPU, host, disk), stacked.
+"""Plots a `kvbm-bench replay` results file: TTFT p50/p90 per setting (log scale) and, under it,
+where the workers found the prompt tokens (computed, GPU, host, disk), stacked. With `--repeat`,
+each setting's bars are its medians over the rounds, the p90 bar's whisker its lowest and highest
+round, and the tiers the rounds' mean.
 
     scripts/plot-replay.py results.json out.png
 
@@ -9,11 +11,26 @@ Headless (matplotlib's Agg back end); needs matplotlib (pip install matplotlib).
 
 import json
 import math
+import statistics
 import sys
 
 
 def finite(x):
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def by_label(runs):
+    """Runs grouped by setting, in the order the settings first ran."""
+    groups = {}
+    for r in runs:
+        groups.setdefault(r["label"], []).append(r)
+    return list(groups.items())
+
+
+def median_of(group, section, key):
+    values = [(r.get(section) or {}).get(key) for r in group]
+    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.median(values) if values else None
 
 
 def main(argv):
@@ -33,23 +50,34 @@ def main(argv):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [r["label"] for r in runs]
-    xs = range(len(runs))
+    groups = by_label(runs)
+    labels = [label for label, _ in groups]
+    xs = range(len(groups))
     width = 0.38
+    rounds = max(len(g) for _, g in groups)
     fig, (ax_t, ax_r) = plt.subplots(
-        2, 1, figsize=(max(6.0, 1.1 * len(runs) + 2), 7.5), sharex=True,
+        2, 1, figsize=(max(6.0, 1.1 * len(groups) + 2), 7.5), sharex=True,
         gridspec_kw={"height_ratios": [3, 2]},
     )
 
     for offset, key, color in ((-width / 2, "p50", "#4c72b0"), (width / 2, "p90", "#dd8452")):
-        values = [(r.get("ttft_s") or {}).get(key) for r in runs]
+        values = [median_of(g, "ttft_s", key) for _, g in groups]
         heights = [v if finite(v) else 0.0 for v in values]
-        bars = ax_t.bar([x + offset for x in xs], heights, width, label=f"TTFT {key}", color=color)
+        label = f"TTFT {key}" + (f" (median of {rounds})" if rounds > 1 else "")
+        bars = ax_t.bar([x + offset for x in xs], heights, width, label=label, color=color)
+        if key == "p90" and rounds > 1:
+            for x, (_, g), v in zip(xs, groups, values):
+                each = [(r.get("ttft_s") or {}).get("p90") for r in g]
+                each = [e for e in each if finite(e)]
+                if finite(v) and len(each) > 1:
+                    ax_t.errorbar([x + offset], [v], yerr=[[v - min(each)], [max(each) - v]],
+                                  fmt="none", ecolor="#333333", capsize=3, linewidth=1)
         for bar, v in zip(bars, values):
             if finite(v):
                 ax_t.annotate(f"{v:.2g}", (bar.get_x() + bar.get_width() / 2, v),
-                              ha="center", va="bottom", fontsize=7)
-    if any(finite((r.get("ttft_s") or {}).get("p50")) for r in runs):
+                              ha="left" if key == "p90" and rounds > 1 else "center",
+                              va="bottom", fontsize=7)
+    if any(finite(median_of(g, "ttft_s", "p50")) for _, g in groups):
         ax_t.set_yscale("log")
     ax_t.set_ylabel("TTFT (simulated s)")
     trace = doc.get("trace", {})
@@ -60,12 +88,14 @@ def main(argv):
     ax_t.legend(fontsize=8)
     ax_t.grid(axis="y", which="both", alpha=0.3)
 
-    bottom = [0.0] * len(runs)
+    bottom = [0.0] * len(groups)
     for tier, color in (("gpu", "#55a868"), ("host", "#8172b2"), ("disk", "#937860"),
                         ("computed", "#c8c8c8")):
-        values = [(r.get("reuse") or {}).get(tier) for r in runs]
-        heights = [100.0 * v if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
-                   for v in values]
+        heights = []
+        for _, g in groups:
+            values = [(r.get("reuse") or {}).get(tier) for r in g]
+            values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+            heights.append(100.0 * statistics.fmean(values) if values else 0.0)
         ax_r.bar(list(xs), heights, 0.6, bottom=bottom, label=tier, color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax_r.set_ylabel("prompt tokens (%)")

@@ -34,6 +34,13 @@
 //! Routing stays far under issue 13's 100 µs p99 at 8K tokens with 64 workers; tokenizing is
 //! 98-99% of the router's own cost. Route minus query (4-10 µs, whatever the prompt's length)
 //! grows with the workers: one run at 256 workers of 1 024 blocks routed in 47-65 / 157-177 µs.
+//!
+//! The front end's own path (the last rows printed): it tokenizes in 2 KiB windows only while
+//! some worker holds every block so far, and keeps tokenized windows in its prefix cache. One run
+//! (2026-12-05, 16 workers, the chatml fixture; the same machine tokenized a whole 8 193-token
+//! prompt in 9.1-9.3 ms that day), p50: the same prompt again 23 µs at 8 193 tokens, 8 µs at
+//! 1 024; the next turn of a conversation a worker holds (its prefix cached) 0.86 ms / 0.43 ms; a
+//! prompt no worker has seen (tokenizing stops after the first windows) 0.76 ms / 0.82 ms.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
