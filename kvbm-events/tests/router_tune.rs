@@ -2,7 +2,7 @@
 //! finite and within its bounds whatever it is fed, waits for evidence, forgets workers that
 //! left, and routes better than fixed weights when workers differ.
 
-use kvbm_events::router::tune::{PREFILL_LOAD_SCALE_MAX, WARMUP_OBSERVATIONS};
+use kvbm_events::router::tune::{EXTERNALITY_DEFAULT, PREFILL_LOAD_SCALE_MAX, WARMUP_OBSERVATIONS};
 use kvbm_events::router::{
     select_mode, Candidate, Coefficients, Overlap, RoundRobin, RouteFeatures, RouterMode,
     SelectorConfig, Tuner, WorkerLoad,
@@ -262,7 +262,10 @@ fn the_externality_charges_a_request_its_own_service_time() {
     let mut rng = StdRng::seed_from_u64(8);
     let mut greedy = Tuner::new(16).with_externality(0.0);
     let mut social = Tuner::new(16).with_externality(1.0);
-    assert_eq!(Tuner::new(16).with_externality(f64::NAN).externality(), 1.0);
+    assert_eq!(
+        Tuner::new(16).with_externality(f64::NAN).externality(),
+        EXTERNALITY_DEFAULT
+    );
     assert_eq!(Tuner::new(16).with_externality(1e9).externality(), 100.0);
     for _ in 0..2000 {
         let f = random_features(&mut rng);

@@ -91,8 +91,8 @@ pub struct Args {
     /// (kvbm's tier-aware weights: Dynamo's cost with the prefill term weighted 10 and host
     /// hits credited as GPU hits), `dynamo` (Dynamo's default cost and weights), `tuned` (a
     /// cost learned online from the front end's observed time to first token and time per
-    /// output token; `kv`'s weights until 50 streamed requests were observed; see GET
-    /// /debug/cost). The weight flags below change `kv-gpu`'s, `kv`'s, `dynamo`'s and `tuned`'s
+    /// output token; `kv`'s weights until 50 streamed requests were observed, and always when
+    /// the router is asked only through /route; see GET /debug/cost). The weight flags below change `kv-gpu`'s, `kv`'s, `dynamo`'s and `tuned`'s
     /// starting weights (`kv-gpu` keeps host and disk at 0).
     #[arg(long, env = "KVBM_ROUTER_MODE", default_value_t = ROUTER_MODE_DEFAULT, value_parser = parse_mode)]
     pub router_mode: RouterMode,

@@ -47,7 +47,10 @@ pub enum RouterMode {
     Tuned,
 }
 
-/// The router's mode when `--router-mode` is not given.
+/// The router's mode when `--router-mode` is not given: `kv`, the best fixed setting
+/// `kvbm-bench replay` measured. `tuned` beat it at 8 workers (README, "Routing policies,
+/// measured") but not at 16, where one run in three let a worker overload (its learned decode
+/// cost caught up too late), so it is not the default.
 pub const ROUTER_MODE_DEFAULT: RouterMode = RouterMode::Kv;
 
 impl RouterMode {
