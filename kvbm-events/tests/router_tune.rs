@@ -306,3 +306,29 @@ fn the_externality_charges_a_request_its_own_service_time() {
     let diff = social.cost(&idle, 2000).unwrap() - greedy.cost(&idle, 2000).unwrap();
     assert!(close(diff, service, 1e-9), "{diff} vs {service}");
 }
+
+/// Bounded loads: with bound 0.25, four workers holding 10, 2, 2 and 3 requests in flight (18
+/// with the new one, an even share of 4.5) may hold at most ceil(1.25 × 4.5) - 1 = 5 to be
+/// chosen; no bound, no cap; one candidate is never capped.
+#[test]
+fn the_load_cap_is_a_bounded_multiple_of_an_even_share() {
+    let with = |requests: usize| Candidate {
+        worker: (requests as u64, 0),
+        overlap: Overlap::default(),
+        load: WorkerLoad {
+            prefill_tokens: 0,
+            decode_blocks: 0,
+            requests,
+        },
+    };
+    let fleet = [with(10), with(2), with(2), with(3)];
+    let bounded = Tuner::new(16).with_load_bound(0.25);
+    assert_eq!(bounded.load_bound(), 0.25);
+    assert_eq!(bounded.load_cap(&fleet), Some(6));
+    assert_eq!(bounded.load_cap(&fleet[..1]), None);
+    assert_eq!(Tuner::new(16).with_load_bound(0.0).load_cap(&fleet), None);
+    assert_eq!(Tuner::new(16).with_load_bound(-1.0).load_cap(&fleet), None);
+    // An idle fleet: every worker may take the first request.
+    let idle = [with(0), with(0)];
+    assert_eq!(bounded.load_cap(&idle), Some(1));
+}

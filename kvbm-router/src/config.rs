@@ -137,6 +137,12 @@ pub struct Args {
     #[arg(long, default_value_t = kvbm_events::router::tune::EXTERNALITY_DEFAULT)]
     pub router_tuned_externality: f64,
 
+    /// `tuned` only: a worker holding (1 + this) times an even share of the requests in flight
+    /// (the new one counted) is not chosen while another worker is; 0 turns the bound off (at
+    /// most 100).
+    #[arg(long, default_value_t = kvbm_events::router::tune::LOAD_BOUND_DEFAULT)]
+    pub router_tuned_load_bound: f64,
+
     /// Seconds a routed request counts toward its worker's load when the caller never reports its
     /// first token or its end (at most a week).
     #[arg(long, default_value_t = 600)]
@@ -337,6 +343,8 @@ pub struct RouterConfig {
     pub selector: SelectorConfig,
     /// `tuned`: weight of a request's own service time in its cost.
     pub tuned_externality: f64,
+    /// `tuned`: bound on a worker's requests in flight over an even share (0: none).
+    pub tuned_load_bound: f64,
     /// How long an unreported request counts toward load.
     pub request_ttl: Duration,
     /// Per-worker index limit.
@@ -432,6 +440,7 @@ impl Default for RouterConfig {
             block_size: 16,
             selector: SelectorConfig::default(),
             tuned_externality: kvbm_events::router::tune::EXTERNALITY_DEFAULT,
+            tuned_load_bound: kvbm_events::router::tune::LOAD_BOUND_DEFAULT,
             request_ttl: Duration::from_secs(600),
             max_blocks_per_worker: BLOCKS_PER_WORKER_MAX_DEFAULT,
             index_capacity_blocks: 0,
@@ -657,6 +666,17 @@ impl Args {
                     });
                 }
                 e
+            },
+            tuned_load_bound: {
+                let b = weight("router-tuned-load-bound", self.router_tuned_load_bound)?;
+                if b > kvbm_events::router::tune::LOAD_BOUND_MAX {
+                    return Err(ConfigError::Flag {
+                        flag: "router-tuned-load-bound",
+                        value: b.to_string(),
+                        why: "must be at most 100",
+                    });
+                }
+                b
             },
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,

@@ -438,7 +438,9 @@ impl Router {
             rng: Mutex::new(StdRng::from_entropy()),
             round_robin: Mutex::new(RoundRobin::default()),
             tuner: Mutex::new(
-                Tuner::new(config.block_size).with_externality(config.tuned_externality),
+                Tuner::new(config.block_size)
+                    .with_externality(config.tuned_externality)
+                    .with_load_bound(config.tuned_load_bound),
             ),
             cpu_seen: Mutex::new(0.0),
             config,
@@ -979,7 +981,11 @@ impl Router {
             let mut round_robin = self.shared.round_robin.lock();
             // The learned cost, in the tuned mode once the learner is warm.
             let tuner = (selector.mode == RouterMode::Tuned).then(|| self.shared.tuner.lock());
+            let cap = tuner.as_ref().and_then(|t| t.load_cap(&candidates));
             let cost = |c: &Candidate| {
+                if cap.is_some_and(|cap| c.load.requests >= cap) {
+                    return f64::MAX;
+                }
                 tuner
                     .as_ref()
                     .and_then(|t| t.cost(c, input_tokens))
@@ -1167,6 +1173,7 @@ impl Router {
             "tuned": {
                 "active": tuner.ready(),
                 "externality": tuner.externality(),
+                "load_bound": tuner.load_bound(),
                 "warmup_observations": kvbm_events::router::tune::WARMUP_OBSERVATIONS,
                 "observations": {
                     "ttft": counts.ttft,

@@ -70,7 +70,7 @@ pub struct ReplayArgs {
     pub modes: Vec<String>,
     /// Extra runs: KEY=V1,V2,... with KEY one of `kv`'s weights (prefill_load_scale,
     /// kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight) or `tuned`'s
-    /// tuned_externality (repeatable).
+    /// (tuned_externality, tuned_load_bound) (repeatable).
     #[arg(long)]
     pub sweep: Vec<String>,
     /// Offered prompt tokens as a fraction of the fleet's no-cache prefill throughput.
@@ -137,8 +137,9 @@ fn sweep_flag(key: &str) -> anyhow::Result<(&'static str, &'static str)> {
         "host_cache_hit_weight" => ("kv", "--router-host-cache-hit-weight"),
         "disk_cache_hit_weight" => ("kv", "--router-disk-cache-hit-weight"),
         "tuned_externality" => ("tuned", "--router-tuned-externality"),
+        "tuned_load_bound" => ("tuned", "--router-tuned-load-bound"),
         _ => bail!(
-            "--sweep {key:?}: not one of prefill_load_scale, kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, tuned_externality"
+            "--sweep {key:?}: not one of prefill_load_scale, kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, tuned_externality, tuned_load_bound"
         ),
     })
 }

@@ -44,6 +44,14 @@
 //! that saves compute is credited for what it saves the requests behind it, not only itself. At
 //! `e = 0` the router minimizes each request's own predicted TTFT (greedy).
 //!
+//! Bounded loads (`--router-tuned-load-bound`, `b`, default [`LOAD_BOUND_DEFAULT`]; 0: off): a
+//! worker holding `ceil((1 + b) · (R + 1) / n)` or more of the `R` routed requests in flight
+//! over `n` candidates is not chosen while another is (the bound of consistent hashing with
+//! bounded loads). The learned cost sees a worker's queue through its features; past the
+//! engine's running-sequence cap, requests wait for a slot, which no linear feature shows, so
+//! without a bound a worker whose cached prefixes draw requests can overload before its fit
+//! catches up.
+//!
 //! In Dynamo's terms (fleet fit): `prefill_load_scale = c_compute · block_size / c_dec`,
 //! `host_cache_hit_weight = 1 − c_host / c_compute`, `disk_cache_hit_weight = 1 − c_disk /
 //! c_compute` (clamped to [0, 1]; `prefill_load_scale` to [0, [`PREFILL_LOAD_SCALE_MAX`]]).
@@ -91,6 +99,10 @@ pub const PREFILL_LOAD_SCALE_MAX: f64 = 1000.0;
 pub const EXTERNALITY_DEFAULT: f64 = 3.0;
 /// Largest accepted externality weight.
 pub const EXTERNALITY_MAX: f64 = 100.0;
+/// Default bound on a worker's requests in flight over an even share (see the module's text).
+pub const LOAD_BOUND_DEFAULT: f64 = 0.0;
+/// Largest accepted load bound.
+pub const LOAD_BOUND_MAX: f64 = 100.0;
 /// Residuals kept per worker for the debug view.
 pub const RESIDUALS_KEPT: usize = 16;
 
@@ -402,6 +414,8 @@ pub struct Tuner {
     completion_tokens: f64,
     /// Weight of the request's own service time in its cost.
     externality: f64,
+    /// Bound on a worker's requests in flight over an even share; 0: none.
+    load_bound: f64,
 }
 
 impl Tuner {
@@ -414,7 +428,35 @@ impl Tuner {
             counts: TunerCounts::default(),
             completion_tokens: 0.0,
             externality: EXTERNALITY_DEFAULT,
+            load_bound: LOAD_BOUND_DEFAULT,
         }
+    }
+
+    /// The same learner with load bound `b` (clamped to 0..=[`LOAD_BOUND_MAX`]; not finite:
+    /// the default; 0: none).
+    pub fn with_load_bound(mut self, b: f64) -> Self {
+        self.load_bound = if b.is_finite() {
+            b.clamp(0.0, LOAD_BOUND_MAX)
+        } else {
+            LOAD_BOUND_DEFAULT
+        };
+        self
+    }
+
+    /// The load bound.
+    pub fn load_bound(&self) -> f64 {
+        self.load_bound
+    }
+
+    /// The fewest requests in flight that keep a worker among `candidates` from being chosen
+    /// (see the module's text); None without a bound or with fewer than two candidates.
+    pub fn load_cap(&self, candidates: &[Candidate]) -> Option<usize> {
+        if self.load_bound <= 0.0 || candidates.len() < 2 {
+            return None;
+        }
+        let total: usize = candidates.iter().map(|c| c.load.requests).sum();
+        let even = (total as f64 + 1.0) / candidates.len() as f64;
+        Some(((1.0 + self.load_bound) * even).ceil().max(1.0) as usize)
     }
 
     /// The same learner with weight `e` on a request's own service time in its cost (clamped to
