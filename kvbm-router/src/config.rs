@@ -553,6 +553,19 @@ fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
     }
 }
 
+/// A [`weight`] no larger than `max`.
+fn weight_at_most(flag: &'static str, value: f64, max: f64) -> Result<f64, ConfigError> {
+    let v = weight(flag, value)?;
+    if v > max {
+        return Err(ConfigError::FlagAbove {
+            flag,
+            value: v.to_string(),
+            max: max as u64,
+        });
+    }
+    Ok(v)
+}
+
 fn parse_mode(s: &str) -> Result<RouterMode, String> {
     s.parse()
 }
@@ -656,28 +669,16 @@ impl Args {
         Ok(RouterConfig {
             block_size: self.block_size,
             selector: self.selector_config()?,
-            tuned_externality: {
-                let e = weight("router-tuned-externality", self.router_tuned_externality)?;
-                if e > kvbm_events::router::tune::EXTERNALITY_MAX {
-                    return Err(ConfigError::Flag {
-                        flag: "router-tuned-externality",
-                        value: e.to_string(),
-                        why: "must be at most 100",
-                    });
-                }
-                e
-            },
-            tuned_load_bound: {
-                let b = weight("router-tuned-load-bound", self.router_tuned_load_bound)?;
-                if b > kvbm_events::router::tune::LOAD_BOUND_MAX {
-                    return Err(ConfigError::Flag {
-                        flag: "router-tuned-load-bound",
-                        value: b.to_string(),
-                        why: "must be at most 100",
-                    });
-                }
-                b
-            },
+            tuned_externality: weight_at_most(
+                "router-tuned-externality",
+                self.router_tuned_externality,
+                kvbm_events::router::tune::EXTERNALITY_MAX,
+            )?,
+            tuned_load_bound: weight_at_most(
+                "router-tuned-load-bound",
+                self.router_tuned_load_bound,
+                kvbm_events::router::tune::LOAD_BOUND_MAX,
+            )?,
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
             index_capacity_blocks: index_capacity(self.index_capacity_blocks, physical_memory())?,
@@ -1166,6 +1167,24 @@ mod tests {
             assert!(e.contains("--router-predicted-ttl-secs"), "{e}");
         }
         args.router_predicted_ttl_secs = 2.5;
+        // The tuned cost's knobs: finite, 0 or more, at most 100.
+        for bad in [f64::NAN, -1.0, 101.0] {
+            args.router_tuned_externality = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--router-tuned-externality="), "{e}");
+            args.router_tuned_externality = 3.0;
+            args.router_tuned_load_bound = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--router-tuned-load-bound="), "{e}");
+            args.router_tuned_load_bound = 0.0;
+        }
+        let e = weight_at_most("x", 101.0, 100.0).unwrap_err().to_string();
+        assert!(e.contains("(100)"), "{e}");
+        args.router_tuned_externality = 100.0;
+        args.router_tuned_load_bound = 0.5;
+        let c = args.router_config().unwrap();
+        assert_eq!((c.tuned_externality, c.tuned_load_bound), (100.0, 0.5));
+        args.router_tuned_externality = 3.0;
         assert_eq!(
             args.router_config().unwrap().predicted_ttl,
             Duration::from_millis(2500)

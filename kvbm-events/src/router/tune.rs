@@ -239,6 +239,15 @@ impl<const N: usize> Rls<N> {
     }
 }
 
+/// `v` clamped to `0..=max`, or `default` when it is not finite.
+fn finite_in(v: f64, max: f64, default: f64) -> f64 {
+    if v.is_finite() {
+        v.clamp(0.0, max)
+    } else {
+        default
+    }
+}
+
 /// Coefficients in use, per token or block (seconds).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Coefficients {
@@ -438,11 +447,7 @@ impl Tuner {
     /// The same learner with load bound `b` (clamped to 0..=[`LOAD_BOUND_MAX`]; not finite:
     /// the default; 0: none).
     pub fn with_load_bound(mut self, b: f64) -> Self {
-        self.load_bound = if b.is_finite() {
-            b.clamp(0.0, LOAD_BOUND_MAX)
-        } else {
-            LOAD_BOUND_DEFAULT
-        };
+        self.load_bound = finite_in(b, LOAD_BOUND_MAX, LOAD_BOUND_DEFAULT);
         self
     }
 
@@ -465,11 +470,7 @@ impl Tuner {
     /// The same learner with weight `e` on a request's own service time in its cost (clamped to
     /// 0..=[`EXTERNALITY_MAX`]; not finite: the default).
     pub fn with_externality(mut self, e: f64) -> Self {
-        self.externality = if e.is_finite() {
-            e.clamp(0.0, EXTERNALITY_MAX)
-        } else {
-            EXTERNALITY_DEFAULT
-        };
+        self.externality = finite_in(e, EXTERNALITY_MAX, EXTERNALITY_DEFAULT);
         self
     }
 
