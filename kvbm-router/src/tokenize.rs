@@ -367,7 +367,7 @@ impl ModelTokenizer {
             seed: rand::random(),
             budget: bytes,
             inner: parking_lot::Mutex::new(PrefixCacheInner {
-                windows: lru::LruCache::unbounded(),
+                windows: lru::LruCache::unbounded(), // bounded: evicted to `budget` bytes on insert
                 bytes: 0,
             }),
         });
