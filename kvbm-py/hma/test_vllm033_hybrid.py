@@ -24,12 +24,23 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 GiB = 1 << 30
 TINY_MEMORY = 1 << 20
 
+# Qwen3-Next's attention block, which holds one Mamba state page: 544 with the SSM state in
+# bfloat16, 1056 in float32. vllm/platforms/cpu.py (CpuPlatform.check_and_update_config) keeps
+# the SSM state in float32 on a CPU with AVX-512 BF16 unless its GDN backend takes bfloat16, so
+# which one a run sees depends on the host; the tests read it from the plan.
+QWEN3_NEXT_BLOCK = {torch.bfloat16: 544, torch.float32: 1056}
+
 EXPECTED_GROUPS = {
-    # shape name -> (kinds in group order, layers per group, block size)
+    # shape name -> (kinds in group order, layers per group, block size; None: Qwen3-Next's)
     "gpt-oss-20b": (["sliding", "full"], 12, 16),
     "gemma-3-12b": (["sliding"] * 5 + ["full"], 8, 16),
-    "qwen3-next-80b-a3b": (["mamba"] * 3 + ["full"], 12, 544),
+    "qwen3-next-80b-a3b": (["mamba"] * 3 + ["full"], 12, None),
 }
+
+
+def qwen3_next_block(p):
+    """The block size vLLM chose for a Qwen3-Next plan, by its SSM state's dtype."""
+    return QWEN3_NEXT_BLOCK[p.groups[0].kv_cache_spec.dtypes[1]]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +77,7 @@ def test_hma_groups_per_shape(full_plans, name):
     last; groups list layers in model order."""
     p = full_plans[name]
     kinds, layers_per_group, block_size = EXPECTED_GROUPS[name]
+    block_size = block_size or qwen3_next_block(p)
     assert [v.group_kind(g.kv_cache_spec) for g in p.groups] == kinds
     assert all(len(g.layer_names) == layers_per_group for g in p.groups)
     assert {g.kv_cache_spec.block_size for g in p.groups} == {block_size}
@@ -121,14 +133,16 @@ def test_qwen3_next_block_size_and_state(full_plans):
     ) or sorted(mamba.shapes) == sorted(
         [(conv_dim, gdn.conv_kernel - 1), (gdn.num_v_heads, gdn.head_v_dim, gdn.head_k_dim)]
     )
-    assert mamba.dtypes == (torch.bfloat16, torch.bfloat16)
+    ssm_dtype = torch.float32 if cc.mamba_ssm_cache_dtype == "float32" else torch.bfloat16
+    assert mamba.dtypes == (torch.bfloat16, ssm_dtype)
+    block = QWEN3_NEXT_BLOCK[ssm_dtype]
     state = mamba.state_content_size_bytes
     attn_token = 2 * p.shape.num_kv_heads * p.shape.head_size * 2
-    assert cc.block_size == 16 * cdiv(state, 16 * attn_token) == 544
+    assert cc.block_size == 16 * cdiv(state, 16 * attn_token) == block
     assert cc.mamba_block_size == cc.block_size == mamba.block_size
     assert mamba.page_size_bytes == cc.block_size * attn_token == cc.mamba_page_size_padded
     assert mamba.page_size_bytes > state
-    assert p.scheduler_block_size == p.hash_block_size == 544
+    assert p.scheduler_block_size == p.hash_block_size == block
 
 
 def _check_attention_view(t, p, name, num_blocks):
@@ -246,8 +260,8 @@ def test_mamba_page_unpacks_as_bind_kv_cache(tiny):
     t.buf.zero_()
     ssm[5].fill_(1.0)
     start, _ = v.block_byte_range(p, name, 5)
-    conv_bytes = prod(spec.shapes[0]) * 2
-    ssm_bytes = prod(spec.shapes[1]) * 2
+    conv_bytes = prod(spec.shapes[0]) * spec.dtypes[0].itemsize
+    ssm_bytes = prod(spec.shapes[1]) * spec.dtypes[1].itemsize
     nz = t.buf.nonzero().flatten()
     assert int(nz.min()) >= start + conv_bytes
     assert int(nz.max()) < start + conv_bytes + ssm_bytes
