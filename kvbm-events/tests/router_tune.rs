@@ -2,7 +2,9 @@
 //! finite and within its bounds whatever it is fed, waits for evidence, forgets workers that
 //! left, and routes better than fixed weights when workers differ.
 
-use kvbm_events::router::tune::{EXTERNALITY_DEFAULT, PREFILL_LOAD_SCALE_MAX, WARMUP_OBSERVATIONS};
+use kvbm_events::router::tune::{
+    EXTERNALITY_DEFAULT, PREFILL_LOAD_SCALE_MAX, WARMUP_OBSERVATIONS, WORKER_SPEEDUP_MAX,
+};
 use kvbm_events::router::{
     select_mode, Candidate, Coefficients, Overlap, RoundRobin, RouteFeatures, RouterMode,
     SelectorConfig, Tuner, WorkerLoad,
@@ -331,4 +333,57 @@ fn the_load_cap_is_a_bounded_multiple_of_an_even_share() {
     // An idle fleet: every worker may take the first request.
     let idle = [with(0), with(0)];
     assert_eq!(bounded.load_cap(&idle), Some(1));
+}
+
+/// A worker's own fit may make it look at most `WORKER_SPEEDUP_MAX` times cheaper than the
+/// fleet: nine workers at the truth and one whose observations say it computes ten times faster
+/// (as a run of unrecorded cache hits would) — its published per-token costs stop at the
+/// fleet's divided by the bound, so it cannot draw the fleet's requests on that evidence. A
+/// worker 1.5 times faster is within the bound and learned as it is.
+#[test]
+fn a_worker_cannot_look_more_than_the_bound_cheaper_than_the_fleet() {
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut tuner = Tuner::new(16);
+    let (lucky, quick) = ((100, 0), (101, 0));
+    let scaled = |k: f64| Coefficients {
+        c0: TRUTH.c0 / k,
+        c_compute: TRUTH.c_compute / k,
+        c_host: TRUTH.c_host / k,
+        c_disk: TRUTH.c_disk / k,
+        c_dec: TRUTH.c_dec / k,
+        ..TRUTH
+    };
+    for i in 0..6000u64 {
+        let f = random_features(&mut rng);
+        let (w, truth) = match i % 11 {
+            0 => (lucky, scaled(10.0)),
+            1 => (quick, scaled(1.5)),
+            n => ((n, 0), TRUTH),
+        };
+        assert!(tuner.observe_ttft(w, &f, truth.ttft(&f)));
+    }
+    let fleet = tuner.fleet_coefficients().unwrap();
+    let lucky_c = tuner.coefficients(lucky).unwrap();
+    check_sane(&lucky_c);
+    for (got, fleet) in [
+        (lucky_c.c_compute, fleet.c_compute),
+        (lucky_c.c_dec, fleet.c_dec),
+    ] {
+        // The floor follows the fleet's fit as it moves; the published values trail it by the
+        // smoothing.
+        assert!(
+            got >= 0.8 * fleet / WORKER_SPEEDUP_MAX,
+            "lucky {lucky_c:?} fleet {fleet:?}"
+        );
+        // Without the floor it would be near a tenth of the truth.
+        assert!(
+            got > 3.0 * fleet / 10.0,
+            "lucky {lucky_c:?} fleet {fleet:?}"
+        );
+    }
+    let quick_c = tuner.coefficients(quick).unwrap();
+    assert!(
+        close(quick_c.c_compute, TRUTH.c_compute / 1.5, 0.1),
+        "quick {quick_c:?} fleet {fleet:?}"
+    );
 }

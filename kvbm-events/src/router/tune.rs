@@ -106,6 +106,15 @@ pub const EXTERNALITY_MAX: f64 = 100.0;
 pub const LOAD_BOUND_DEFAULT: f64 = 0.0;
 /// Largest accepted load bound.
 pub const LOAD_BOUND_MAX: f64 = 100.0;
+/// How much faster than the fleet a worker's own fit may make it look: its per-token and
+/// per-block costs are floored at the fleet's divided by this. A worker's fit comes from the
+/// requests it was given; one that underestimates its own cost (say, from a run of cache hits)
+/// draws more requests than it can serve before its observations catch up, and past the
+/// engine's running-sequence cap no feature shows the queue. Measured (`kvbm-bench replay`,
+/// Mooncake conversation trace, 16 workers): without a floor, one run in three had one worker
+/// draw a sixth of all requests (p90 TTFT 160 s). Twice the fleet's speed covers a fleet that
+/// mixes GPU generations one apart.
+pub const WORKER_SPEEDUP_MAX: f64 = 2.0;
 /// Residuals kept per worker for the debug view.
 pub const RESIDUALS_KEPT: usize = 16;
 
@@ -281,6 +290,19 @@ impl Coefficients {
             d0: tpot[0].clamp(0.0, TPOT_MAX_SECS),
             d1: k(tpot[1]),
         }
+    }
+
+    /// These coefficients with each cost of work (`c0`, `c_compute`, `c_dec`, `d0`, `d1`) at
+    /// least `fleet`'s divided by `speedup` (the loads, `c_host` and `c_disk`, stay at most
+    /// `c_compute`).
+    fn floored(mut self, fleet: &Self, speedup: f64) -> Self {
+        let floor = |a: &mut f64, b: f64| *a = a.max(b / speedup);
+        floor(&mut self.c0, fleet.c0);
+        floor(&mut self.c_compute, fleet.c_compute);
+        floor(&mut self.c_dec, fleet.c_dec);
+        floor(&mut self.d0, fleet.d0);
+        floor(&mut self.d1, fleet.d1);
+        self
     }
 
     fn smooth_toward(&mut self, target: &Self) {
@@ -511,9 +533,12 @@ impl Tuner {
                     std::array::from_fn(|i| v * m.tpot.theta[i] + (1.0 - v) * fleet_tpot[i]),
                 )
             }
-            None => (fleet_ttft, fleet_tpot),
+            None => return Coefficients::from_fit(&fleet_ttft, &fleet_tpot),
         };
-        Coefficients::from_fit(&ttft, &tpot)
+        Coefficients::from_fit(&ttft, &tpot).floored(
+            &Coefficients::from_fit(&fleet_ttft, &fleet_tpot),
+            WORKER_SPEEDUP_MAX,
+        )
     }
 
     /// The coefficients in use for `worker` (its own pooled with the fleet's, or the fleet's).
