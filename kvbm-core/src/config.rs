@@ -42,6 +42,33 @@ pub const METRICS_PORT: &str = "DYN_KVBM_METRICS_PORT";
 pub const METRICS_HOST: &str = "DYN_KVBM_METRICS_HOST";
 /// Log filter (tracing `EnvFilter` syntax).
 pub const LOG: &str = "DYN_LOG";
+/// The shared tier's server (Redis or Valkey): `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or a
+/// Cluster's seed nodes separated by commas. Unset: no shared tier.
+pub const SHARED_URL: &str = "DYN_KVBM_SHARED_URL";
+/// Talk to a Redis Cluster even through one seed URL (several URLs imply it).
+pub const SHARED_CLUSTER: &str = "DYN_KVBM_SHARED_CLUSTER";
+/// The server's password, when it is not in the URL.
+pub const SHARED_PASSWORD: &str = "DYN_KVBM_SHARED_PASSWORD";
+/// First part of every key kvbm stores (default `kvbm`).
+pub const SHARED_KEY_PREFIX: &str = "DYN_KVBM_SHARED_KEY_PREFIX";
+/// Lifetime of a stored block in seconds (default 3600; 0: until the server evicts it).
+pub const SHARED_TTL_SECS: &str = "DYN_KVBM_SHARED_TTL_SECS";
+/// Longest wait for a prefix lookup, in milliseconds (default 50).
+pub const SHARED_LOOKUP_TIMEOUT_MS: &str = "DYN_KVBM_SHARED_LOOKUP_TIMEOUT_MS";
+/// Longest wait for reading blocks, in milliseconds (default 1000).
+pub const SHARED_READ_TIMEOUT_MS: &str = "DYN_KVBM_SHARED_READ_TIMEOUT_MS";
+/// Longest wait for a batch of writes, in milliseconds (default 2000).
+pub const SHARED_WRITE_TIMEOUT_MS: &str = "DYN_KVBM_SHARED_WRITE_TIMEOUT_MS";
+/// Longest wait for a connection, in milliseconds (default 500).
+pub const SHARED_CONNECT_TIMEOUT_MS: &str = "DYN_KVBM_SHARED_CONNECT_TIMEOUT_MS";
+/// Blocks per write batch (default 32).
+pub const SHARED_WRITE_BATCH_BLOCKS: &str = "DYN_KVBM_SHARED_WRITE_BATCH_BLOCKS";
+/// Write batches in flight (default 4); a batch past them is dropped, never waited for.
+pub const SHARED_WRITES_IN_FLIGHT: &str = "DYN_KVBM_SHARED_WRITES_IN_FLIGHT";
+/// Longest accepted shared-tier timeout, in milliseconds.
+pub const SHARED_TIMEOUT_MS_MAX: usize = 600_000;
+/// Longest accepted shared-tier TTL, in seconds (30 days).
+pub const SHARED_TTL_SECS_MAX: u64 = 30 * 24 * 3600;
 
 /// Largest accepted [`MAX_TRANSFER_BATCH_SIZE`].
 pub const TRANSFER_BATCH_BLOCKS_MAX: usize = 1024;
@@ -131,6 +158,130 @@ pub struct KvbmConfig {
     pub kv_events_endpoint: Option<String>,
     /// ZMQ endpoint for replays of KV events. Default none.
     pub kv_events_replay_endpoint: Option<String>,
+    /// The shared tier (`DYN_KVBM_SHARED_*`). Default none.
+    pub shared: Option<crate::shared::SharedOptions>,
+}
+
+/// The shared tier's options (`DYN_KVBM_SHARED_*`): None when [`SHARED_URL`] is unset or empty.
+/// Readable without a local tier configured.
+pub fn shared_options(
+    lookup: &impl Fn(&str) -> Option<String>,
+) -> Result<Option<crate::shared::SharedOptions>, ConfigError> {
+    use crate::shared::{redact_url, SharedOptions};
+    use std::time::Duration;
+    let Some(raw) = lookup(SHARED_URL).filter(|v| !v.trim().is_empty()) else {
+        return Ok(None);
+    };
+    let shown = raw
+        .split(',')
+        .map(|u| redact_url(u.trim()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut urls = Vec::new();
+    for url in raw.split(',').map(str::trim) {
+        if url.is_empty() {
+            return Err(invalid(SHARED_URL, &shown, "an empty URL in the list"));
+        }
+        if url.starts_with("rediss://") {
+            return Err(invalid(
+                SHARED_URL,
+                &shown,
+                "rediss:// (TLS) is not supported by this build; use redis:// on a trusted network",
+            ));
+        }
+        if !(url.starts_with("redis://") || url.starts_with("redis+unix://")) {
+            return Err(invalid(
+                SHARED_URL,
+                &shown,
+                "expected redis://[USER:PASSWORD@]HOST:PORT (several, comma-separated, for a cluster)",
+            ));
+        }
+        if redis::IntoConnectionInfo::into_connection_info(url).is_err() {
+            return Err(invalid(
+                SHARED_URL,
+                &shown,
+                format!("{} is not a usable server URL", redact_url(url)),
+            ));
+        }
+        urls.push(url.to_owned());
+    }
+    let mut o = SharedOptions::new(urls);
+    if let Some(v) = lookup(SHARED_CLUSTER) {
+        let on = parse_flag(&v)
+            .ok_or_else(|| invalid(SHARED_CLUSTER, &v, "expected 0, 1, true or false"))?;
+        if !on && o.urls.len() > 1 {
+            return Err(invalid(
+                SHARED_CLUSTER,
+                &v,
+                format!("{SHARED_URL} names several servers, which only a cluster can be"),
+            ));
+        }
+        o.cluster = on;
+    }
+    if o.urls.iter().any(|u| u.starts_with("redis+unix://")) && o.cluster {
+        return Err(invalid(
+            SHARED_URL,
+            &shown,
+            "a cluster is reached over TCP (redis://HOST:PORT)",
+        ));
+    }
+    o.password = lookup(SHARED_PASSWORD).filter(|p| !p.is_empty());
+    if let Some(v) = lookup(SHARED_KEY_PREFIX) {
+        let ok = !v.is_empty()
+            && v.len() <= 64
+            && v.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+        if !ok {
+            return Err(invalid(
+                SHARED_KEY_PREFIX,
+                &v,
+                "expected 1 to 64 printable ASCII characters, without spaces or braces",
+            ));
+        }
+        o.key_prefix = v;
+    }
+    if let Some(v) = lookup(SHARED_TTL_SECS) {
+        let secs = v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|s| *s <= SHARED_TTL_SECS_MAX)
+            .ok_or_else(|| {
+                invalid(
+                    SHARED_TTL_SECS,
+                    &v,
+                    format!("expected whole seconds from 0 (no TTL) to {SHARED_TTL_SECS_MAX}"),
+                )
+            })?;
+        o.ttl = (secs > 0).then(|| Duration::from_secs(secs));
+    }
+    let ms = |var: &'static str, default: Duration| -> Result<Duration, ConfigError> {
+        Ok(match lookup(var) {
+            None => default,
+            Some(_) => {
+                Duration::from_millis(count(lookup, var, 1, SHARED_TIMEOUT_MS_MAX)?.get() as u64)
+            }
+        })
+    };
+    o.lookup_timeout = ms(SHARED_LOOKUP_TIMEOUT_MS, o.lookup_timeout)?;
+    o.read_timeout = ms(SHARED_READ_TIMEOUT_MS, o.read_timeout)?;
+    o.write_timeout = ms(SHARED_WRITE_TIMEOUT_MS, o.write_timeout)?;
+    o.connect_timeout = ms(SHARED_CONNECT_TIMEOUT_MS, o.connect_timeout)?;
+    o.write_batch_blocks = count(
+        lookup,
+        SHARED_WRITE_BATCH_BLOCKS,
+        o.write_batch_blocks,
+        TRANSFER_BATCH_BLOCKS_MAX,
+    )?
+    .get();
+    o.writes_in_flight = count(
+        lookup,
+        SHARED_WRITES_IN_FLIGHT,
+        o.writes_in_flight,
+        CONCURRENT_TRANSFERS_MAX,
+    )?
+    .get();
+    Ok(Some(o))
 }
 
 /// Where to serve the metrics (`DYN_KVBM_METRICS`, `DYN_KVBM_METRICS_PORT`,
@@ -262,6 +413,7 @@ impl KvbmConfig {
             kv_cache_layout: kv_cache_layout(&lookup)?,
             kv_events_endpoint,
             kv_events_replay_endpoint,
+            shared: shared_options(&lookup)?,
             disk_engine,
             disk_dir,
             disk_disable_o_direct: flag(DISK_DISABLE_O_DIRECT)?,

@@ -39,6 +39,9 @@ pub enum CoreError {
     /// The disk tier failed to open or to run.
     #[error("disk tier: {0}")]
     Disk(String),
+    /// The shared tier cannot be set up as configured.
+    #[error("shared tier: {0}")]
+    Shared(String),
     /// The copy engine has shut down.
     #[error("the copy engine has shut down")]
     EngineClosed,

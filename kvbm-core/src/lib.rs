@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod plan;
 pub mod pool;
 pub mod requests;
+pub mod shared;
 pub mod transfer;
 pub mod worker;
 

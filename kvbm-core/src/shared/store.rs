@@ -1,0 +1,621 @@
+//! The shared tier's client: a Redis / Valkey store (standalone or Cluster) reached through the
+//! `redis` crate on a small tokio runtime of this store's own, with a blocking, time-bounded API
+//! for the engine's threads.
+//!
+//! Invariants:
+//! - No call waits past its bound: a prefix lookup past `lookup_timeout` is a miss, a read past
+//!   `read_timeout` is a miss, and writes are never waited for (a batch past `writes_in_flight`
+//!   is dropped and counted). A slow or dead server makes the tier a miss; it never stalls a step.
+//! - An outage (refused or dropped connection, I/O error, timeout) takes the tier out for a
+//!   backoff that doubles from [`BACKOFF_MIN`] to [`BACKOFF_MAX`]; meanwhile lookups are misses
+//!   and writes are dropped, both counted, and the first call after the backoff tries again. A
+//!   reply the server refuses (`OOM` under `maxmemory` with `noeviction`, ...) is counted and
+//!   is not an outage. `MOVED` and `ASK` during a Cluster's resharding are followed by the
+//!   client.
+//! - Every value read is checked by [`super::decode_value`]; a bad one is a miss, counted by
+//!   reason.
+//! - Calls from inside another tokio runtime are safe: the caller's thread only waits on a
+//!   channel, never enters this store's runtime.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use kvbm_events::SequenceHash;
+use parking_lot::Mutex;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult};
+use tokio::sync::Semaphore;
+
+use super::{block_key, decode_value, encode_value, redact_url, BadValue, SharedOptions, ValueFor};
+use crate::pool::BlockIdentity;
+use crate::CoreError;
+
+/// First backoff after an outage.
+pub const BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// Longest backoff.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Extra time the caller's thread waits for an answer past the call's own bound.
+const WAIT_SLACK: Duration = Duration::from_millis(100);
+
+/// What the shared tier did, since its start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedCounts {
+    /// Prefix lookups asked.
+    pub lookups: u64,
+    /// Blocks those lookups found.
+    pub lookup_hits: u64,
+    /// Lookups answered as misses because the server was out (in backoff).
+    pub lookups_skipped: u64,
+    /// Blocks asked for by reads.
+    pub reads: u64,
+    /// Blocks read and taken (checked).
+    pub read_hits: u64,
+    /// Blocks asked for that the server did not have.
+    pub read_missing: u64,
+    /// Values refused by reason ([`BadValue::ALL`]'s order).
+    pub bad_values: [u64; 6],
+    /// Blocks written (acknowledged by the server).
+    pub writes: u64,
+    /// Bytes of the values written.
+    pub write_bytes: u64,
+    /// Blocks not written: the server was out.
+    pub writes_dropped_down: u64,
+    /// Blocks not written: `writes_in_flight` batches were already in flight.
+    pub writes_dropped_busy: u64,
+    /// Blocks whose write the server refused (e.g. `OOM`).
+    pub writes_refused: u64,
+    /// Calls that timed out.
+    pub timeouts: u64,
+    /// Outages (the tier went out).
+    pub outages: u64,
+    /// Recoveries (the tier came back).
+    pub recoveries: u64,
+    /// The tier is usable now (not in an outage).
+    pub up: bool,
+}
+
+#[derive(Default)]
+struct Counters {
+    lookups: AtomicU64,
+    lookup_hits: AtomicU64,
+    lookups_skipped: AtomicU64,
+    reads: AtomicU64,
+    read_hits: AtomicU64,
+    read_missing: AtomicU64,
+    bad_values: [AtomicU64; 6],
+    writes: AtomicU64,
+    write_bytes: AtomicU64,
+    writes_dropped_down: AtomicU64,
+    writes_dropped_busy: AtomicU64,
+    writes_refused: AtomicU64,
+    timeouts: AtomicU64,
+    outages: AtomicU64,
+    recoveries: AtomicU64,
+}
+
+fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Whether the tier is usable, and when to try again after an outage.
+struct Health {
+    state: Mutex<(u32, Option<Instant>)>,
+    up: AtomicBool,
+}
+
+impl Health {
+    fn usable(&self) -> bool {
+        self.state.lock().1.is_none_or(|at| Instant::now() >= at)
+    }
+
+    fn failed(&self, counters: &Counters) {
+        let mut s = self.state.lock();
+        s.0 = s.0.saturating_add(1);
+        let backoff = BACKOFF_MIN
+            .saturating_mul(1u32 << (s.0 - 1).min(16))
+            .min(BACKOFF_MAX);
+        s.1 = Some(Instant::now() + backoff);
+        if self.up.swap(false, Ordering::Relaxed) {
+            add(&counters.outages, 1);
+        }
+    }
+
+    fn succeeded(&self, counters: &Counters) {
+        let mut s = self.state.lock();
+        *s = (0, None);
+        if !self.up.swap(true, Ordering::Relaxed) {
+            add(&counters.recoveries, 1);
+        }
+    }
+}
+
+/// An error that says the server cannot be reached (rather than a refused command).
+fn is_outage(e: &RedisError) -> bool {
+    e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_unrecoverable_error()
+}
+
+#[derive(Clone)]
+enum Handle {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl Handle {
+    async fn query<T: FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
+        match self {
+            Handle::Single(c) => cmd.query_async(c).await,
+            Handle::Cluster(c) => cmd.query_async(c).await,
+        }
+    }
+}
+
+/// The connection: a standalone server's reconnecting multiplexed connection, or a Cluster
+/// connection made on first use (and again after it failed to be made).
+#[derive(Clone)]
+enum Conn {
+    Single(ConnectionManager),
+    Cluster {
+        client: Arc<ClusterClient>,
+        conn: Arc<tokio::sync::Mutex<Option<ClusterConnection>>>,
+        connect_timeout: Duration,
+    },
+}
+
+impl Conn {
+    async fn handle(&self) -> RedisResult<Handle> {
+        match self {
+            Conn::Single(c) => Ok(Handle::Single(c.clone())),
+            Conn::Cluster {
+                client,
+                conn,
+                connect_timeout,
+            } => {
+                let mut slot = conn.lock().await;
+                if let Some(c) = slot.as_ref() {
+                    return Ok(Handle::Cluster(c.clone()));
+                }
+                let made =
+                    match tokio::time::timeout(*connect_timeout, client.get_async_connection())
+                        .await
+                    {
+                        Ok(r) => r?,
+                        Err(_) => {
+                            return Err(RedisError::from(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "connecting to the cluster timed out",
+                            )))
+                        }
+                    };
+                *slot = Some(made.clone());
+                Ok(Handle::Cluster(made))
+            }
+        }
+    }
+}
+
+/// One block to write: its identity and its bytes (one block of the store's layout).
+#[derive(Debug, Clone)]
+pub struct SharedPut {
+    /// The block.
+    pub identity: BlockIdentity,
+    /// Its bytes.
+    pub payload: Arc<[u8]>,
+}
+
+/// A block read back and checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedBlock {
+    /// Its identity as written.
+    pub identity: BlockIdentity,
+    /// Its bytes.
+    pub payload: Vec<u8>,
+}
+
+/// The shared tier of one worker: blocks of one layout (its fingerprint) in one store.
+pub struct SharedStore {
+    runtime: tokio::runtime::Runtime,
+    conn: Conn,
+    options: SharedOptions,
+    fingerprint: u64,
+    payload_bytes: usize,
+    health: Arc<Health>,
+    counters: Arc<Counters>,
+    writes: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for SharedStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedStore")
+            .field("options", &self.options)
+            .field("fingerprint", &format_args!("{:016x}", self.fingerprint))
+            .field("payload_bytes", &self.payload_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedStore {
+    /// A store for blocks of `payload_bytes` in a pool of layout `fingerprint`. Connects
+    /// lazily: a server that is down now is an outage of the tier, not an error here; only
+    /// options that cannot work (a URL that does not parse) are.
+    pub fn open(
+        options: SharedOptions,
+        fingerprint: u64,
+        payload_bytes: usize,
+    ) -> Result<Self, CoreError> {
+        let bad = |what: String| CoreError::Shared(what);
+        if options.urls.is_empty() {
+            return Err(bad("no server URL".into()));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvbm-shared")
+            .enable_all()
+            .build()
+            .map_err(|e| bad(format!("cannot start the shared tier's runtime: {e}")))?;
+        let infos = options
+            .urls
+            .iter()
+            .map(|u| {
+                let info = u
+                    .as_str()
+                    .into_connection_info()
+                    .map_err(|e| bad(format!("{}: not a usable server URL: {e}", redact_url(u))))?;
+                Ok(match &options.password {
+                    Some(p) => {
+                        let redis = info.redis_settings().clone().set_password(p);
+                        info.set_redis_settings(redis)
+                    }
+                    None => info,
+                })
+            })
+            .collect::<Result<Vec<_>, CoreError>>()?;
+        let conn = if options.cluster {
+            let client = ClusterClient::builder(infos)
+                .connection_timeout(options.connect_timeout)
+                .response_timeout(options.read_timeout.max(options.write_timeout))
+                .retries(3)
+                .build()
+                .map_err(|e| bad(format!("cannot use the cluster's seed nodes: {e}")))?;
+            Conn::Cluster {
+                client: Arc::new(client),
+                conn: Arc::new(tokio::sync::Mutex::new(None)),
+                connect_timeout: options.connect_timeout,
+            }
+        } else {
+            let client = redis::Client::open(infos.into_iter().next().expect("one URL"))
+                .map_err(|e| bad(format!("cannot use the server URL: {e}")))?;
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(options.connect_timeout))
+                .set_response_timeout(Some(options.read_timeout.max(options.write_timeout)))
+                .set_number_of_retries(1)
+                .set_max_delay(BACKOFF_MAX);
+            let _entered = runtime.enter();
+            let manager = ConnectionManager::new_lazy_with_config(client, config)
+                .map_err(|e| bad(format!("cannot set up the connection: {e}")))?;
+            Conn::Single(manager)
+        };
+        let writes = Arc::new(Semaphore::new(options.writes_in_flight.max(1)));
+        Ok(Self {
+            runtime,
+            conn,
+            options,
+            fingerprint,
+            payload_bytes,
+            health: Arc::new(Health {
+                state: Mutex::new((0, None)),
+                up: AtomicBool::new(true),
+            }),
+            counters: Arc::new(Counters::default()),
+            writes,
+        })
+    }
+
+    /// The options in use.
+    pub fn options(&self) -> &SharedOptions {
+        &self.options
+    }
+
+    /// The layout fingerprint of the blocks this store reads and writes.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Bytes of one block.
+    pub fn payload_bytes(&self) -> usize {
+        self.payload_bytes
+    }
+
+    /// The tier's counters.
+    pub fn counts(&self) -> SharedCounts {
+        let c = &*self.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        SharedCounts {
+            lookups: g(&c.lookups),
+            lookup_hits: g(&c.lookup_hits),
+            lookups_skipped: g(&c.lookups_skipped),
+            reads: g(&c.reads),
+            read_hits: g(&c.read_hits),
+            read_missing: g(&c.read_missing),
+            bad_values: std::array::from_fn(|i| g(&c.bad_values[i])),
+            writes: g(&c.writes),
+            write_bytes: g(&c.write_bytes),
+            writes_dropped_down: g(&c.writes_dropped_down),
+            writes_dropped_busy: g(&c.writes_dropped_busy),
+            writes_refused: g(&c.writes_refused),
+            timeouts: g(&c.timeouts),
+            outages: g(&c.outages),
+            recoveries: g(&c.recoveries),
+            up: self.health.up.load(Ordering::Relaxed),
+        }
+    }
+
+    fn key(&self, tenant: u64, hash: SequenceHash) -> String {
+        block_key(&self.options.key_prefix, self.fingerprint, tenant, hash)
+    }
+
+    /// Runs `work` on the store's runtime, bounded by `limit`; None when it did not finish in
+    /// time (then counted, and an outage, when `late_is_outage`).
+    fn bounded<T: Send + 'static>(
+        &self,
+        limit: Duration,
+        late_is_outage: bool,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.runtime.spawn(async move {
+            if let Ok(v) = tokio::time::timeout(limit, work).await {
+                let _ = tx.send(v);
+            }
+        });
+        match rx.recv_timeout(limit + WAIT_SLACK) {
+            Ok(v) => Some(v),
+            Err(_) if late_is_outage => {
+                add(&self.counters.timeouts, 1);
+                self.health.failed(&self.counters);
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Notes the outcome of a call's commands: any outage error takes the tier out.
+    fn settle<T>(&self, results: &[RedisResult<T>]) {
+        let outage = results
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .find(|e| is_outage(e));
+        match outage {
+            Some(e) => {
+                tracing::warn!(error = %e, "shared tier: the server cannot be reached; the tier is a miss until it can");
+                self.health.failed(&self.counters);
+            }
+            None => self.health.succeeded(&self.counters),
+        }
+    }
+
+    /// How many of `hashes` (a prefix, in order) the store holds from the first on, for
+    /// `tenant`: one round trip for the whole prefix, bounded by `lookup_timeout`. 0 when the
+    /// tier is out or the answer is late.
+    pub fn lookup(&self, tenant: u64, hashes: &[SequenceHash]) -> usize {
+        add(&self.counters.lookups, 1);
+        if hashes.is_empty() {
+            return 0;
+        }
+        if !self.health.usable() {
+            add(&self.counters.lookups_skipped, 1);
+            return 0;
+        }
+        let keys: Vec<String> = hashes
+            .iter()
+            .take(self.options.lookup_blocks_max)
+            .map(|h| self.key(tenant, *h))
+            .collect();
+        let conn = self.conn.clone();
+        let answer = self.bounded(self.options.lookup_timeout, true, async move {
+            let handle = match conn.handle().await {
+                Ok(h) => h,
+                Err(e) => return vec![Err(e)],
+            };
+            let asks = keys.iter().map(|k| {
+                let mut h = handle.clone();
+                let mut cmd = redis::cmd("EXISTS");
+                cmd.arg(k);
+                async move { h.query::<bool>(&cmd).await }
+            });
+            join_all(asks).await
+        });
+        let Some(results) = answer else {
+            return 0;
+        };
+        self.settle(&results);
+        let found = results.iter().take_while(|r| matches!(r, Ok(true))).count();
+        add(&self.counters.lookup_hits, found as u64);
+        found
+    }
+
+    /// Reads `hashes` for `tenant`, bounded by `read_timeout`: each block checked, or None (not
+    /// there, refused by [`decode_value`], or the tier out or late).
+    pub fn read(&self, tenant: u64, hashes: &[SequenceHash]) -> Vec<Option<SharedBlock>> {
+        add(&self.counters.reads, hashes.len() as u64);
+        let none = || vec![None; hashes.len()];
+        if hashes.is_empty() {
+            return Vec::new();
+        }
+        if !self.health.usable() {
+            return none();
+        }
+        let keys: Vec<String> = hashes.iter().map(|h| self.key(tenant, *h)).collect();
+        let conn = self.conn.clone();
+        let answer = self.bounded(self.options.read_timeout, true, async move {
+            let handle = match conn.handle().await {
+                Ok(h) => h,
+                Err(e) => return vec![Err(e)],
+            };
+            let asks = keys.iter().map(|k| {
+                let mut h = handle.clone();
+                let mut cmd = redis::cmd("GET");
+                cmd.arg(k);
+                async move { h.query::<Option<Vec<u8>>>(&cmd).await }
+            });
+            join_all(asks).await
+        });
+        let Some(results) = answer else {
+            return none();
+        };
+        self.settle(&results);
+        if results.len() != hashes.len() {
+            return none();
+        }
+        results
+            .into_iter()
+            .zip(hashes)
+            .map(|(r, &hash)| match r {
+                Ok(Some(bytes)) => {
+                    let want = ValueFor {
+                        fingerprint: self.fingerprint,
+                        tenant,
+                        hash,
+                        payload_bytes: self.payload_bytes,
+                    };
+                    match decode_value(&bytes, want) {
+                        Ok((identity, payload)) => {
+                            add(&self.counters.read_hits, 1);
+                            Some(SharedBlock {
+                                identity,
+                                payload: payload.to_vec(),
+                            })
+                        }
+                        Err(why) => {
+                            self.bad_value(why, hash);
+                            None
+                        }
+                    }
+                }
+                Ok(None) => {
+                    add(&self.counters.read_missing, 1);
+                    None
+                }
+                Err(_) => None,
+            })
+            .collect()
+    }
+
+    fn bad_value(&self, why: BadValue, hash: SequenceHash) {
+        add(&self.counters.bad_values[why.index()], 1);
+        tracing::warn!(hash = %format_args!("{:016x}", hash.0), reason = %why, "shared tier: a stored value was refused (a miss)");
+    }
+
+    /// Queues `blocks` of `tenant` for writing in batches of `write_batch_blocks`, each a
+    /// pipelined round of `SET key value [PX ttl]`; returns at once. Blocks whose payload is not
+    /// one block of this store's layout are skipped. Returns the blocks queued (the rest were
+    /// dropped: tier out, or too many batches in flight; counted).
+    pub fn write(&self, tenant: u64, blocks: &[SharedPut]) -> usize {
+        let blocks: Vec<&SharedPut> = blocks
+            .iter()
+            .filter(|b| b.payload.len() == self.payload_bytes)
+            .collect();
+        if blocks.is_empty() {
+            return 0;
+        }
+        if !self.health.usable() {
+            add(&self.counters.writes_dropped_down, blocks.len() as u64);
+            return 0;
+        }
+        let mut queued = 0;
+        for batch in blocks.chunks(self.options.write_batch_blocks.max(1)) {
+            let Ok(permit) = self.writes.clone().try_acquire_owned() else {
+                add(&self.counters.writes_dropped_busy, batch.len() as u64);
+                continue;
+            };
+            let ttl_ms = self.options.ttl.map(|t| t.as_millis().max(1) as u64);
+            let cmds: Vec<(Cmd, u64)> = batch
+                .iter()
+                .map(|b| {
+                    let value = encode_value(self.fingerprint, tenant, &b.identity, &b.payload);
+                    let bytes = value.len() as u64;
+                    let mut cmd = redis::cmd("SET");
+                    cmd.arg(self.key(tenant, b.identity.sequence_hash))
+                        .arg(value);
+                    if let Some(ms) = ttl_ms {
+                        cmd.arg("PX").arg(ms);
+                    }
+                    (cmd, bytes)
+                })
+                .collect();
+            queued += cmds.len();
+            let conn = self.conn.clone();
+            let counters = self.counters.clone();
+            let health = self.health.clone();
+            let limit = self.options.write_timeout;
+            self.runtime.spawn(async move {
+                let _permit = permit;
+                let n = cmds.len() as u64;
+                let work = async {
+                    let handle = conn.handle().await?;
+                    let sets = cmds.iter().map(|(cmd, bytes)| {
+                        let mut h = handle.clone();
+                        async move { h.query::<()>(cmd).await.map(|_| *bytes) }
+                    });
+                    Ok::<_, RedisError>(join_all(sets).await)
+                };
+                match tokio::time::timeout(limit, work).await {
+                    Err(_) => {
+                        add(&counters.timeouts, 1);
+                        add(&counters.writes_dropped_down, n);
+                        health.failed(&counters);
+                    }
+                    Ok(Err(e)) => {
+                        add(&counters.writes_dropped_down, n);
+                        if is_outage(&e) {
+                            health.failed(&counters);
+                        }
+                    }
+                    Ok(Ok(results)) => {
+                        let mut outage = false;
+                        for r in results {
+                            match r {
+                                Ok(bytes) => {
+                                    add(&counters.writes, 1);
+                                    add(&counters.write_bytes, bytes);
+                                }
+                                Err(e) if is_outage(&e) => {
+                                    outage = true;
+                                    add(&counters.writes_dropped_down, 1);
+                                }
+                                Err(e) => {
+                                    tracing::debug!(error = %e, "shared tier: the server refused a write");
+                                    add(&counters.writes_refused, 1);
+                                }
+                            }
+                        }
+                        if outage {
+                            health.failed(&counters);
+                        } else {
+                            health.succeeded(&counters);
+                        }
+                    }
+                }
+            });
+        }
+        queued
+    }
+
+    /// Waits, up to `limit`, until no write is in flight; false when some still are.
+    pub fn flush(&self, limit: Duration) -> bool {
+        let all = self.options.writes_in_flight.max(1) as u32;
+        let writes = self.writes.clone();
+        self.bounded(limit, false, async move {
+            writes.acquire_many(all).await.is_ok()
+        })
+        .unwrap_or(false)
+    }
+}

@@ -1,0 +1,346 @@
+//! The shared tier against real servers (`redis-server` on loopback, see `redis_server`): blocks
+//! written by one store are found and read byte-exact by another (another "node": its own
+//! client and runtime); lookups count a contiguous prefix; tenants and layouts never see each
+//! other's blocks; corrupt, truncated and foreign values are misses counted by reason; a server
+//! killed mid-run makes the tier a miss within its timeout and the tier comes back with the
+//! server; `OOM` refusals are counted without taking the tier out; a password is used; every
+//! write carries its TTL; and the same through a three-master Redis Cluster.
+
+mod redis_server;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbm_core::shared::store::{SharedBlock, SharedPut};
+use kvbm_core::shared::{block_key, encode_value, tenant_id, BadValue, SharedOptions, SharedStore};
+use kvbm_core::{BlockIdentity, SequenceHash};
+use redis_server::{Cluster, Server};
+
+const PAYLOAD: usize = 8192;
+const FINGERPRINT: u64 = 0xfeed_f00d;
+const FLUSH: Duration = Duration::from_secs(10);
+
+fn identity(i: u64) -> BlockIdentity {
+    BlockIdentity {
+        sequence_hash: SequenceHash(0x1000 + i),
+        parent: (i > 0).then(|| SequenceHash(0x1000 + i - 1)),
+        tokens: (0..16u32)
+            .map(|t| t + 16 * i as u32)
+            .collect::<Vec<_>>()
+            .into(),
+        lora_name: None,
+        group: None,
+    }
+}
+
+fn payload(i: u64, salt: u8) -> Arc<[u8]> {
+    (0..PAYLOAD)
+        .map(|b| (b as u64 * 131 + i * 7 + salt as u64) as u8)
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+fn puts(n: u64, salt: u8) -> Vec<SharedPut> {
+    (0..n)
+        .map(|i| SharedPut {
+            identity: identity(i),
+            payload: payload(i, salt),
+        })
+        .collect()
+}
+
+fn hashes(n: u64) -> Vec<SequenceHash> {
+    (0..n).map(|i| identity(i).sequence_hash).collect()
+}
+
+fn options(urls: Vec<String>) -> SharedOptions {
+    let mut o = SharedOptions::new(urls);
+    o.lookup_timeout = Duration::from_millis(500);
+    o.write_batch_blocks = 8;
+    o.writes_in_flight = 16;
+    o
+}
+
+fn store(urls: Vec<String>) -> SharedStore {
+    SharedStore::open(options(urls), FINGERPRINT, PAYLOAD).unwrap()
+}
+
+fn raw(server: &Server) -> redis::Connection {
+    redis::Client::open(server.url())
+        .unwrap()
+        .get_connection()
+        .unwrap()
+}
+
+fn check_blocks(got: &[Option<SharedBlock>], n: u64, salt: u8) {
+    assert_eq!(got.len(), n as usize);
+    for (i, b) in got.iter().enumerate() {
+        let b = b.as_ref().unwrap_or_else(|| panic!("block {i} missing"));
+        assert_eq!(b.identity, identity(i as u64));
+        assert_eq!(&b.payload[..], &payload(i as u64, salt)[..], "block {i}");
+    }
+}
+
+#[test]
+fn a_prefix_written_by_one_node_is_read_byte_exact_by_another() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let first = store(vec![server.url()]);
+    let second = store(vec![server.url()]);
+    assert_eq!(second.lookup(0, &hashes(20)), 0);
+    assert_eq!(first.write(0, &puts(20, 1)), 20);
+    assert!(first.flush(FLUSH));
+    assert_eq!(first.counts().writes, 20);
+    assert_eq!(second.lookup(0, &hashes(20)), 20);
+    // Only a contiguous prefix counts: a hole at 5 stops it there.
+    let mut con = raw(&server);
+    let key = block_key("kvbm", FINGERPRINT, 0, identity(5).sequence_hash);
+    redis::cmd("DEL").arg(&key).query::<()>(&mut con).unwrap();
+    assert_eq!(second.lookup(0, &hashes(20)), 5);
+    let got = second.read(0, &hashes(5));
+    check_blocks(&got, 5, 1);
+    let c = second.counts();
+    assert_eq!((c.read_hits, c.lookup_hits), (5, 20 + 5));
+    assert_eq!(c.bad_values, [0; 6]);
+    // A block of the wrong size is not written.
+    let mut wrong = puts(1, 1);
+    wrong[0].payload = vec![0u8; 10].into();
+    assert_eq!(first.write(0, &wrong), 0);
+}
+
+#[test]
+fn tenants_and_layouts_never_see_each_others_blocks() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let s = store(vec![server.url()]);
+    let alice = tenant_id(None, Some("alice"));
+    let bob = tenant_id(None, Some("bob"));
+    assert_eq!(s.write(alice, &puts(4, 2)), 4);
+    assert!(s.flush(FLUSH));
+    assert_eq!(s.lookup(alice, &hashes(4)), 4);
+    assert_eq!(s.lookup(bob, &hashes(4)), 0);
+    assert_eq!(s.lookup(0, &hashes(4)), 0);
+    assert!(s.read(bob, &hashes(4)).iter().all(Option::is_none));
+    // Another layout (fingerprint) sees nothing either.
+    let other = SharedStore::open(options(vec![server.url()]), FINGERPRINT + 1, PAYLOAD).unwrap();
+    assert_eq!(other.lookup(alice, &hashes(4)), 0);
+    // Alice's value copied under Bob's key is refused: it says it is Alice's.
+    let mut con = raw(&server);
+    let h = identity(0).sequence_hash;
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(block_key("kvbm", FINGERPRINT, alice, h))
+        .query(&mut con)
+        .unwrap();
+    redis::cmd("SET")
+        .arg(block_key("kvbm", FINGERPRINT, bob, h))
+        .arg(value)
+        .query::<()>(&mut con)
+        .unwrap();
+    assert_eq!(s.lookup(bob, &hashes(1)), 1);
+    assert!(s.read(bob, &hashes(1))[0].is_none());
+    assert_eq!(s.counts().bad_values[BadValue::Mismatch.index()], 1);
+}
+
+#[test]
+fn corrupt_truncated_and_foreign_values_are_misses_counted_by_reason() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let s = store(vec![server.url()]);
+    assert_eq!(s.write(0, &puts(6, 3)), 6);
+    assert!(s.flush(FLUSH));
+    let mut con = raw(&server);
+    let key = |i: u64| block_key("kvbm", FINGERPRINT, 0, identity(i).sequence_hash);
+    let good = |i: u64| encode_value(FINGERPRINT, 0, &identity(i), &payload(i, 3));
+    let mut set = |i: u64, v: Vec<u8>| {
+        redis::cmd("SET")
+            .arg(key(i))
+            .arg(v)
+            .query::<()>(&mut con)
+            .unwrap()
+    };
+    let mut flipped = good(0);
+    flipped[5000] ^= 0x10;
+    set(0, flipped);
+    let mut cut = good(1);
+    cut.truncate(cut.len() - 100);
+    set(1, cut);
+    set(2, b"not a kvbm block".to_vec());
+    // Written for another layout under this layout's key.
+    set(
+        3,
+        encode_value(FINGERPRINT ^ 1, 0, &identity(3), &payload(3, 3)),
+    );
+    // Another block's value under this block's key.
+    set(4, good(5));
+    let got = s.read(0, &hashes(6));
+    assert!(
+        got[..5].iter().all(Option::is_none),
+        "bad values were taken"
+    );
+    let last = got[5].as_ref().expect("the good block is served");
+    assert_eq!(last.identity, identity(5));
+    assert_eq!(&last.payload[..], &payload(5, 3)[..]);
+    let c = s.counts();
+    let bad = |r: BadValue| c.bad_values[r.index()];
+    assert_eq!(bad(BadValue::Checksum), 1);
+    assert_eq!(bad(BadValue::Truncated), 1);
+    assert_eq!(bad(BadValue::Foreign), 1);
+    assert_eq!(bad(BadValue::Mismatch), 2);
+    assert!(c.up, "bad values are not an outage");
+}
+
+#[test]
+fn a_killed_server_is_a_miss_and_the_tier_comes_back_with_it() {
+    if !redis_server::available() {
+        return;
+    }
+    let mut server = Server::start(&[]);
+    let s = store(vec![server.url()]);
+    assert_eq!(s.write(0, &puts(4, 4)), 4);
+    assert!(s.flush(FLUSH));
+    assert_eq!(s.lookup(0, &hashes(4)), 4);
+    server.kill();
+    // Every call returns, as a miss; none waits much past its bound (500 ms lookups, 1 s
+    // reads; the generous limit only catches a call that hangs).
+    let started = Instant::now();
+    for _ in 0..20 {
+        assert_eq!(s.lookup(0, &hashes(4)), 0);
+        assert!(s.read(0, &hashes(4)).iter().all(Option::is_none));
+        s.write(0, &puts(4, 4));
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "calls against a dead server took {:?}",
+        started.elapsed()
+    );
+    let c = s.counts();
+    assert!(!c.up && c.outages >= 1, "{c:?}");
+    assert!(c.lookups_skipped > 0, "backoff skips lookups: {c:?}");
+    assert!(c.writes_dropped_down > 0, "{c:?}");
+    // The server comes back (empty): the tier follows once its backoff allows a try.
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        s.write(0, &puts(4, 5));
+        s.flush(FLUSH);
+        if s.lookup(0, &hashes(4)) == 4 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the tier did not come back: {:?}",
+            s.counts()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    check_blocks(&s.read(0, &hashes(4)), 4, 5);
+    let c = s.counts();
+    assert!(c.up && c.recoveries >= 1, "{c:?}");
+}
+
+#[test]
+fn a_full_server_refuses_writes_without_taking_the_tier_out() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    let s = store(vec![server.url()]);
+    // 8 tenants' 64 blocks of 8 KiB: 4 MiB, twice what the server may hold.
+    for round in 0..8u64 {
+        assert_eq!(s.write(round, &puts(64, round as u8)), 64);
+        assert!(s.flush(FLUSH));
+    }
+    let c = s.counts();
+    assert!(c.writes_refused > 0, "{c:?}");
+    assert_eq!(c.writes + c.writes_refused, 8 * 64, "{c:?}");
+    assert!(c.up && c.outages == 0, "OOM is not an outage: {c:?}");
+    // What was stored is still served.
+    assert_eq!(s.lookup(0, &hashes(64)), 64);
+    check_blocks(&s.read(0, &hashes(64)), 64, 0);
+}
+
+#[test]
+fn a_password_is_used_and_every_block_has_its_ttl() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&["--requirepass", "s3cret"]);
+    let without = store(vec![server.url()]);
+    assert_eq!(without.write(0, &puts(2, 6)), 2);
+    without.flush(FLUSH);
+    assert_eq!(without.counts().writes, 0, "written without the password");
+    let mut o = options(vec![server.url()]);
+    o.password = Some("s3cret".into());
+    o.ttl = Some(Duration::from_secs(120));
+    let with = SharedStore::open(o, FINGERPRINT, PAYLOAD).unwrap();
+    assert_eq!(with.write(0, &puts(2, 6)), 2);
+    assert!(with.flush(FLUSH));
+    assert_eq!(with.counts().writes, 2);
+    assert_eq!(with.lookup(0, &hashes(2)), 2);
+    let mut con = redis::Client::open(format!("redis://:s3cret@127.0.0.1:{}", server.port))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    for h in hashes(2) {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(block_key("kvbm", FINGERPRINT, 0, h))
+            .query(&mut con)
+            .unwrap();
+        assert!(ttl > 0 && ttl <= 120_000, "{ttl}");
+    }
+}
+
+#[test]
+fn a_cluster_of_three_masters_shares_blocks_across_its_slots() {
+    if !redis_server::available() {
+        return;
+    }
+    let cluster = Cluster::start();
+    let first = store(cluster.urls());
+    // A second node knows only one seed.
+    let mut o = options(vec![cluster.urls()[1].clone()]);
+    o.cluster = true;
+    let second = SharedStore::open(o, FINGERPRINT, PAYLOAD).unwrap();
+    assert_eq!(first.write(0, &puts(48, 7)), 48);
+    assert!(first.flush(FLUSH));
+    assert_eq!(first.counts().writes, 48, "{:?}", first.counts());
+    assert_eq!(second.lookup(0, &hashes(48)), 48);
+    check_blocks(&second.read(0, &hashes(48)), 48, 7);
+    // The keys are spread over the masters (no hash tag pins a prefix to one node).
+    let holding = cluster
+        .nodes
+        .iter()
+        .filter(|n| {
+            redis_server::ask(n.port, None, "DBSIZE")
+                .trim_start_matches(':')
+                .parse::<u64>()
+                .unwrap_or(0)
+                > 0
+        })
+        .count();
+    assert_eq!(holding, 3);
+}
+
+#[test]
+fn writes_past_the_batches_in_flight_are_dropped_and_counted_never_waited_for() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let mut o = options(vec![server.url()]);
+    o.writes_in_flight = 1;
+    o.write_batch_blocks = 4;
+    let s = SharedStore::open(o, FINGERPRINT, PAYLOAD).unwrap();
+    let queued = s.write(0, &puts(64, 8));
+    assert!(s.flush(FLUSH));
+    let c = s.counts();
+    assert!((4..64).contains(&queued), "{queued}");
+    assert_eq!(c.writes, queued as u64);
+    assert_eq!(c.writes_dropped_busy, 64 - queued as u64);
+}
