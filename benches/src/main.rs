@@ -16,6 +16,7 @@ mod offload;
 mod replay;
 mod router;
 mod router_workload;
+mod shared;
 mod stats;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -76,6 +77,9 @@ enum Command {
     Copy(copy::CopyArgs),
     /// Map a pinned host pool and report when its first chunk and all of it are usable.
     Pin(copy::PinArgs),
+    /// The shared tier (Redis / Valkey): write and read blocks through kvbm's client against
+    /// redis-benchmark's SET and GET of the same size at the same pipeline depth.
+    Shared(shared::SharedArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -97,6 +101,7 @@ fn main() -> std::process::ExitCode {
         Command::Replay(args) => replay::run(*args),
         Command::Copy(args) => copy::run_copy(args),
         Command::Pin(args) => copy::run_pin(args),
+        Command::Shared(args) => shared::run(args),
     };
     match result {
         Ok(true) => std::process::ExitCode::SUCCESS,

@@ -77,7 +77,7 @@ fn check_blocks(got: &[Option<SharedBlock>], n: u64, salt: u8) {
     for (i, b) in got.iter().enumerate() {
         let b = b.as_ref().unwrap_or_else(|| panic!("block {i} missing"));
         assert_eq!(b.identity, identity(i as u64));
-        assert_eq!(&b.payload[..], &payload(i as u64, salt)[..], "block {i}");
+        assert_eq!(b.payload(), &payload(i as u64, salt)[..], "block {i}");
     }
 }
 
@@ -185,7 +185,7 @@ fn corrupt_truncated_and_foreign_values_are_misses_counted_by_reason() {
     );
     let last = got[5].as_ref().expect("the good block is served");
     assert_eq!(last.identity, identity(5));
-    assert_eq!(&last.payload[..], &payload(5, 3)[..]);
+    assert_eq!(last.payload(), &payload(5, 3)[..]);
     let c = s.counts();
     let bad = |r: BadValue| c.bad_values[r.index()];
     assert_eq!(bad(BadValue::Checksum), 1);

@@ -64,15 +64,15 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 }
 
 /// Runs `f`, turning a panic into `KvbmError` so that none crosses into Python.
-/// The one mapping from kvbm-core's typed errors to the Python exceptions: configuration ->
-/// `ConfigError`, layouts and bad arguments -> `LayoutError`, the device -> `DeviceError`, the
+/// The one mapping from kvbm-core's typed errors to the Python exceptions: configuration (and a
+/// shared tier that cannot be set up as configured) -> `ConfigError`, layouts and bad arguments -> `LayoutError`, the device -> `DeviceError`, the
 /// disk tier -> `DiskError`, anything else (a busy or exhausted pool, a failed transfer) ->
 /// `KvbmError`.
 pub(crate) fn core_err(e: kvbm_core::CoreError) -> PyErr {
     use kvbm_core::CoreError as E;
     let text = e.to_string();
     match e {
-        E::Config(_) => ConfigError::new_err(text),
+        E::Config(_) | E::Shared(_) => ConfigError::new_err(text),
         E::InvalidLayout(_) | E::InvalidArgument(_) => LayoutError::new_err(text),
         E::Device(_) => DeviceError::new_err(text),
         E::Disk(_) => DiskError::new_err(text),

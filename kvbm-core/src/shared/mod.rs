@@ -142,21 +142,38 @@ pub fn encode_value(
     identity: &BlockIdentity,
     payload: &[u8],
 ) -> Vec<u8> {
-    let id = encode_identity(identity);
+    let (header, id) = value_parts(fingerprint, tenant, identity, payload);
     let mut out = Vec::with_capacity(VALUE_HEADER_BYTES + id.len() + payload.len());
-    out.extend_from_slice(&VALUE_MAGIC);
-    out.extend_from_slice(&VALUE_VERSION.to_le_bytes());
-    out.extend_from_slice(&(id.len() as u32).to_le_bytes());
-    out.extend_from_slice(&fingerprint.to_le_bytes());
-    out.extend_from_slice(&tenant.to_le_bytes());
-    out.extend_from_slice(&identity.sequence_hash.0.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(&[0u8; 16]);
+    out.extend_from_slice(&header);
     out.extend_from_slice(&id);
     out.extend_from_slice(payload);
-    let sum = checksum(&out[..VALUE_HEADER_BYTES], &out[VALUE_HEADER_BYTES..]);
-    out[48..56].copy_from_slice(&sum.to_le_bytes());
     out
+}
+
+/// The header and identity bytes of [`encode_value`]'s value (the payload follows them), for
+/// writers that send the three pieces without joining them first.
+pub fn value_parts(
+    fingerprint: u64,
+    tenant: u64,
+    identity: &BlockIdentity,
+    payload: &[u8],
+) -> ([u8; VALUE_HEADER_BYTES], Vec<u8>) {
+    let id = encode_identity(identity);
+    let mut header = [0u8; VALUE_HEADER_BYTES];
+    header[..8].copy_from_slice(&VALUE_MAGIC);
+    header[8..12].copy_from_slice(&VALUE_VERSION.to_le_bytes());
+    header[12..16].copy_from_slice(&(id.len() as u32).to_le_bytes());
+    header[16..24].copy_from_slice(&fingerprint.to_le_bytes());
+    header[24..32].copy_from_slice(&tenant.to_le_bytes());
+    header[32..40].copy_from_slice(&identity.sequence_hash.0.to_le_bytes());
+    header[40..48].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let mut h = Xxh3::new();
+    h.update(&header[..48]);
+    h.update(&header[56..]);
+    h.update(&id);
+    h.update(payload);
+    header[48..56].copy_from_slice(&h.digest().to_le_bytes());
+    (header, id)
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {

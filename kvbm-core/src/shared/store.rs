@@ -18,6 +18,7 @@
 //!   channel, never enters this store's runtime.
 
 use std::future::Future;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,10 +29,15 @@ use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult};
+use redis::{
+    Cmd, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, RedisWrite, ToRedisArgs,
+};
 use tokio::sync::Semaphore;
 
-use super::{block_key, decode_value, encode_value, redact_url, BadValue, SharedOptions, ValueFor};
+use super::{
+    block_key, decode_value, redact_url, value_parts, BadValue, SharedOptions, ValueFor,
+    VALUE_HEADER_BYTES,
+};
 use crate::pool::BlockIdentity;
 use crate::CoreError;
 
@@ -211,13 +217,41 @@ pub struct SharedPut {
     pub payload: Arc<[u8]>,
 }
 
-/// A block read back and checked.
+/// A block read back and checked: the value as the server sent it, not copied again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedBlock {
     /// Its identity as written.
     pub identity: BlockIdentity,
-    /// Its bytes.
-    pub payload: Vec<u8>,
+    value: Vec<u8>,
+    payload_at: usize,
+}
+
+impl SharedBlock {
+    /// The block's bytes.
+    pub fn payload(&self) -> &[u8] {
+        &self.value[self.payload_at..]
+    }
+}
+
+/// A block's value as the three pieces [`value_parts`] gives, written into the command as one
+/// argument (one copy of the payload, into the command's buffer).
+struct ValueArg<'a> {
+    header: [u8; VALUE_HEADER_BYTES],
+    identity: Vec<u8>,
+    payload: &'a [u8],
+}
+
+impl ToRedisArgs for ValueArg<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + RedisWrite,
+    {
+        let mut w = out.writer_for_next_arg();
+        // Writing into the command's in-memory buffer cannot fail.
+        let _ = w.write_all(&self.header);
+        let _ = w.write_all(&self.identity);
+        let _ = w.write_all(self.payload);
+    }
 }
 
 /// The shared tier of one worker: blocks of one layout (its fingerprint) in one store.
@@ -443,43 +477,53 @@ impl SharedStore {
     }
 
     /// Reads `hashes` for `tenant`, bounded by `read_timeout`: each block checked, or None (not
-    /// there, refused by [`decode_value`], or the tier out or late).
+    /// there, refused by [`decode_value`], or the tier out or late). The commands go out
+    /// together; each value is checked on the caller's thread as it arrives, while the rest are
+    /// still coming in.
     pub fn read(&self, tenant: u64, hashes: &[SequenceHash]) -> Vec<Option<SharedBlock>> {
         add(&self.counters.reads, hashes.len() as u64);
-        let none = || vec![None; hashes.len()];
-        if hashes.is_empty() {
-            return Vec::new();
-        }
-        if !self.health.usable() {
-            return none();
+        let mut out: Vec<Option<SharedBlock>> = vec![None; hashes.len()];
+        if hashes.is_empty() || !self.health.usable() {
+            return out;
         }
         let keys: Vec<String> = hashes.iter().map(|h| self.key(tenant, *h)).collect();
         let conn = self.conn.clone();
-        let answer = self.bounded(self.options.read_timeout, true, async move {
-            let handle = match conn.handle().await {
-                Ok(h) => h,
-                Err(e) => return vec![Err(e)],
+        let limit = self.options.read_timeout;
+        let (tx, rx) = crossbeam_channel::bounded(hashes.len());
+        self.runtime.spawn(async move {
+            let work = async {
+                let handle = match conn.handle().await {
+                    Ok(h) => h,
+                    Err(e) => {
+                        let _ = tx.send((0, Err(e)));
+                        return;
+                    }
+                };
+                let asks = keys.into_iter().enumerate().map(|(i, k)| {
+                    let mut h = handle.clone();
+                    let tx = tx.clone();
+                    async move {
+                        let mut cmd = redis::cmd("GET");
+                        cmd.arg(k);
+                        let r = h.query::<Option<Vec<u8>>>(&cmd).await;
+                        let _ = tx.send((i, r));
+                    }
+                });
+                join_all(asks).await;
             };
-            let asks = keys.iter().map(|k| {
-                let mut h = handle.clone();
-                let mut cmd = redis::cmd("GET");
-                cmd.arg(k);
-                async move { h.query::<Option<Vec<u8>>>(&cmd).await }
-            });
-            join_all(asks).await
+            let _ = tokio::time::timeout(limit, work).await;
         });
-        let Some(results) = answer else {
-            return none();
-        };
-        self.settle(&results);
-        if results.len() != hashes.len() {
-            return none();
-        }
-        results
-            .into_iter()
-            .zip(hashes)
-            .map(|(r, &hash)| match r {
+        let deadline = Instant::now() + limit + WAIT_SLACK;
+        let mut outage: Option<RedisError> = None;
+        let mut answered = 0;
+        while answered < hashes.len() {
+            let Ok((i, r)) = rx.recv_deadline(deadline) else {
+                break;
+            };
+            answered += 1;
+            match r {
                 Ok(Some(bytes)) => {
+                    let hash = hashes[i];
                     let want = ValueFor {
                         fingerprint: self.fingerprint,
                         tenant,
@@ -487,26 +531,35 @@ impl SharedStore {
                         payload_bytes: self.payload_bytes,
                     };
                     match decode_value(&bytes, want) {
-                        Ok((identity, payload)) => {
+                        Ok((identity, _)) => {
                             add(&self.counters.read_hits, 1);
-                            Some(SharedBlock {
+                            out[i] = Some(SharedBlock {
                                 identity,
-                                payload: payload.to_vec(),
-                            })
+                                payload_at: bytes.len() - self.payload_bytes,
+                                value: bytes,
+                            });
                         }
-                        Err(why) => {
-                            self.bad_value(why, hash);
-                            None
-                        }
+                        Err(why) => self.bad_value(why, hash),
                     }
                 }
-                Ok(None) => {
-                    add(&self.counters.read_missing, 1);
-                    None
-                }
-                Err(_) => None,
-            })
-            .collect()
+                Ok(None) => add(&self.counters.read_missing, 1),
+                // A connection that could not be made answers once for all, then the channel
+                // closes.
+                Err(e) if is_outage(&e) => outage = Some(e),
+                Err(_) => {}
+            }
+        }
+        if answered < hashes.len() && outage.is_none() {
+            // Late: what arrived is kept; the tier backs off.
+            add(&self.counters.timeouts, 1);
+            self.health.failed(&self.counters);
+        } else {
+            match outage {
+                Some(e) => self.settle::<()>(&[Err(e)]),
+                None => self.health.succeeded(&self.counters),
+            }
+        }
+        out
     }
 
     fn bad_value(&self, why: BadValue, hash: SequenceHash) {
@@ -540,11 +593,16 @@ impl SharedStore {
             let cmds: Vec<(Cmd, u64)> = batch
                 .iter()
                 .map(|b| {
-                    let value = encode_value(self.fingerprint, tenant, &b.identity, &b.payload);
-                    let bytes = value.len() as u64;
+                    let (header, identity) =
+                        value_parts(self.fingerprint, tenant, &b.identity, &b.payload);
+                    let bytes = (header.len() + identity.len() + b.payload.len()) as u64;
                     let mut cmd = redis::cmd("SET");
                     cmd.arg(self.key(tenant, b.identity.sequence_hash))
-                        .arg(value);
+                        .arg(ValueArg {
+                            header,
+                            identity,
+                            payload: &b.payload,
+                        });
                     if let Some(ms) = ttl_ms {
                         cmd.arg("PX").arg(ms);
                     }
