@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use kvbm_core::config::shared_options;
 use kvbm_core::shared::{
-    block_key, decode_value, encode_value, redact_url, tenant_id, BadValue, SharedOptions,
-    ValueFor, VALUE_HEADER_BYTES,
+    block_key, decode_value, encode_value, redact_url, shard_fingerprint, tenant_id, BadValue,
+    SharedOptions, ValueFor, VALUE_HEADER_BYTES,
 };
 use kvbm_core::{BlockIdentity, ConfigError, SequenceHash};
 use proptest::prelude::*;
@@ -132,6 +132,19 @@ fn keys_and_tenants_keep_everyone_apart() {
         }
     }
     assert_eq!(tenant_id(Some("lora-a"), Some("salt")), c);
+    // Each tensor-parallel rank's shard, and each split, is a fingerprint of its own.
+    let shards = [
+        shard_fingerprint(7, 0, 1),
+        shard_fingerprint(7, 0, 2),
+        shard_fingerprint(7, 1, 2),
+        shard_fingerprint(8, 0, 1),
+    ];
+    for (i, x) in shards.iter().enumerate() {
+        for y in &shards[i + 1..] {
+            assert_ne!(x, y);
+        }
+    }
+    assert_eq!(shard_fingerprint(7, 1, 2), shards[2]);
     assert_eq!(
         block_key("kvbm", 0xabc, 1, SequenceHash(0xff)),
         "kvbm:0000000000000abc:0000000000000001:00000000000000ff"

@@ -54,6 +54,19 @@ pub fn tenant_id(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     h.digest().max(1)
 }
 
+/// The fingerprint a rank's shared blocks are stored under: its layout fingerprint (as the disk
+/// tier's, [`crate::layout_fingerprint`]) with the rank's place in a tensor-parallel group. Each
+/// rank holds its own shard of a block's KV, so two ranks' bytes for one sequence hash differ
+/// and must never be served for each other, nor to a worker split another way.
+pub fn shard_fingerprint(layout_fingerprint: u64, rank: usize, world_size: usize) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(b"kvbm-shared-shard");
+    h.update(&layout_fingerprint.to_le_bytes());
+    h.update(&(rank as u64).to_le_bytes());
+    h.update(&(world_size as u64).to_le_bytes());
+    h.digest()
+}
+
 /// The key of a block: `PREFIX:FINGERPRINT:TENANT:HASH`, each number 16 hex digits.
 pub fn block_key(prefix: &str, fingerprint: u64, tenant: u64, hash: SequenceHash) -> String {
     format!("{prefix}:{fingerprint:016x}:{tenant:016x}:{:016x}", hash.0)
