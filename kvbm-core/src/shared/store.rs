@@ -162,6 +162,42 @@ impl Handle {
             Handle::Cluster(c) => cmd.query_async(c).await,
         }
     }
+
+    /// Every command's answer, in order, in one round trip: one pipeline to a standalone
+    /// server (one write, one read, each command's error kept apart); on a cluster, every
+    /// command at once on the multiplexed connection (a pipeline must stay within one node's
+    /// slots, and a prefix's keys spread over every node).
+    async fn query_all<T: FromRedisValue>(&self, cmds: Vec<Cmd>) -> Vec<RedisResult<T>> {
+        let n = cmds.len();
+        match self {
+            Handle::Single(c) => {
+                let mut pipe = redis::pipe();
+                for cmd in cmds {
+                    pipe.add_command(cmd);
+                }
+                pipe.ignore_errors();
+                let mut c = c.clone();
+                match pipe.query_async::<Vec<RedisResult<T>>>(&mut c).await {
+                    Ok(all) if all.len() == n => all,
+                    Ok(all) => {
+                        let e = RedisError::from(std::io::Error::other(format!(
+                            "{} answers to {n} commands",
+                            all.len()
+                        )));
+                        (0..n).map(|_| Err(e.clone())).collect()
+                    }
+                    Err(e) => (0..n).map(|_| Err(e.clone())).collect(),
+                }
+            }
+            Handle::Cluster(_) => {
+                join_all(cmds.into_iter().map(|cmd| {
+                    let mut h = self.clone();
+                    async move { h.query::<T>(&cmd).await }
+                }))
+                .await
+            }
+        }
+    }
 }
 
 /// The connection: a standalone server's reconnecting multiplexed connection, or a Cluster
@@ -459,13 +495,15 @@ impl SharedStore {
                 Ok(h) => h,
                 Err(e) => return vec![Err(e)],
             };
-            let asks = keys.iter().map(|k| {
-                let mut h = handle.clone();
-                let mut cmd = redis::cmd("EXISTS");
-                cmd.arg(k);
-                async move { h.query::<bool>(&cmd).await }
-            });
-            join_all(asks).await
+            let asks: Vec<Cmd> = keys
+                .iter()
+                .map(|k| {
+                    let mut cmd = redis::cmd("EXISTS");
+                    cmd.arg(k);
+                    cmd
+                })
+                .collect();
+            handle.query_all::<bool>(asks).await
         });
         let Some(results) = answer else {
             return 0;
@@ -590,7 +628,7 @@ impl SharedStore {
                 continue;
             };
             let ttl_ms = self.options.ttl.map(|t| t.as_millis().max(1) as u64);
-            let cmds: Vec<(Cmd, u64)> = batch
+            let (cmds, sizes): (Vec<Cmd>, Vec<u64>) = batch
                 .iter()
                 .map(|b| {
                     let (header, identity) =
@@ -608,7 +646,7 @@ impl SharedStore {
                     }
                     (cmd, bytes)
                 })
-                .collect();
+                .unzip();
             queued += cmds.len();
             let conn = self.conn.clone();
             let counters = self.counters.clone();
@@ -619,11 +657,14 @@ impl SharedStore {
                 let n = cmds.len() as u64;
                 let work = async {
                     let handle = conn.handle().await?;
-                    let sets = cmds.iter().map(|(cmd, bytes)| {
-                        let mut h = handle.clone();
-                        async move { h.query::<()>(cmd).await.map(|_| *bytes) }
-                    });
-                    Ok::<_, RedisError>(join_all(sets).await)
+                    let answers = handle.query_all::<()>(cmds).await;
+                    Ok::<_, RedisError>(
+                        answers
+                            .into_iter()
+                            .zip(&sizes)
+                            .map(|(r, bytes)| r.map(|_| *bytes))
+                            .collect::<Vec<_>>(),
+                    )
                 };
                 match tokio::time::timeout(limit, work).await {
                     Err(_) => {
