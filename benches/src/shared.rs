@@ -9,8 +9,8 @@
 //! (`SharedStore::read`) and checks each value whole (header, lengths, checksum). Every byte read
 //! is compared with what was written, outside the timing. `redis-benchmark` runs one client
 //! (`-c 1`) with `-P DEPTH` (depth commands sent, then every reply awaited) and `-d` the size of
-//! kvbm's value (block plus header and identity), over `-r` keys; its figure is its own
-//! requests per second. Each side writes then reads; which goes first alternates per iteration.
+//! kvbm's value (block plus header and identity), over `-r` keys, all written beforehand so that
+//! its GETs hit as kvbm's do; its figure is its own requests per second. Each side writes then reads; which goes first alternates per iteration.
 //! Figures: medians over the iterations with the range (min-max).
 //!
 //! Without `--url` it starts `redis-server` on a free loopback port (no persistence) and stops
@@ -162,13 +162,14 @@ fn kvbm_pass(store: &SharedStore, blocks: &[SharedPut], depth: usize) -> anyhow:
 
 fn redis_benchmark_pass(
     binary: &str,
+    host: &str,
     port: u16,
     value_bytes: usize,
     blocks: usize,
     depth: usize,
 ) -> anyhow::Result<Pass> {
     let out = Command::new(binary)
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(["-h", host, "-p", &port.to_string()])
         .args(["-t", "set,get", "-c", "1", "--csv"])
         .args(["-n", &blocks.to_string()])
         .args(["-r", &blocks.to_string()])
@@ -197,23 +198,42 @@ fn redis_benchmark_pass(
     })
 }
 
+/// Writes redis-benchmark's `-r` key range (`key:` and 12 digits) with values of `value_bytes`.
+fn prefill_benchmark_keys(url: &str, blocks: usize, value_bytes: usize) -> anyhow::Result<()> {
+    let mut con = redis::Client::open(url)
+        .and_then(|c| c.get_connection())
+        .with_context(|| format!("connecting to {url} to fill redis-benchmark's keys"))?;
+    let value = vec![b'x'; value_bytes];
+    for chunk in (0..blocks).collect::<Vec<_>>().chunks(16) {
+        let mut pipe = redis::pipe();
+        for i in chunk {
+            pipe.cmd("SET")
+                .arg(format!("key:{i:012}"))
+                .arg(&value)
+                .ignore();
+        }
+        pipe.query::<()>(&mut con)
+            .with_context(|| format!("filling redis-benchmark's keys on {url}"))?;
+    }
+    Ok(())
+}
+
 pub fn run(args: SharedArgs) -> anyhow::Result<bool> {
     if args.blocks == 0 || args.block_bytes == 0 || args.depth == 0 || args.iterations == 0 {
         bail!("--blocks, --block-bytes, --depth and --iterations must be at least 1");
     }
-    let (_server, url, port) = match &args.url {
-        Some(u) => {
-            let port = u
-                .rsplit(':')
-                .next()
-                .and_then(|p| p.trim_end_matches('/').parse::<u16>().ok())
-                .with_context(|| format!("--url {u}: expected redis://HOST:PORT"))?;
-            (None, u.clone(), port)
-        }
+    let (_server, url) = match &args.url {
+        Some(u) => (None, u.clone()),
         None => {
-            let (s, u, p) = start_server()?;
-            (Some(s), u, p)
+            let (s, u, _) = start_server()?;
+            (Some(s), u)
         }
+    };
+    let (host, port) = match redis::IntoConnectionInfo::into_connection_info(url.as_str())
+        .map(|i| i.addr().clone())
+    {
+        Ok(redis::ConnectionAddr::Tcp(h, p)) => (h, p),
+        _ => bail!("--url {url}: expected redis://HOST:PORT (redis-benchmark needs TCP)"),
     };
     let mut options = SharedOptions::new(vec![url.clone()]);
     options.write_batch_blocks = args.depth;
@@ -234,6 +254,9 @@ pub fn run(args: SharedArgs) -> anyhow::Result<bool> {
         .collect();
     let value_bytes =
         kvbm_core::shared::encode_value(0, 0, &blocks[0].identity, &blocks[0].payload).len();
+    // redis-benchmark's keys (`-r`: key:NNNNNNNNNNNN) all exist before it runs, so that its GETs,
+    // like kvbm's, all hit.
+    prefill_benchmark_keys(&url, args.blocks, value_bytes)?;
     println!(
         "shared tier on {url}: {} blocks of {} bytes (values {} bytes), depth {}, {} iterations",
         args.blocks, args.block_bytes, value_bytes, args.depth, args.iterations
@@ -248,6 +271,7 @@ pub fn run(args: SharedArgs) -> anyhow::Result<bool> {
             } else {
                 yardstick.push(redis_benchmark_pass(
                     &args.redis_benchmark,
+                    &host,
                     port,
                     value_bytes,
                     args.blocks,

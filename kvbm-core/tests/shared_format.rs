@@ -160,6 +160,14 @@ fn urls_are_shown_without_their_password() {
     );
     assert_eq!(redact_url("redis://token@h:1"), "redis://***@h:1");
     assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+    assert_eq!(
+        redact_url("redis+unix:///tmp/r.sock?db=1&pass=secret"),
+        "redis+unix:///tmp/r.sock?db=1&pass=***"
+    );
+    assert_eq!(
+        redact_url("redis://u:secret@h:1/0?password=other"),
+        "redis://u:***@h:1/0?password=***"
+    );
     let mut o = SharedOptions::new(vec!["redis://:secret@h:1".into()]);
     o.password = Some("hunter2".into());
     let shown = format!("{o:?}");

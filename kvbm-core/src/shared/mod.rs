@@ -6,9 +6,14 @@
 //! server is [`store::SharedStore`].
 //!
 //! Invariants:
-//! - A key names the layout fingerprint (model, layout, and what else decides a block's bytes),
-//!   the tenant (LoRA adapter and cache salt) and the block's sequence hash, so that no model,
-//!   layout or tenant can be served another's blocks, even if their hashes collided.
+//! - A key names the fingerprint, the tenant (LoRA adapter and cache salt) and the block's
+//!   sequence hash, so that no layout or tenant can be served another's blocks, even if their
+//!   hashes collided. The fingerprint is the caller's: it must fold in the layout, the
+//!   tensor-parallel shard ([`shard_fingerprint`]) and the model's identity (name and revision:
+//!   two fine-tunes of one geometry have the same layout but not the same KV).
+//! - The checksum detects torn, corrupt and misplaced values; it is not a signature. Whoever may
+//!   write to the server may plant blocks, so the server is for the fleet alone (a password or
+//!   ACL user per fleet).
 //! - A value is checked whole on every read (magic, version, the fingerprint, tenant and hash it
 //!   was written for, its lengths, a checksum over header and body): anything else is a miss,
 //!   counted by reason, never data.
@@ -286,8 +291,33 @@ impl SharedOptions {
     }
 }
 
-/// A URL with its password (if any) replaced, for logs and errors.
+/// A URL with its password (if any: `USER:PASSWORD@`, or `pass=` / `password=` in its query)
+/// replaced, for logs and errors.
 pub fn redact_url(url: &str) -> String {
+    let (url, query) = match url.split_once('?') {
+        Some((u, q)) => (u, Some(q)),
+        None => (url, None),
+    };
+    let mut out = redact_userinfo(url);
+    if let Some(q) = query {
+        let parts: Vec<String> = q
+            .split('&')
+            .map(|kv| match kv.split_once('=') {
+                Some((k, _))
+                    if k.eq_ignore_ascii_case("pass") || k.eq_ignore_ascii_case("password") =>
+                {
+                    format!("{k}=***")
+                }
+                _ => kv.to_owned(),
+            })
+            .collect();
+        out.push('?');
+        out.push_str(&parts.join("&"));
+    }
+    out
+}
+
+fn redact_userinfo(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme + 3 => {
             let userinfo = &url[scheme + 3..at];

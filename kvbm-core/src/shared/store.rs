@@ -63,6 +63,10 @@ pub struct SharedCounts {
     pub read_hits: u64,
     /// Blocks asked for that the server did not have.
     pub read_missing: u64,
+    /// Blocks not asked for: the server was out (in backoff).
+    pub reads_skipped: u64,
+    /// Blocks whose read the server refused (an error reply: `LOADING`, `NOAUTH`, ...).
+    pub read_refused: u64,
     /// Values refused by reason ([`BadValue::ALL`]'s order).
     pub bad_values: [u64; 6],
     /// Blocks written (acknowledged by the server).
@@ -73,7 +77,8 @@ pub struct SharedCounts {
     pub writes_dropped_down: u64,
     /// Blocks not written: `writes_in_flight` batches were already in flight.
     pub writes_dropped_busy: u64,
-    /// Blocks whose write the server refused (e.g. `OOM`).
+    /// Blocks whose write the server refused (e.g. `OOM`), or that were not one block of the
+    /// store's layout (the rest of that call was refused with them).
     pub writes_refused: u64,
     /// Calls that timed out.
     pub timeouts: u64,
@@ -93,6 +98,8 @@ struct Counters {
     reads: AtomicU64,
     read_hits: AtomicU64,
     read_missing: AtomicU64,
+    reads_skipped: AtomicU64,
+    read_refused: AtomicU64,
     bad_values: [AtomicU64; 6],
     writes: AtomicU64,
     write_bytes: AtomicU64,
@@ -201,13 +208,15 @@ impl Handle {
 }
 
 /// The connection: a standalone server's reconnecting multiplexed connection, or a Cluster
-/// connection made on first use (and again after it failed to be made).
+/// connection, made by a task of its own (so that no call's bound cancels it halfway) on first
+/// use and again after an attempt failed.
 #[derive(Clone)]
 enum Conn {
     Single(ConnectionManager),
     Cluster {
         client: Arc<ClusterClient>,
-        conn: Arc<tokio::sync::Mutex<Option<ClusterConnection>>>,
+        conn: Arc<Mutex<Option<ClusterConnection>>>,
+        connecting: Arc<AtomicBool>,
         connect_timeout: Duration,
     },
 }
@@ -219,26 +228,40 @@ impl Conn {
             Conn::Cluster {
                 client,
                 conn,
+                connecting,
                 connect_timeout,
             } => {
-                let mut slot = conn.lock().await;
-                if let Some(c) = slot.as_ref() {
+                if let Some(c) = conn.lock().as_ref() {
                     return Ok(Handle::Cluster(c.clone()));
                 }
-                let made =
-                    match tokio::time::timeout(*connect_timeout, client.get_async_connection())
-                        .await
-                    {
-                        Ok(r) => r?,
-                        Err(_) => {
-                            return Err(RedisError::from(std::io::Error::new(
-                                std::io::ErrorKind::TimedOut,
-                                "connecting to the cluster timed out",
-                            )))
+                if !connecting.swap(true, Ordering::AcqRel) {
+                    let (client, slot, flag) = (client.clone(), conn.clone(), connecting.clone());
+                    let limit = *connect_timeout;
+                    tokio::spawn(async move {
+                        let made = tokio::time::timeout(limit, client.get_async_connection()).await;
+                        match made {
+                            Ok(Ok(c)) => *slot.lock() = Some(c),
+                            Ok(Err(e)) => {
+                                tracing::warn!(error = %e, "shared tier: cannot connect to the cluster")
+                            }
+                            Err(_) => {
+                                tracing::warn!("shared tier: connecting to the cluster timed out")
+                            }
                         }
-                    };
-                *slot = Some(made.clone());
-                Ok(Handle::Cluster(made))
+                        flag.store(false, Ordering::Release);
+                    });
+                }
+                // Wait briefly for a connection being made; otherwise this call is a miss.
+                for _ in 0..10 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    if let Some(c) = conn.lock().as_ref() {
+                        return Ok(Handle::Cluster(c.clone()));
+                    }
+                }
+                Err(RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::NotConnected,
+                    "not connected to the cluster yet",
+                )))
             }
         }
     }
@@ -292,14 +315,27 @@ impl ToRedisArgs for ValueArg<'_> {
 
 /// The shared tier of one worker: blocks of one layout (its fingerprint) in one store.
 pub struct SharedStore {
-    runtime: tokio::runtime::Runtime,
+    /// Taken only by `Drop`.
+    runtime: Option<tokio::runtime::Runtime>,
     conn: Conn,
+    /// Prefix lookups' own connection: their small commands never queue behind megabytes of
+    /// writes.
+    lookup_conn: Conn,
     options: SharedOptions,
     fingerprint: u64,
     payload_bytes: usize,
     health: Arc<Health>,
     counters: Arc<Counters>,
     writes: Arc<Semaphore>,
+}
+
+impl Drop for SharedStore {
+    fn drop(&mut self) {
+        // Not `Runtime::drop`, which panics when the store is dropped inside async code.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl std::fmt::Debug for SharedStore {
@@ -348,35 +384,41 @@ impl SharedStore {
                 })
             })
             .collect::<Result<Vec<_>, CoreError>>()?;
-        let conn = if options.cluster {
-            let client = ClusterClient::builder(infos)
-                .connection_timeout(options.connect_timeout)
-                .response_timeout(options.read_timeout.max(options.write_timeout))
-                .retries(3)
-                .build()
-                .map_err(|e| bad(format!("cannot use the cluster's seed nodes: {e}")))?;
-            Conn::Cluster {
-                client: Arc::new(client),
-                conn: Arc::new(tokio::sync::Mutex::new(None)),
-                connect_timeout: options.connect_timeout,
-            }
-        } else {
-            let client = redis::Client::open(infos.into_iter().next().expect("one URL"))
-                .map_err(|e| bad(format!("cannot use the server URL: {e}")))?;
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(options.connect_timeout))
-                .set_response_timeout(Some(options.read_timeout.max(options.write_timeout)))
-                .set_number_of_retries(1)
-                .set_max_delay(BACKOFF_MAX);
-            let _entered = runtime.enter();
-            let manager = ConnectionManager::new_lazy_with_config(client, config)
-                .map_err(|e| bad(format!("cannot set up the connection: {e}")))?;
-            Conn::Single(manager)
+        let connect = |runtime: &tokio::runtime::Runtime| -> Result<Conn, CoreError> {
+            Ok(if options.cluster {
+                let client = ClusterClient::builder(infos.clone())
+                    .connection_timeout(options.connect_timeout)
+                    .response_timeout(options.read_timeout.max(options.write_timeout))
+                    .retries(3)
+                    .build()
+                    .map_err(|e| bad(format!("cannot use the cluster's seed nodes: {e}")))?;
+                Conn::Cluster {
+                    client: Arc::new(client),
+                    conn: Arc::new(Mutex::new(None)),
+                    connecting: Arc::new(AtomicBool::new(false)),
+                    connect_timeout: options.connect_timeout,
+                }
+            } else {
+                let client = redis::Client::open(infos[0].clone())
+                    .map_err(|e| bad(format!("cannot use the server URL: {e}")))?;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(options.connect_timeout))
+                    .set_response_timeout(Some(options.read_timeout.max(options.write_timeout)))
+                    .set_number_of_retries(1)
+                    .set_max_delay(BACKOFF_MAX);
+                let _entered = runtime.enter();
+                let manager = ConnectionManager::new_lazy_with_config(client, config)
+                    .map_err(|e| bad(format!("cannot set up the connection: {e}")))?;
+                Conn::Single(manager)
+            })
         };
+        let conn = connect(&runtime)?;
+        let lookup_conn = connect(&runtime)?;
         let writes = Arc::new(Semaphore::new(options.writes_in_flight.max(1)));
         Ok(Self {
-            runtime,
+            runtime: Some(runtime),
             conn,
+            lookup_conn,
             options,
             fingerprint,
             payload_bytes,
@@ -387,6 +429,10 @@ impl SharedStore {
             counters: Arc::new(Counters::default()),
             writes,
         })
+    }
+
+    fn rt(&self) -> &tokio::runtime::Runtime {
+        self.runtime.as_ref().expect("the runtime lives until drop")
     }
 
     /// The options in use.
@@ -415,6 +461,8 @@ impl SharedStore {
             reads: g(&c.reads),
             read_hits: g(&c.read_hits),
             read_missing: g(&c.read_missing),
+            reads_skipped: g(&c.reads_skipped),
+            read_refused: g(&c.read_refused),
             bad_values: std::array::from_fn(|i| g(&c.bad_values[i])),
             writes: g(&c.writes),
             write_bytes: g(&c.write_bytes),
@@ -433,7 +481,7 @@ impl SharedStore {
     }
 
     /// Runs `work` on the store's runtime, bounded by `limit`; None when it did not finish in
-    /// time (then counted, and an outage, when `late_is_outage`).
+    /// time (counted; an outage too when `late_is_outage`).
     fn bounded<T: Send + 'static>(
         &self,
         limit: Duration,
@@ -441,19 +489,20 @@ impl SharedStore {
         work: impl Future<Output = T> + Send + 'static,
     ) -> Option<T> {
         let (tx, rx) = crossbeam_channel::bounded(1);
-        self.runtime.spawn(async move {
+        self.rt().spawn(async move {
             if let Ok(v) = tokio::time::timeout(limit, work).await {
                 let _ = tx.send(v);
             }
         });
         match rx.recv_timeout(limit + WAIT_SLACK) {
             Ok(v) => Some(v),
-            Err(_) if late_is_outage => {
+            Err(_) => {
                 add(&self.counters.timeouts, 1);
-                self.health.failed(&self.counters);
+                if late_is_outage {
+                    self.health.failed(&self.counters);
+                }
                 None
             }
-            Err(_) => None,
         }
     }
 
@@ -489,8 +538,10 @@ impl SharedStore {
             .take(self.options.lookup_blocks_max)
             .map(|h| self.key(tenant, *h))
             .collect();
-        let conn = self.conn.clone();
-        let answer = self.bounded(self.options.lookup_timeout, true, async move {
+        let conn = self.lookup_conn.clone();
+        // A late answer is a miss, not an outage: a busy server is not a dead one (its
+        // connection failing is).
+        let answer = self.bounded(self.options.lookup_timeout, false, async move {
             let handle = match conn.handle().await {
                 Ok(h) => h,
                 Err(e) => return vec![Err(e)],
@@ -521,14 +572,18 @@ impl SharedStore {
     pub fn read(&self, tenant: u64, hashes: &[SequenceHash]) -> Vec<Option<SharedBlock>> {
         add(&self.counters.reads, hashes.len() as u64);
         let mut out: Vec<Option<SharedBlock>> = vec![None; hashes.len()];
-        if hashes.is_empty() || !self.health.usable() {
+        if hashes.is_empty() {
+            return out;
+        }
+        if !self.health.usable() {
+            add(&self.counters.reads_skipped, hashes.len() as u64);
             return out;
         }
         let keys: Vec<String> = hashes.iter().map(|h| self.key(tenant, *h)).collect();
         let conn = self.conn.clone();
         let limit = self.options.read_timeout;
         let (tx, rx) = crossbeam_channel::bounded(hashes.len());
-        self.runtime.spawn(async move {
+        self.rt().spawn(async move {
             let work = async {
                 let handle = match conn.handle().await {
                     Ok(h) => h,
@@ -584,7 +639,10 @@ impl SharedStore {
                 // A connection that could not be made answers once for all, then the channel
                 // closes.
                 Err(e) if is_outage(&e) => outage = Some(e),
-                Err(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "shared tier: the server refused a read");
+                    add(&self.counters.read_refused, 1);
+                }
             }
         }
         if answered < hashes.len() && outage.is_none() {
@@ -605,15 +663,19 @@ impl SharedStore {
         tracing::warn!(hash = %format_args!("{:016x}", hash.0), reason = %why, "shared tier: a stored value was refused (a miss)");
     }
 
-    /// Queues `blocks` of `tenant` for writing in batches of `write_batch_blocks`, each a
-    /// pipelined round of `SET key value [PX ttl]`; returns at once. Blocks whose payload is not
-    /// one block of this store's layout are skipped. Returns the blocks queued (the rest were
-    /// dropped: tier out, or too many batches in flight; counted).
+    /// Queues `blocks` of `tenant` (a prefix, in order) for writing in batches of
+    /// `write_batch_blocks`, each a pipelined round of `SET key value [PX ttl]`; returns at once.
+    /// From the first block whose payload is not one block of this store's layout on, nothing
+    /// is written (counted as refused). Returns the blocks queued; the rest were dropped (tier
+    /// out, or `writes_in_flight` batches already in flight; counted), and what is queued is
+    /// always a prefix of `blocks`.
     pub fn write(&self, tenant: u64, blocks: &[SharedPut]) -> usize {
+        let given = blocks.len();
         let blocks: Vec<&SharedPut> = blocks
             .iter()
-            .filter(|b| b.payload.len() == self.payload_bytes)
+            .take_while(|b| b.payload.len() == self.payload_bytes)
             .collect();
+        add(&self.counters.writes_refused, (given - blocks.len()) as u64);
         if blocks.is_empty() {
             return 0;
         }
@@ -622,8 +684,16 @@ impl SharedStore {
             return 0;
         }
         let mut queued = 0;
+        let mut busy = false;
         for batch in blocks.chunks(self.options.write_batch_blocks.max(1)) {
-            let Ok(permit) = self.writes.clone().try_acquire_owned() else {
+            // Once a batch is dropped, so is the rest: a prefix with a hole is found only up to
+            // the hole, so blocks after it would be stored for nothing.
+            let permit = match busy {
+                true => None,
+                false => self.writes.clone().try_acquire_owned().ok(),
+            };
+            let Some(permit) = permit else {
+                busy = true;
                 add(&self.counters.writes_dropped_busy, batch.len() as u64);
                 continue;
             };
@@ -652,7 +722,7 @@ impl SharedStore {
             let counters = self.counters.clone();
             let health = self.health.clone();
             let limit = self.options.write_timeout;
-            self.runtime.spawn(async move {
+            self.rt().spawn(async move {
                 let _permit = permit;
                 let n = cmds.len() as u64;
                 let work = async {

@@ -100,11 +100,18 @@ impl Server {
                 .position(|a| *a == "--requirepass")
                 .map(|i| extra[i + 1].to_owned()),
         };
-        s.run();
-        s
+        // A port found free can be taken before the server binds it: then try another.
+        for _ in 0..5 {
+            if s.run() {
+                return s;
+            }
+            s.port = free_port();
+        }
+        panic!("redis-server did not start on any of 5 free ports");
     }
 
-    fn run(&mut self) {
+    /// Starts the server; false when it exited at once (its port taken).
+    fn run(&mut self) -> bool {
         let child = Command::new("redis-server")
             .arg("--port")
             .arg(self.port.to_string())
@@ -118,7 +125,21 @@ impl Server {
             .expect("starting redis-server");
         self.child = Some(child);
         let deadline = Instant::now() + START_LIMIT;
-        while ask(self.port, self.password.as_deref(), "PING") != "+PONG" {
+        loop {
+            // A server that exited (its port taken meanwhile) must not be mistaken for whoever
+            // answers on that port.
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                eprintln!("redis-server on port {} exited: {status}", self.port);
+                self.child = None;
+                return false;
+            }
+            if ask(self.port, self.password.as_deref(), "PING") == "+PONG" {
+                return true;
+            }
             assert!(
                 Instant::now() < deadline,
                 "redis-server on port {} did not answer",
@@ -144,7 +165,11 @@ impl Server {
     /// Starts it again on the same port, empty.
     pub fn restart(&mut self) {
         self.kill();
-        self.run();
+        assert!(
+            self.run(),
+            "redis-server could not start again on port {}",
+            self.port
+        );
     }
 
     /// Its directory.
