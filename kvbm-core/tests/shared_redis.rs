@@ -348,3 +348,53 @@ fn writes_past_the_batches_in_flight_are_dropped_and_counted_never_waited_for() 
     assert_eq!(c.writes, queued as u64);
     assert_eq!(c.writes_dropped_busy, 64 - queued as u64);
 }
+
+/// A hung server (SIGSTOP: connections stay open, nothing answers) is the case a bound must
+/// cover: each call returns within its own bound (lookup 500 ms, read 1 s here, plus a generous
+/// margin for a loaded machine), writes return at once, and the tier serves again once the
+/// server resumes.
+#[test]
+fn a_hung_server_never_holds_a_call_past_its_bound() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let s = store(vec![server.url()]);
+    assert_eq!(s.write(0, &puts(4, 9)), 4);
+    assert!(s.flush(FLUSH));
+    assert_eq!(s.lookup(0, &hashes(4)), 4);
+    server.signal("STOP");
+    let margin = Duration::from_secs(2);
+    for _ in 0..3 {
+        let t = Instant::now();
+        assert_eq!(s.lookup(0, &hashes(4)), 0);
+        assert!(
+            t.elapsed() < s.options().lookup_timeout + margin,
+            "lookup took {:?}",
+            t.elapsed()
+        );
+        let t = Instant::now();
+        assert!(s.read(0, &hashes(4)).iter().all(Option::is_none));
+        assert!(
+            t.elapsed() < s.options().read_timeout + margin,
+            "read took {:?}",
+            t.elapsed()
+        );
+        let t = Instant::now();
+        s.write(0, &puts(4, 9));
+        assert!(t.elapsed() < margin, "write took {:?}", t.elapsed());
+    }
+    let c = s.counts();
+    assert!(c.timeouts >= 1, "{c:?}");
+    server.signal("CONT");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while s.lookup(0, &hashes(4)) != 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the tier did not come back: {:?}",
+            s.counts()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    check_blocks(&s.read(0, &hashes(4)), 4, 9);
+}

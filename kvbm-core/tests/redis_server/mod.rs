@@ -162,6 +162,17 @@ impl Server {
         }
     }
 
+    /// Sends `signal` (e.g. `STOP`, `CONT`) to the server.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("running").id();
+        let ok = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{signal} {pid}");
+    }
+
     /// Starts it again on the same port, empty.
     pub fn restart(&mut self) {
         self.kill();
