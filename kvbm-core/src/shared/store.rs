@@ -6,16 +6,19 @@
 //! - No call waits past its bound: a prefix lookup past `lookup_timeout` is a miss, a read past
 //!   `read_timeout` is a miss, and writes are never waited for (a batch past `writes_in_flight`
 //!   is dropped and counted). A slow or dead server makes the tier a miss; it never stalls a step.
-//! - An outage (refused or dropped connection, I/O error, timeout) takes the tier out for a
-//!   backoff that doubles from [`BACKOFF_MIN`] to [`BACKOFF_MAX`]; meanwhile lookups are misses
-//!   and writes are dropped, both counted, and the first call after the backoff tries again. A
+//! - An outage (refused or dropped connection, I/O error, a read or write batch past its bound)
+//!   takes the tier out for a backoff that doubles from [`BACKOFF_MIN`] to [`BACKOFF_MAX`];
+//!   meanwhile lookups and reads are misses and writes are dropped, all counted, and the first
+//!   call after the backoff tries again. A late lookup is a miss but not an outage: lookups have
+//!   a connection of their own and a short bound, and a server busy with writes is not dead. A
 //!   reply the server refuses (`OOM` under `maxmemory` with `noeviction`, ...) is counted and
 //!   is not an outage. `MOVED` and `ASK` during a Cluster's resharding are followed by the
 //!   client.
 //! - Every value read is checked by [`super::decode_value`]; a bad one is a miss, counted by
 //!   reason.
 //! - Calls from inside another tokio runtime are safe: the caller's thread only waits on a
-//!   channel, never enters this store's runtime.
+//!   channel, never enters this store's runtime; dropping the store shuts its runtime down in
+//!   the background.
 
 use std::future::Future;
 use std::io::Write;
