@@ -428,7 +428,6 @@ async fn dump(State(router): State<Shared>, request: Request) -> Result<Response
     let (tx, rx) = tokio::sync::mpsc::channel(DUMP_CHUNKS_QUEUED_MAX);
     let r = router.clone();
     tokio::task::spawn_blocking(move || {
-        let _permit = permit;
         let snapshot = r.dump();
         let mut w = ChunkWriter {
             buf: Vec::with_capacity(DUMP_CHUNK_BYTES),
@@ -445,6 +444,11 @@ async fn dump(State(router): State<Shared>, request: Request) -> Result<Response
         }) {
             tracing::info!(error = %err, "dump not sent whole");
         }
+        // The slot is free before the client sees the body end (when `w`'s sender drops), so a
+        // client that asks again at once is served rather than refused; the snapshot is dropped
+        // after both.
+        drop(permit);
+        drop(w);
     });
     let body = axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx));
     let media = if msgpack {
