@@ -28,10 +28,11 @@ use crate::disk::{encode_identity, Admission, ADMISSION_HALF_LIFE};
 use crate::groups::{GroupKind, Groups, NULL_BLOCK};
 use crate::metrics::{add, Metrics};
 use crate::plan::{AsyncOnboard, Offload, Onboard, StepPlan};
-pub use crate::plan::{DiskRead, DiskWrite};
+pub use crate::plan::{DiskRead, DiskWrite, SharedRead, SharedWrite};
 use crate::pool::{
     clear_across, BlockIdentity, BlockPool, FillingBlock, PoolCounts, RegisteredBlock,
 };
+use crate::shared::{tenant_id, SharedCounts, SharedStore};
 use crate::CoreError;
 
 /// Events queued for [`Leader::take_events`] at most (beyond it they are dropped and counted).
@@ -93,6 +94,38 @@ pub struct Offloaded {
 /// A staging host block a disk read lands in, with the identity it joins the host tier under.
 type StagedRead = (FillingBlock, BlockIdentity);
 
+/// What an asynchronous onboard holds until [`Leader::release`].
+#[derive(Default)]
+struct Pinned {
+    /// Its host and disk blocks.
+    held: Vec<RegisteredBlock>,
+    /// Staging host blocks that join the host tier once the onboard finished.
+    staged: Vec<StagedRead>,
+    /// Staging host blocks of shared reads whose identities the leader does not know: freed
+    /// once the onboard finished.
+    scratch: Vec<FillingBlock>,
+}
+
+/// The shared tier as the leader sees it: prefix lookups over every rank's shard.
+struct SharedLookup {
+    store: SharedStore,
+    /// Each rank's key fingerprint ([`crate::shared::shard_fingerprint`]).
+    fingerprints: Vec<u64>,
+}
+
+/// A request's hit in the shared tier: the blocks continuing its hit in the local tiers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SharedHit {
+    /// How many blocks.
+    pub blocks: usize,
+    /// The request's tenant ([`tenant_id`]).
+    pub tenant: u64,
+    /// The blocks' identities when the leader knows them (one per block), to keep the blocks
+    /// read in the host tier once the onboard finished; empty otherwise (the staging blocks
+    /// are then freed, and a later hit reads the shared tier again).
+    pub identities: Vec<BlockIdentity>,
+}
+
 /// What an onboard needs: the host blocks of its host part, then the disk reads of the rest.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OnboardHolds {
@@ -137,7 +170,9 @@ pub struct Leader {
     /// What an asynchronous onboard holds, by request, until `release`: its host and disk
     /// blocks, and the staging host blocks its disk reads land in, each with the identity it
     /// is registered under once the onboard finished.
-    pinned: HashMap<String, (Vec<RegisteredBlock>, Vec<StagedRead>)>,
+    pinned: HashMap<String, Pinned>,
+    /// The shared tier, if any.
+    shared: Option<SharedLookup>,
     publisher: EventPublisher,
     /// The leader's own subscription ([`Self::take_events`]), when it made its publisher.
     events: Option<EventSubscriber>,
@@ -274,6 +309,7 @@ impl Leader {
             admitted: Vec::new(),
             staging: VecDeque::new(),
             pinned: HashMap::new(),
+            shared: None,
             publisher,
             events: None,
             events_lost: 0,
@@ -330,6 +366,64 @@ impl Leader {
         // The host blocks of the host part are idle now but get held for the onboard.
         let staging = staging.saturating_sub(host.min(counts.idle));
         (host, disk.min(staging))
+    }
+
+    /// Adds the shared tier: `store` (opened with any one rank's fingerprint; the leader only
+    /// looks up) and every rank's key fingerprint, `fingerprints` (a block is a hit when each
+    /// rank's shard of it is there). From now on the blocks offloaded into the host tier are
+    /// written to the shared tier too ([`StepPlan::shared_writes`]).
+    pub fn with_shared(mut self, store: SharedStore, fingerprints: Vec<u64>) -> Self {
+        self.shared = Some(SharedLookup {
+            store,
+            fingerprints,
+        });
+        self
+    }
+
+    /// Whether the leader has a shared tier.
+    pub fn has_shared(&self) -> bool {
+        self.shared.is_some()
+    }
+
+    /// The shared tier's counters as the leader's lookups moved them, if it has one.
+    pub fn shared_counts(&self) -> Option<SharedCounts> {
+        self.shared.as_ref().map(|s| s.store.counts())
+    }
+
+    /// [`Self::count_prefix_tiers`], then how many blocks continue the local hit in the shared
+    /// tier for `tenant` (one bounded round trip; a slow or dead server is a miss). Disk and
+    /// shared blocks each need a staging host block: together they are at most the room there
+    /// is. The shared tier is asked only when the local hit was not cut short by that room.
+    pub fn count_prefix_shared(&self, hashes_: &[u64], tenant: u64) -> (usize, usize, usize) {
+        let h = hashes(hashes_);
+        let host = self.host.count_prefix(&h);
+        let disk_all = self.disk.as_ref().map_or(0, |d| d.count_prefix(&h[host..]));
+        let room = self.staging_room(host);
+        let disk = disk_all.min(room);
+        let mut shared = 0;
+        let rest = &h[host + disk..];
+        let m = &self.metrics;
+        if let Some(s) = self.shared.as_ref().filter(|_| disk == disk_all) {
+            if !rest.is_empty() && room > disk {
+                shared = s
+                    .store
+                    .lookup_shards(tenant, rest, &s.fingerprints)
+                    .min(room - disk);
+                add(&m.shared_lookup_blocks, rest.len() as u64);
+                add(&m.shared_hit_blocks, shared as u64);
+            }
+        }
+        add(&m.host_lookup_blocks, hashes_.len() as u64);
+        add(&m.host_hit_blocks, host as u64);
+        if self.disk.is_some() {
+            add(&m.disk_lookup_blocks, (hashes_.len() - host) as u64);
+            add(&m.disk_hit_blocks, disk as u64);
+        }
+        add(
+            &m.matched_tokens,
+            ((host + disk + shared) * self.block_size) as u64,
+        );
+        (host, disk, shared)
     }
 
     /// The tier that holds `key` (the host tier first), if any; changes nothing.
@@ -449,13 +543,15 @@ impl Leader {
         }
         if asynchronous {
             let entry = self.pinned.entry(request.to_owned()).or_default();
-            entry.0.extend(held_blocks);
-            entry.1.extend(staged);
+            entry.held.extend(held_blocks);
+            entry.staged.extend(staged);
             self.plan.async_onboards.push(AsyncOnboard {
                 request: request.to_owned(),
                 disk_reads: reads,
                 pairs,
                 unbacked,
+                shared_reads: Vec::new(),
+                tenant: 0,
             });
         } else {
             self.plan.load_errors.extend(unbacked);
@@ -483,6 +579,8 @@ impl Leader {
             disk_reads: Vec::new(),
             pairs: Vec::new(),
             unbacked: gpu,
+            shared_reads: Vec::new(),
+            tenant: 0,
         });
     }
 
@@ -528,8 +626,8 @@ impl Leader {
         match request_id {
             Some(rid) => {
                 let entry = self.pinned.entry(rid.to_owned()).or_default();
-                entry.0.extend(held_blocks);
-                entry.1.extend(staged.into_iter().zip(identities));
+                entry.held.extend(held_blocks);
+                entry.staged.extend(staged.into_iter().zip(identities));
             }
             None => {
                 self.keep(held_blocks);
@@ -556,8 +654,8 @@ impl Leader {
         }
         if !host.is_empty() {
             // A staging block whose disk read failed never joins the host tier.
-            for (_, staged) in self.pinned.values_mut() {
-                staged.retain(|(b, _)| !host.contains(&b.id().0));
+            for pinned in self.pinned.values_mut() {
+                pinned.staged.retain(|(b, _)| !host.contains(&b.id().0));
             }
         }
         let mut n = 0;
@@ -696,7 +794,7 @@ impl Leader {
     /// a disk hit becomes a host block, and is not offloaded from the GPU again. Staging blocks
     /// a worker reported bad were dropped by [`Self::discard`] before.
     pub fn release(&mut self, request_id: &str) -> bool {
-        let Some((_held, staged)) = self.pinned.remove(request_id) else {
+        let Some(Pinned { staged, .. }) = self.pinned.remove(request_id) else {
             return false;
         };
         if !staged.is_empty() {
@@ -809,8 +907,11 @@ impl Leader {
             ));
         }
         let mut planned = Vec::with_capacity(hashed.iter().map(Vec::len).sum());
+        // Per planned block, its tenant (for its shared write).
+        let mut tenants = Vec::new();
         for (run, hashes) in runs.iter().zip(&hashed) {
             let lora: Option<Arc<str>> = run.lora_name.as_deref().map(Arc::from);
+            let tenant = tenant_id(run.lora_name.as_deref(), run.salt.as_deref());
             let mut prev = run.parent;
             for (hash, block) in hashes.iter().zip(run.tokens.chunks_exact(b)) {
                 planned.push(BlockIdentity {
@@ -820,10 +921,27 @@ impl Leader {
                     lora_name: lora.clone(),
                     group: None,
                 });
+                tenants.push(tenant);
                 prev = Some(*hash);
             }
         }
-        let mut ids = self.register_blocks(planned)?.host.into_iter();
+        // What reaches the host tier is written to the shared tier too: the identities are
+        // kept for the writes of the blocks that get a host block.
+        let identities = self.shared.is_some().then(|| planned.clone());
+        let placed = self.register_blocks(planned)?.host;
+        if let Some(identities) = identities {
+            for ((host, identity), tenant) in placed.iter().zip(&identities).zip(&tenants) {
+                if let Some(host) = host {
+                    self.plan.shared_writes.push(SharedWrite {
+                        host: *host,
+                        key: identity.sequence_hash.0,
+                        tenant: *tenant,
+                        identity: encode_identity(identity),
+                    });
+                }
+            }
+        }
+        let mut ids = placed.into_iter();
         Ok(hashed
             .into_iter()
             .map(|hashes| {
@@ -846,20 +964,56 @@ impl Leader {
         gpu: &[u32],
         asynchronous: bool,
     ) -> Result<usize, CoreError> {
-        if gpu.len() != hashes_.len() {
+        self.plan_onboard_with(request, hashes_, gpu, asynchronous, SharedHit::default())
+    }
+
+    /// [`Self::plan_onboard`] of a hit whose last `shared.blocks` blocks come from the shared
+    /// tier (an asynchronous onboard only): each is read into a staging host block, held until
+    /// [`Self::release`], which keeps it in the host tier when its identity is known.
+    pub fn plan_onboard_with(
+        &mut self,
+        request: &str,
+        hashes_: &[u64],
+        gpu: &[u32],
+        asynchronous: bool,
+        shared: SharedHit,
+    ) -> Result<usize, CoreError> {
+        if gpu.len() != hashes_.len() || shared.blocks > hashes_.len() {
             return Err(CoreError::InvalidArgument(format!(
-                "{} GPU blocks for {} hashes",
+                "{} GPU blocks for {} hashes, {} of them shared",
                 gpu.len(),
-                hashes_.len()
+                hashes_.len(),
+                shared.blocks
             )));
         }
-        let plan = self.hold_onboard(hashes_, asynchronous.then_some(request));
-        let got = plan.host.len() + plan.disk_reads.len();
+        let local = hashes_.len() - shared.blocks;
+        let plan = self.hold_onboard(&hashes_[..local], asynchronous.then_some(request));
+        let mut got = plan.host.len() + plan.disk_reads.len();
+        let mut shared_reads = Vec::new();
+        if asynchronous && got == local && shared.blocks > 0 && self.shared.is_some() {
+            let stages = self.host.allocate_up_to(shared.blocks);
+            for (stage, &key) in stages.iter().zip(&hashes_[local..]) {
+                shared_reads.push(SharedRead {
+                    host: stage.id().0,
+                    key,
+                });
+            }
+            let entry = self.pinned.entry(request.to_owned()).or_default();
+            if shared.identities.len() == shared.blocks {
+                entry
+                    .staged
+                    .extend(stages.into_iter().zip(shared.identities));
+            } else {
+                entry.scratch.extend(stages);
+            }
+            got += shared_reads.len();
+        }
         let pairs: Vec<(u32, u32)> = plan
             .host
             .iter()
             .copied()
             .chain(plan.disk_reads.iter().map(|r| r.host))
+            .chain(shared_reads.iter().map(|r| r.host))
             .zip(gpu.iter().copied())
             .collect();
         self.plan.load_errors.extend_from_slice(&gpu[got..]);
@@ -869,6 +1023,8 @@ impl Leader {
                 disk_reads: plan.disk_reads,
                 pairs,
                 unbacked: Vec::new(),
+                shared_reads,
+                tenant: shared.tenant,
             });
         } else if !pairs.is_empty() {
             self.plan.disk_reads.extend(plan.disk_reads);

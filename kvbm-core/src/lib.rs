@@ -43,7 +43,7 @@ pub use layout::{
 };
 pub use leader::{
     DiskRead, DiskWrite, Leader, LeaderCounts, LeaderOptions, OffloadBlock, Offloaded,
-    OnboardHolds, Placed, TokenRun, HOLD_STEPS,
+    OnboardHolds, Placed, SharedHit, SharedRead, SharedWrite, TokenRun, HOLD_STEPS,
 };
 pub use manager::{BlockManager, GpuMemory, ManagerOptions, PrefixMatch, HOST_PIN_CHUNK_BYTES};
 pub use metrics::{LatencyHistogram, Metrics, MetricsSnapshot};
@@ -54,7 +54,7 @@ pub use pool::{
 };
 pub use worker::{
     check_view_within, default_device_kind, first_unwritable_range, host_range_writable,
-    open_device, Worker, WorkerOptions, WorkerStats,
+    open_device, SharedWorkerOptions, Worker, WorkerOptions, WorkerStats,
 };
 // What the bindings need of the leaves, through core (they depend on kvbm-core alone).
 pub use kvbm_cuda::{DeviceKind, Direction, StreamHold};

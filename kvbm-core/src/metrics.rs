@@ -83,6 +83,16 @@ pub struct Metrics {
     pub disk_read_misses: AtomicU64,
     /// `kvbm_load_errors`: GPU blocks reported to the engine as failed onboards (recomputed).
     pub load_errors: AtomicU64,
+    /// Blocks looked up in the shared tier (past the local hit).
+    pub shared_lookup_blocks: AtomicU64,
+    /// Blocks found in the shared tier.
+    pub shared_hit_blocks: AtomicU64,
+    /// `kvbm_shared_read_blocks`: shared-tier blocks a worker read into host blocks.
+    pub shared_read_blocks: AtomicU64,
+    /// `kvbm_shared_read_misses`: of those, blocks that were missing, refused or late.
+    pub shared_read_misses: AtomicU64,
+    /// `kvbm_shared_write_blocks`: host blocks a worker queued for the shared tier.
+    pub shared_write_blocks: AtomicU64,
     /// `kvbm_transfer_latency_d2h`: per batch, submit to completion.
     pub latency_d2h: LatencyHistogram,
     /// `kvbm_transfer_latency_h2d`: per batch, submit to completion.
@@ -124,6 +134,14 @@ pub struct MetricsSnapshot {
     pub disk_read_misses: u64,
     /// See [`Metrics::load_errors`].
     pub load_errors: u64,
+    /// `kvbm_shared_cache_hit_rate`: shared hits over shared lookups (0 before any lookup).
+    pub shared_cache_hit_rate: f64,
+    /// See [`Metrics::shared_read_blocks`].
+    pub shared_read_blocks: u64,
+    /// See [`Metrics::shared_read_misses`].
+    pub shared_read_misses: u64,
+    /// See [`Metrics::shared_write_blocks`].
+    pub shared_write_blocks: u64,
     /// `kvbm_host_pinned_bytes_ready`: host tier bytes pinned so far.
     pub host_pinned_bytes_ready: u64,
 }
@@ -156,6 +174,13 @@ impl Metrics {
             disk_read_blocks: get(&self.disk_read_blocks),
             disk_read_misses: get(&self.disk_read_misses),
             load_errors: get(&self.load_errors),
+            shared_cache_hit_rate: rate(
+                get(&self.shared_hit_blocks),
+                get(&self.shared_lookup_blocks),
+            ),
+            shared_read_blocks: get(&self.shared_read_blocks),
+            shared_read_misses: get(&self.shared_read_misses),
+            shared_write_blocks: get(&self.shared_write_blocks),
             host_pinned_bytes_ready: 0,
         }
     }

@@ -36,6 +36,29 @@ pub struct DiskWrite {
     pub identity: Vec<u8>,
 }
 
+/// A shared-tier read: a block of the shared store into a staging host block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedRead {
+    /// The host block to read it into.
+    pub host: u32,
+    /// The block's key (its sequence hash).
+    pub key: u64,
+}
+
+/// A shared-tier write: a host block into the shared store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SharedWrite {
+    /// The host block.
+    pub host: u32,
+    /// The block's key (its sequence hash).
+    pub key: u64,
+    /// Its tenant ([`crate::shared::tenant_id`]).
+    pub tenant: u64,
+    /// The block's identity ([`crate::encode_identity`]).
+    #[serde(with = "serde_bytes_vec")]
+    pub identity: Vec<u8>,
+}
+
 /// A request's onboard: host blocks into the GPU blocks vLLM allocated, `(host, gpu)`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Onboard {
@@ -60,6 +83,12 @@ pub struct AsyncOnboard {
     /// vLLM takes only a failed request, never block-level load errors).
     #[serde(default)]
     pub unbacked: Vec<u32>,
+    /// Shared-tier reads into staging host blocks, done first (with the disk reads).
+    #[serde(default)]
+    pub shared_reads: Vec<SharedRead>,
+    /// The tenant of the shared reads ([`crate::shared::tenant_id`]).
+    #[serde(default)]
+    pub tenant: u64,
 }
 
 /// A request's offload: GPU blocks that became complete into host blocks, `(gpu, host)`.
@@ -98,6 +127,9 @@ pub struct StepPlan {
     /// ordered after this step's offloads.
     #[serde(default)]
     pub fence_offloads: bool,
+    /// Shared-tier writes of host blocks (after this step's offloads into them).
+    #[serde(default)]
+    pub shared_writes: Vec<SharedWrite>,
 }
 
 impl StepPlan {
@@ -110,6 +142,7 @@ impl StepPlan {
             && self.offloads.is_empty()
             && self.disk_writes.is_empty()
             && self.load_errors.is_empty()
+            && self.shared_writes.is_empty()
     }
 
     /// The plan as MessagePack bytes.
@@ -199,6 +232,8 @@ mod tests {
                 disk_reads: vec![],
                 pairs: vec![(4, 5)],
                 unbacked: vec![8],
+                shared_reads: vec![SharedRead { host: 12, key: 99 }],
+                tenant: 5,
             }],
             offloads: vec![Offload {
                 request: "c".into(),
@@ -212,6 +247,12 @@ mod tests {
             }],
             load_errors: vec![11],
             fence_offloads: true,
+            shared_writes: vec![SharedWrite {
+                host: 13,
+                key: 77,
+                tenant: 0,
+                identity: vec![9, 8],
+            }],
         }
     }
 

@@ -15,8 +15,12 @@ use std::collections::HashMap;
 
 use kvbm_events::{BlockHasher, SequenceHash};
 
+use std::sync::Arc;
+
 use crate::groups::{Groups, NULL_BLOCK};
-use crate::leader::{Leader, TokenRun};
+use crate::leader::{Leader, SharedHit, TokenRun};
+use crate::pool::BlockIdentity;
+use crate::shared::tenant_id;
 use crate::{CoreError, Tier};
 
 /// What the leader tracks of one request.
@@ -31,8 +35,10 @@ struct Request {
     had_offloads: bool,
     /// The last match: (first block, blocks found, asynchronous, of them in the host tier).
     matched: Option<(usize, usize, bool, usize)>,
-    /// The last onboard planned: blocks from the host tier, then from disk.
-    hit_blocks: (usize, usize),
+    /// Of the last match, the blocks found in the shared tier (the last ones).
+    matched_shared: SharedHit,
+    /// The last onboard planned: blocks from the host tier, from disk, from the shared tier.
+    hit_blocks: (usize, usize, usize),
     lora: Option<String>,
     salt: Option<String>,
     finished: bool,
@@ -143,7 +149,9 @@ impl Requests {
         let start = num_computed / b;
         // Never the whole prompt: vLLM computes at least the last token.
         let limit = num_tokens.saturating_sub(1) / b;
+        let hashed_before = r.hashes.len();
         extend_hashes(b, r, new_tokens, limit)?;
+        r.matched_shared = SharedHit::default();
         if limit <= start {
             r.matched = None;
             return Ok((0, false));
@@ -151,9 +159,22 @@ impl Requests {
         if !self.groups.is_single_full() {
             return Ok(match_groups(&self.groups, leader, r, start, limit));
         }
-        let (on_host, on_disk) = leader.count_prefix_tiers(&r.hashes[start..limit]);
-        let found = on_host + on_disk;
-        let asynchronous = on_disk > 0;
+        let (on_host, on_disk, shared) = if leader.has_shared() {
+            let tenant = tenant_id(r.lora.as_deref(), r.salt.as_deref());
+            let (host, disk, shared) = leader.count_prefix_shared(&r.hashes[start..limit], tenant);
+            let first = start + host + disk;
+            r.matched_shared = SharedHit {
+                blocks: shared,
+                tenant,
+                identities: identities_of(b, r, new_tokens, hashed_before, first..first + shared),
+            };
+            (host, disk, shared)
+        } else {
+            let (host, disk) = leader.count_prefix_tiers(&r.hashes[start..limit]);
+            (host, disk, 0)
+        };
+        let found = on_host + on_disk + shared;
+        let asynchronous = on_disk + shared > 0;
         r.matched = (found > 0).then_some((start, found, asynchronous, on_host));
         Ok((found * b, asynchronous))
     }
@@ -178,13 +199,19 @@ impl Requests {
             return allocated_groups(&groups, leader, request, r, num_external_tokens);
         }
         let matched = r.matched.take();
-        r.hit_blocks = (0, 0);
+        let mut shared = std::mem::take(&mut r.matched_shared);
+        r.hit_blocks = (0, 0, 0);
         let Some((start, found, asynchronous, on_host)) =
             matched.filter(|_| num_external_tokens > 0)
         else {
             return Ok(false);
         };
         let wanted = found.min(num_external_tokens / b);
+        // The shared blocks are the hit's last: vLLM may grant fewer tokens than offered.
+        let local = found - shared.blocks;
+        shared.blocks = wanted.saturating_sub(local);
+        shared.identities.truncate(shared.blocks);
+        let from_shared = shared.blocks;
         let primary_len = r.block_ids.first().map_or(0, Vec::len);
         if primary_len < start + wanted || r.hashes.len() < start + wanted {
             tracing::warn!(
@@ -196,18 +223,19 @@ impl Requests {
             );
             return Ok(false);
         }
-        let got = leader.plan_onboard(
+        let got = leader.plan_onboard_with(
             request,
             &r.hashes[start..start + wanted],
             &r.block_ids[0][start..start + wanted],
             asynchronous,
+            shared,
         )?;
         if got < wanted {
             // Evicted since they were counted: vLLM recomputes these (the plan reports them).
             r.unbacked_from = Some(start + got);
         }
         let from_host = on_host.min(wanted);
-        r.hit_blocks = (from_host, wanted - from_host);
+        r.hit_blocks = (from_host, wanted - from_host - from_shared, from_shared);
         // Reported in finished_recving even when nothing could be held (then all failed).
         r.onboarding |= asynchronous;
         // Blocks onboarded from the host tier are there already; those read from disk join it
@@ -217,19 +245,36 @@ impl Requests {
     }
 
     /// `get_external_cache_hit_sources`: splits the `tokens` vLLM granted to the request's last
-    /// onboard into (from the host tier, from disk), host first as the onboard reads them; the
-    /// two add up to `tokens`. None when no onboard was planned for it.
-    pub fn hit_sources(&self, request: &str, tokens: usize) -> Option<(usize, usize)> {
-        let (host, disk) = self.by_id.get(request)?.hit_blocks;
-        if host + disk == 0 {
+    /// onboard into (from the host tier, from disk, from the shared tier), in the order the
+    /// onboard reads them; the three add up to `tokens`. None when no onboard was planned for
+    /// it.
+    pub fn hit_sources(&self, request: &str, tokens: usize) -> Option<(usize, usize, usize)> {
+        let (host, disk, shared) = self.by_id.get(request)?.hit_blocks;
+        if host + disk + shared == 0 {
             return None;
         }
-        let host_tokens = if disk == 0 {
-            tokens
+        let b = self.block_size;
+        // Each tier takes its blocks' tokens in order; the last tier with blocks takes the
+        // rest (a grant that ends inside a block, or one larger than the blocks).
+        let last = if shared > 0 {
+            2
+        } else if disk > 0 {
+            1
         } else {
-            tokens.min(host * self.block_size)
+            0
         };
-        Some((host_tokens, tokens - host_tokens))
+        let mut left = tokens;
+        let mut out = [0usize; 3];
+        for (i, blocks) in [host, disk, shared].into_iter().enumerate() {
+            let take = if i == last {
+                left
+            } else {
+                left.min(blocks * b)
+            };
+            out[i] = take;
+            left -= take;
+        }
+        Some((out[0], out[1], out[2]))
     }
 
     /// `build_connector_meta`, first half: applies the scheduler's output (`scheduled`), then
@@ -527,7 +572,7 @@ fn allocated_groups(
 ) -> Result<bool, CoreError> {
     let b = groups.block_size();
     let matched = r.matched.take();
-    r.hit_blocks = (0, 0);
+    r.hit_blocks = (0, 0, 0);
     let Some((start, found, asynchronous, on_host)) = matched.filter(|_| num_external_tokens > 0)
     else {
         return Ok(false);
@@ -598,10 +643,40 @@ fn allocated_groups(
         r.unbacked_from = Some(got);
     }
     let from_host = on_host.min(got - start);
-    r.hit_blocks = (from_host, got - start - from_host);
+    r.hit_blocks = (from_host, got - start - from_host, 0);
     r.onboarding |= asynchronous;
     r.offloaded_blocks = r.offloaded_blocks.max(got);
     Ok(asynchronous)
+}
+
+/// The identities of `r`'s blocks `blocks` when this call's `tokens` (the tokens of the blocks
+/// from `hashed_before` on) cover them; empty otherwise.
+fn identities_of(
+    block_size: usize,
+    r: &Request,
+    tokens: &[u32],
+    hashed_before: usize,
+    blocks: std::ops::Range<usize>,
+) -> Vec<BlockIdentity> {
+    if blocks.is_empty() || blocks.start < hashed_before || blocks.end > r.hashes.len() {
+        return Vec::new();
+    }
+    let lora: Option<Arc<str>> = r.lora.as_deref().map(Arc::from);
+    let mut out = Vec::with_capacity(blocks.len());
+    for i in blocks {
+        let at = (i - hashed_before) * block_size;
+        let Some(block) = tokens.get(at..at + block_size) else {
+            return Vec::new();
+        };
+        out.push(BlockIdentity {
+            sequence_hash: SequenceHash(r.hashes[i]),
+            parent: i.checked_sub(1).map(|p| SequenceHash(r.hashes[p])),
+            tokens: Arc::from(block),
+            lora_name: lora.clone(),
+            group: None,
+        });
+    }
+    out
 }
 
 /// Extends `r`'s hashes with those of `tokens` (whole blocks after the hashed ones), up to

@@ -39,7 +39,11 @@ use crate::copy::{CopyEngine, CopyJob, CopySide, CopyTicket, OnBatch};
 use crate::disk::{handoff, store_options, DiskOptions};
 use crate::layout::{BlockLayout, KvLayout, TensorView};
 use crate::metrics::{add, Metrics};
-use crate::plan::{AsyncOnboard, DiskRead, DiskWrite, StepPlan, StepReport};
+use crate::plan::{
+    AsyncOnboard, DiskRead, DiskWrite, SharedRead, SharedWrite, StepPlan, StepReport,
+};
+use crate::shared::store::SharedPut;
+use crate::shared::{SharedCounts, SharedOptions, SharedStore};
 use crate::transfer::TransferLimits;
 use crate::CoreError;
 
@@ -50,6 +54,18 @@ type Pairs = Vec<(u32, u32)>;
 pub const DISK_WRITES_QUEUED_MAX: usize = 1024;
 /// Asynchronous onboards queued at most; more wait for a loader.
 pub const ASYNC_ONBOARDS_QUEUED_MAX: usize = 256;
+/// Shared-tier writes queued for the shared writer at most; a step with more waits for it.
+pub const SHARED_WRITES_QUEUED_MAX: usize = 1024;
+
+/// A worker's shared tier: where the store is and the key fingerprint of this rank's shard
+/// ([`crate::shared::shard_fingerprint`], which the leader computes too).
+#[derive(Debug, Clone)]
+pub struct SharedWorkerOptions {
+    /// The store's options.
+    pub options: SharedOptions,
+    /// This rank's key fingerprint.
+    pub key_fingerprint: u64,
+}
 
 /// What a worker holds besides the engine's GPU memory.
 #[derive(Debug, Clone)]
@@ -68,6 +84,8 @@ pub struct WorkerOptions {
     pub host_ready_timeout: Duration,
     /// Threads pinning the host pool.
     pub pin_threads: usize,
+    /// This rank's shared tier, if any.
+    pub shared: Option<SharedWorkerOptions>,
 }
 
 impl Default for WorkerOptions {
@@ -79,6 +97,7 @@ impl Default for WorkerOptions {
             disk: None,
             host_ready_timeout: Duration::from_secs(300),
             pin_threads: HostRegionOptions::default().pin_threads,
+            shared: None,
         }
     }
 }
@@ -390,6 +409,194 @@ struct WriteJob {
     after: Vec<(CopyTicket, Pairs)>,
 }
 
+/// The shared tier's side of a worker: its store, and the host blocks queued writes still
+/// have to copy out (nothing overwrites them meanwhile).
+struct SharedSide {
+    store: SharedStore,
+    host_layout: BlockLayout,
+    host_region: HostRegion,
+    host_stride: usize,
+    ready_timeout: Duration,
+    payload_bytes: usize,
+    pending: Mutex<HashMap<u32, usize>>,
+    pending_cv: Condvar,
+    metrics: Arc<Metrics>,
+    bad: SharedBad,
+}
+
+/// Shared-tier writes for the shared writer, with the offload jobs into their host blocks.
+struct SharedJob {
+    writes: Vec<SharedWrite>,
+    after: Vec<(CopyTicket, Pairs)>,
+}
+
+impl SharedSide {
+    fn wait_for_writes(&self, host: u32) {
+        let mut p = self.pending.lock();
+        while p.contains_key(&host) {
+            self.pending_cv.wait(&mut p);
+        }
+    }
+
+    fn done(&self, host: u32) {
+        let mut p = self.pending.lock();
+        if let Some(n) = p.get_mut(&host) {
+            *n -= 1;
+            if *n == 0 {
+                p.remove(&host);
+            }
+        }
+        drop(p);
+        self.pending_cv.notify_all();
+    }
+
+    /// Host block `id`'s bytes in canonical order.
+    fn copy_out(&self, id: u32) -> Result<Vec<u8>, CoreError> {
+        let mut out = vec![0u8; self.payload_bytes];
+        let mut result = Ok(());
+        let base = self.host_region.addr();
+        self.host_layout
+            .for_each_run(id as usize, |addr, offset, len, _| {
+                if result.is_ok() {
+                    result = self
+                        .host_region
+                        .read((addr - base) as usize, &mut out[offset..offset + len]);
+                }
+            });
+        result.map(|_| out).map_err(CoreError::from)
+    }
+
+    /// Writes `payload` (canonical order) into host block `id`.
+    fn copy_in(&self, id: u32, payload: &[u8]) -> Result<(), CoreError> {
+        let mut result = Ok(());
+        let base = self.host_region.addr();
+        self.host_layout
+            .for_each_run(id as usize, |addr, offset, len, _| {
+                if result.is_ok() {
+                    result = self
+                        .host_region
+                        .write((addr - base) as usize, &payload[offset..offset + len]);
+                }
+            });
+        result.map_err(CoreError::from)
+    }
+
+    /// Runs one write job: waits for the offloads into its host blocks, copies each block that
+    /// holds good bytes out of the host pool (then it may be overwritten), and queues the
+    /// copies with the store (which sends them in pipelined batches and never waits).
+    fn write_job(&self, job: SharedJob) {
+        let mut failed_hosts = HashSet::new();
+        for (ticket, pairs) in &job.after {
+            for r in ticket.wait().failed {
+                failed_hosts.extend(pairs[r].iter().map(|&(_, h)| h));
+            }
+        }
+        // Runs of one tenant, in order: the store keeps what it queues a prefix of each run.
+        let mut run: Vec<SharedPut> = Vec::new();
+        let mut tenant = None;
+        let mut queued = 0;
+        for w in job.writes {
+            let bad = failed_hosts.contains(&w.host) || self.bad.lock().host.contains(&w.host);
+            let put = if bad {
+                None
+            } else {
+                let identity =
+                    crate::disk::decode_identity(kvbm_events::SequenceHash(w.key), &w.identity);
+                match (identity, self.copy_out(w.host)) {
+                    (Some(identity), Ok(bytes)) => Some(SharedPut {
+                        identity,
+                        payload: Arc::from(bytes),
+                    }),
+                    _ => None,
+                }
+            };
+            self.done(w.host);
+            if tenant != Some(w.tenant) || put.is_none() {
+                if let Some(t) = tenant {
+                    queued += self.store.write(t, &run);
+                }
+                run.clear();
+                tenant = Some(w.tenant);
+            }
+            run.extend(put);
+        }
+        if let Some(t) = tenant {
+            queued += self.store.write(t, &run);
+        }
+        add(&self.metrics.shared_write_blocks, queued as u64);
+    }
+
+    /// Reads shared blocks into staging host blocks (after the queued writes reading those
+    /// host blocks, shared and disk); returns the host blocks that missed (not there, refused
+    /// by its checks, the tier out or late).
+    fn read_into_host(
+        &self,
+        tenant: u64,
+        reads: &[SharedRead],
+        disk: Option<&DiskShared>,
+    ) -> Vec<u32> {
+        let hosts: Vec<u32> = reads.iter().map(|r| r.host).collect();
+        let mut seen = HashSet::with_capacity(reads.len());
+        if !hosts.iter().all(|h| seen.insert(*h)) {
+            tracing::warn!(
+                blocks = reads.len(),
+                "shared reads name a host block twice; none served"
+            );
+            self.bad.lock().staging_unfilled(hosts.iter().copied());
+            return hosts;
+        }
+        for &h in &hosts {
+            self.wait_for_writes(h);
+            if let Some(d) = disk {
+                d.wait_for_writes(Some(h), None);
+            }
+        }
+        let end = hosts.iter().copied().max().unwrap_or(0) as usize + 1;
+        let blocks = if self
+            .host_region
+            .wait_ready(end * self.host_stride, self.ready_timeout)
+        {
+            let keys: Vec<kvbm_events::SequenceHash> = reads
+                .iter()
+                .map(|r| kvbm_events::SequenceHash(r.key))
+                .collect();
+            self.store.read(tenant, &keys)
+        } else {
+            vec![None; reads.len()]
+        };
+        add(&self.metrics.shared_read_blocks, reads.len() as u64);
+        let mut missed = Vec::new();
+        for (r, block) in reads.iter().zip(blocks) {
+            let landed = block.is_some_and(|b| self.copy_in(r.host, b.payload()).is_ok());
+            if !landed {
+                missed.push(r.host);
+            }
+        }
+        add(&self.metrics.shared_read_misses, missed.len() as u64);
+        let mut bad = self.bad.lock();
+        for &h in &hosts {
+            bad.host.remove(&h);
+        }
+        bad.staging_unfilled(missed.iter().copied());
+        missed
+    }
+}
+
+struct SharedTier {
+    side: Arc<SharedSide>,
+    jobs: Option<Sender<SharedJob>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Drop for SharedTier {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 struct DiskSide {
     shared: Arc<DiskShared>,
     /// What the file held when it opened, `(slot, key, metadata)`, until taken.
@@ -421,6 +628,7 @@ struct LoaderContext {
     host_stride: usize,
     ready_timeout: Duration,
     disk: Option<Arc<DiskShared>>,
+    shared: Option<Arc<SharedSide>>,
     bad: SharedBad,
     metrics: Arc<Metrics>,
     done: Mutex<Vec<OnboardDone>>,
@@ -439,6 +647,20 @@ impl LoaderContext {
                 Some(disk) => missed.extend(disk.read_into_host(&job.disk_reads)),
                 None => {
                     let hosts: Vec<u32> = job.disk_reads.iter().map(|r| r.host).collect();
+                    self.bad.lock().staging_unfilled(hosts.iter().copied());
+                    missed.extend(hosts);
+                }
+            }
+        }
+        if !job.shared_reads.is_empty() {
+            match &self.shared {
+                Some(shared) => missed.extend(shared.read_into_host(
+                    job.tenant,
+                    &job.shared_reads,
+                    self.disk.as_deref(),
+                )),
+                None => {
+                    let hosts: Vec<u32> = job.shared_reads.iter().map(|r| r.host).collect();
                     self.bad.lock().staging_unfilled(hosts.iter().copied());
                     missed.extend(hosts);
                 }
@@ -484,7 +706,12 @@ impl LoaderContext {
                     failed.extend(good[r.clone()].iter().map(|&(_, g)| g));
                 }
                 let ok = good.len() - o.failed.iter().map(|r| r.len()).sum::<usize>();
-                let from_disk: HashSet<u32> = job.disk_reads.iter().map(|r| r.host).collect();
+                let from_disk: HashSet<u32> = job
+                    .disk_reads
+                    .iter()
+                    .map(|r| r.host)
+                    .chain(job.shared_reads.iter().map(|r| r.host))
+                    .collect();
                 let d2d = good.iter().filter(|(h, _)| from_disk.contains(h)).count();
                 add(&self.metrics.onboard_blocks_d2d, d2d.min(ok) as u64);
                 add(
@@ -548,6 +775,7 @@ pub struct Worker {
     /// Declared before the copy engine and the disk: dropped (and joined) first.
     loaders: Option<Loaders>,
     disk: Option<DiskSide>,
+    shared: Option<SharedTier>,
     copies: Arc<CopyEngine>,
     host: HostRegion,
     host_layout: BlockLayout,
@@ -704,6 +932,19 @@ impl Worker {
             )?),
             _ => None,
         };
+        let shared = match &options.shared {
+            Some(s) => Some(open_shared(
+                s,
+                kv,
+                gpu_layout.geometry_id(),
+                &host_layout,
+                &host,
+                options.host_ready_timeout,
+                &metrics,
+                &bad,
+            )?),
+            None => None,
+        };
         let loaders = start_loaders(
             Arc::new(LoaderContext {
                 copies: copies.clone(),
@@ -711,6 +952,7 @@ impl Worker {
                 host_stride: kv.host_stride_bytes(),
                 ready_timeout: options.host_ready_timeout,
                 disk: disk.as_ref().map(|d| d.shared.clone()),
+                shared: shared.as_ref().map(|s| s.side.clone()),
                 bad: bad.clone(),
                 metrics: metrics.clone(),
                 done: Mutex::new(Vec::new()),
@@ -728,6 +970,7 @@ impl Worker {
             stages,
             loaders: Some(loaders),
             disk,
+            shared,
             copies,
             host,
             host_layout,
@@ -972,7 +1215,12 @@ impl Worker {
                 job.request.clone(),
                 job.pairs.iter().map(|&(_, g)| g).collect(),
             );
-            let staged: Vec<u32> = job.disk_reads.iter().map(|r| r.host).collect();
+            let staged: Vec<u32> = job
+                .disk_reads
+                .iter()
+                .map(|r| r.host)
+                .chain(job.shared_reads.iter().map(|r| r.host))
+                .collect();
             let unbacked = job.unbacked.clone();
             if let Err(e) = self.onboard_async(job) {
                 // Its disk reads never run: the staging blocks hold nothing.
@@ -1004,6 +1252,7 @@ impl Worker {
             requests.push(o.request);
         }
         let writes = std::mem::take(&mut plan.disk_writes);
+        let shared_writes = std::mem::take(&mut plan.shared_writes);
         let mut first_error = None;
         if !pairs.is_empty() {
             self.step_offloaded = true;
@@ -1022,6 +1271,11 @@ impl Worker {
         }
         if !writes.is_empty() {
             if let Err(e) = self.disk_write(writes) {
+                first_error.get_or_insert(e);
+            }
+        }
+        if !shared_writes.is_empty() {
+            if let Err(e) = self.shared_write(shared_writes) {
                 first_error.get_or_insert(e);
             }
         }
@@ -1217,6 +1471,7 @@ impl Worker {
                 host_stride: self.kv.host_stride_bytes(),
                 ready_timeout: self.ready_timeout,
                 disk: self.disk.as_ref().map(|d| d.shared.clone()),
+                shared: self.shared.as_ref().map(|s| s.side.clone()),
                 bad: self.bad.clone(),
                 metrics: self.metrics.clone(),
                 done: Mutex::new(done),
@@ -1278,6 +1533,12 @@ impl Worker {
             // A disk write still reading one of these host blocks finishes first.
             for &(_, h) in &pairs {
                 disk.shared.wait_for_writes(Some(h), None);
+            }
+        }
+        if let Some(shared) = &self.shared {
+            // So does a shared write still to copy one out.
+            for &(_, h) in &pairs {
+                shared.side.wait_for_writes(h);
             }
         }
         let ticket = self.copies.submit(
@@ -1554,6 +1815,75 @@ impl Worker {
         Ok(())
     }
 
+    /// Queues shared-tier writes of host blocks; the shared writer copies each out after the
+    /// offloads into its host block completed (skipping those that failed: nothing is written
+    /// then) and hands the copies to the store. Waits (at most [`SHARED_WRITES_QUEUED_MAX`]
+    /// queued) when the writer is behind. Writes to a worker without a shared tier are refused.
+    pub fn shared_write(&mut self, writes: Vec<SharedWrite>) -> Result<(), CoreError> {
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let hosts = self.host_blocks();
+        let Some(shared) = &self.shared else {
+            return Err(CoreError::InvalidArgument(
+                "shared writes for a worker without a shared tier".into(),
+            ));
+        };
+        if let Some(w) = writes.iter().find(|w| w.host as usize >= hosts) {
+            return Err(CoreError::InvalidArgument(format!(
+                "shared write of host block {} outside {hosts} host blocks",
+                w.host
+            )));
+        }
+        let touched: HashSet<u32> = writes.iter().map(|w| w.host).collect();
+        let after: Vec<(CopyTicket, Pairs)> = self
+            .offloads
+            .iter()
+            .filter(|o| !o.host_blocks.is_disjoint(&touched))
+            .map(|o| (o.ticket.clone(), o.pairs.clone()))
+            .collect();
+        {
+            let mut p = shared.side.pending.lock();
+            for w in &writes {
+                *p.entry(w.host).or_insert(0) += 1;
+            }
+        }
+        let jobs = shared.jobs.as_ref().expect("open while the worker lives");
+        for chunk in writes.chunks(64) {
+            let job = SharedJob {
+                writes: chunk.to_vec(),
+                after: after.clone(),
+            };
+            if jobs.send(job).is_err() {
+                for w in chunk {
+                    shared.side.done(w.host);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until the shared writer copied out every queued write and, up to `limit`, until
+    /// the store sent them; false when some were still in flight then (or there is no shared
+    /// tier).
+    pub fn wait_shared(&self, limit: Duration) -> bool {
+        let Some(shared) = &self.shared else {
+            return false;
+        };
+        {
+            let mut p = shared.side.pending.lock();
+            while !p.is_empty() {
+                shared.side.pending_cv.wait(&mut p);
+            }
+        }
+        shared.side.store.flush(limit)
+    }
+
+    /// The shared tier's counters, if the worker has one.
+    pub fn shared_counts(&self) -> Option<SharedCounts> {
+        self.shared.as_ref().map(|s| s.side.store.counts())
+    }
+
     /// Reads disk blocks into host blocks now (after the queued writes of those slots and the
     /// offloads into those host blocks); returns the host blocks that missed, which later
     /// onboards report as failed instead of copying.
@@ -1579,6 +1909,11 @@ impl Worker {
         let touched: HashSet<u32> = reads.iter().map(|r| r.host).collect();
         self.wait_offloads_touching(&touched);
         self.wait_blocks_ready(reads.iter().map(|r| r.host))?;
+        if let Some(shared) = &self.shared {
+            for &h in &touched {
+                shared.side.wait_for_writes(h);
+            }
+        }
         let disk = self.disk.as_ref().expect("checked above");
         Ok(disk.shared.read_into_host(reads))
     }
@@ -1600,13 +1935,32 @@ impl Worker {
                 self.host_blocks()
             )));
         }
+        if let Some(r) = job
+            .shared_reads
+            .iter()
+            .find(|r| r.host as usize >= self.host_blocks())
+        {
+            return Err(CoreError::InvalidArgument(format!(
+                "shared read into host block {} outside {} host blocks",
+                r.host,
+                self.host_blocks()
+            )));
+        }
         let hosts: HashSet<u32> = job
             .disk_reads
             .iter()
             .map(|r| r.host)
+            .chain(job.shared_reads.iter().map(|r| r.host))
             .chain(job.pairs.iter().map(|&(h, _)| h))
             .collect();
         self.wait_offloads_touching(&hosts);
+        if let Some(shared) = &self.shared {
+            // A disk read of this job into a host block a shared write still has to copy out
+            // waits for it (the loader waits before shared reads itself).
+            for r in &job.disk_reads {
+                shared.side.wait_for_writes(r.host);
+            }
+        }
         let loaders = self.loaders.as_ref().expect("present until dropped");
         *loaders.context.busy.lock() += 1;
         let sent = loaders
@@ -1753,6 +2107,7 @@ impl Drop for Worker {
         // Loaders first (they copy), then the writer (it reads the host pool), then the copies.
         self.loaders.take();
         self.disk.take();
+        self.shared.take();
         self.copies.wait_idle();
     }
 }
@@ -1819,6 +2174,49 @@ impl handoff::PinnedPool for DiskShared {
         *self.registered.lock() = Some(ok);
         self.registered_cv.notify_all();
     }
+}
+
+/// Opens this rank's shared tier (connecting lazily: a server down now is an outage of the
+/// tier, not an error) and starts its writer.
+#[allow(clippy::too_many_arguments)] // the worker's parts the shared side keeps
+fn open_shared(
+    options: &SharedWorkerOptions,
+    kv: KvLayout,
+    geometry_id: u64,
+    host_layout: &BlockLayout,
+    host: &HostRegion,
+    ready_timeout: Duration,
+    metrics: &Arc<Metrics>,
+    bad: &SharedBad,
+) -> Result<SharedTier, CoreError> {
+    let store = SharedStore::open(
+        options.options.clone(),
+        options.key_fingerprint,
+        kv.bytes_per_block(),
+    )?
+    .with_layout(crate::disk::layout_fingerprint(&kv, geometry_id));
+    let side = Arc::new(SharedSide {
+        store,
+        host_layout: host_layout.clone(),
+        host_region: host.clone(),
+        host_stride: kv.host_stride_bytes(),
+        ready_timeout,
+        payload_bytes: kv.bytes_per_block(),
+        pending: Mutex::new(HashMap::new()),
+        pending_cv: Condvar::new(),
+        metrics: metrics.clone(),
+        bad: bad.clone(),
+    });
+    let (jobs, receiver) = crossbeam_channel::bounded::<SharedJob>(SHARED_WRITES_QUEUED_MAX / 64);
+    let writer = side.clone();
+    let thread = crate::disk::spawn_writer("kvbm-worker-shared", receiver, move |job| {
+        writer.write_job(job)
+    })?;
+    Ok(SharedTier {
+        side,
+        jobs: Some(jobs),
+        thread: Some(thread),
+    })
 }
 
 fn start_loaders(context: Arc<LoaderContext>, threads: usize) -> Result<Loaders, CoreError> {

@@ -191,7 +191,7 @@ fn a_hit_loads_the_whole_prefix_of_full_attention_and_only_the_window_of_the_oth
     );
     assert!(plan.load_errors.is_empty() && plan.async_onboards[0].unbacked.is_empty());
     // The hit is from the host tier: sources split accordingly.
-    assert_eq!(req.hit_sources("b", 40), Some((40, 0)));
+    assert_eq!(req.hit_sources("b", 40), Some((40, 0, 0)));
 }
 
 #[test]

@@ -344,7 +344,7 @@ mod requests {
         assert!(req
             .allocated(&mut leader, "b", vec![vec![10, 11, 12, 13]], 12)
             .unwrap());
-        assert_eq!(req.hit_sources("b", 12), Some((0, 12)));
+        assert_eq!(req.hit_sources("b", 12), Some((0, 12, 0)));
         let plan = leader.take_plan(vec![]).unwrap();
         let reads = plan.async_onboards[0].disk_reads.clone();
         assert_eq!(reads.len(), 3);

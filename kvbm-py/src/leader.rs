@@ -289,13 +289,13 @@ impl Leader {
     }
 
     /// `get_external_cache_hit_sources`: the `tokens` of the request's last onboard split into
-    /// (from the host tier, from disk), or None when none was planned.
+    /// (from the host tier, from disk, from the shared tier), or None when none was planned.
     fn hit_sources(
         &self,
         py: Python<'_>,
         request: &str,
         tokens: usize,
-    ) -> PyResult<Option<(usize, usize)>> {
+    ) -> PyResult<Option<(usize, usize, usize)>> {
         let mut g = self.lock(py)?;
         let s = &mut *g;
         Ok(s.requests.hit_sources(request, tokens))

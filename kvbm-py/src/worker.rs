@@ -894,6 +894,8 @@ impl Worker {
                 disk_reads: disk_reads(reads),
                 pairs,
                 unbacked: Vec::new(),
+                shared_reads: Vec::new(),
+                tenant: 0,
             };
             let inner = s.w_mut();
             py.allow_threads(|| inner.onboard_async(job))
@@ -1106,6 +1108,8 @@ pub(crate) fn encode_plan<'py>(
                     request,
                     disk_reads: self::disk_reads(reads),
                     pairs,
+                    shared_reads: Vec::new(),
+                    tenant: 0,
                 })
                 .collect(),
             offloads: offloads
@@ -1123,6 +1127,7 @@ pub(crate) fn encode_plan<'py>(
                 .collect(),
             load_errors,
             fence_offloads,
+            shared_writes: Vec::new(),
         };
         Ok(plan_bytes(py, &plan))
     })

@@ -72,6 +72,17 @@ pub fn shard_fingerprint(layout_fingerprint: u64, rank: usize, world_size: usize
     h.digest()
 }
 
+/// What the values of a key fingerprint name when written by a worker of layout `layout` (the
+/// worker's [`crate::BlockLayout::geometry_id`]): a value moved to another shard's key, or
+/// written by a worker laid out otherwise, fails its check.
+pub fn value_fingerprint(key_fingerprint: u64, layout: u64) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(b"kvbm-shared-value");
+    h.update(&key_fingerprint.to_le_bytes());
+    h.update(&layout.to_le_bytes());
+    h.digest()
+}
+
 /// The key of a block: `PREFIX:FINGERPRINT:TENANT:HASH`, each number 16 hex digits.
 pub fn block_key(prefix: &str, fingerprint: u64, tenant: u64, hash: SequenceHash) -> String {
     format!("{prefix}:{fingerprint:016x}:{tenant:016x}:{:016x}", hash.0)

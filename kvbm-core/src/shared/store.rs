@@ -326,6 +326,9 @@ pub struct SharedStore {
     lookup_conn: Conn,
     options: SharedOptions,
     fingerprint: u64,
+    /// What a value's header names: the key's fingerprint, with the writer's layout folded in
+    /// ([`Self::with_layout`]).
+    value_fingerprint: u64,
     payload_bytes: usize,
     health: Arc<Health>,
     counters: Arc<Counters>,
@@ -424,6 +427,7 @@ impl SharedStore {
             lookup_conn,
             options,
             fingerprint,
+            value_fingerprint: fingerprint,
             payload_bytes,
             health: Arc::new(Health {
                 state: Mutex::new((0, None)),
@@ -446,6 +450,16 @@ impl SharedStore {
     /// The layout fingerprint of the blocks this store reads and writes.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// The same store, its values checked against the reader's own layout as well: keys stay
+    /// under the fingerprint given to [`Self::open`] (which a leader that never sees the layout
+    /// can compute, [`super::shard_fingerprint`]), while every value names that fingerprint
+    /// folded with `layout` ([`super::value_fingerprint`]). A worker of another layout that
+    /// wrote under the same key is then refused (a mismatch, a miss), never served.
+    pub fn with_layout(mut self, layout: u64) -> Self {
+        self.value_fingerprint = super::value_fingerprint(self.fingerprint, layout);
+        self
     }
 
     /// Bytes of one block.
@@ -528,18 +542,36 @@ impl SharedStore {
     /// `tenant`: one round trip for the whole prefix, bounded by `lookup_timeout`. 0 when the
     /// tier is out or the answer is late.
     pub fn lookup(&self, tenant: u64, hashes: &[SequenceHash]) -> usize {
+        self.lookup_shards(tenant, hashes, &[self.fingerprint])
+    }
+
+    /// [`Self::lookup`] of a block whose shards live under several fingerprints (one per
+    /// tensor-parallel rank, [`super::shard_fingerprint`]): a block counts only when every
+    /// shard of it is there, since a rank that misses its shard would fail the load. One round
+    /// trip for all of them.
+    pub fn lookup_shards(
+        &self,
+        tenant: u64,
+        hashes: &[SequenceHash],
+        fingerprints: &[u64],
+    ) -> usize {
         add(&self.counters.lookups, 1);
-        if hashes.is_empty() {
+        if hashes.is_empty() || fingerprints.is_empty() {
             return 0;
         }
         if !self.health.usable() {
             add(&self.counters.lookups_skipped, 1);
             return 0;
         }
+        let prefix = &self.options.key_prefix;
         let keys: Vec<String> = hashes
             .iter()
             .take(self.options.lookup_blocks_max)
-            .map(|h| self.key(tenant, *h))
+            .flat_map(|h| {
+                fingerprints
+                    .iter()
+                    .map(move |fp| block_key(prefix, *fp, tenant, *h))
+            })
             .collect();
         let conn = self.lookup_conn.clone();
         // A late answer is a miss, not an outage: a busy server is not a dead one (its
@@ -563,7 +595,12 @@ impl SharedStore {
             return 0;
         };
         self.settle(&results);
-        let found = results.iter().take_while(|r| matches!(r, Ok(true))).count();
+        let found = results
+            .chunks(fingerprints.len())
+            .take_while(|shards| {
+                shards.len() == fingerprints.len() && shards.iter().all(|r| matches!(r, Ok(true)))
+            })
+            .count();
         add(&self.counters.lookup_hits, found as u64);
         found
     }
@@ -621,7 +658,7 @@ impl SharedStore {
                 Ok(Some(bytes)) => {
                     let hash = hashes[i];
                     let want = ValueFor {
-                        fingerprint: self.fingerprint,
+                        fingerprint: self.value_fingerprint,
                         tenant,
                         hash,
                         payload_bytes: self.payload_bytes,
@@ -705,7 +742,7 @@ impl SharedStore {
                 .iter()
                 .map(|b| {
                     let (header, identity) =
-                        value_parts(self.fingerprint, tenant, &b.identity, &b.payload);
+                        value_parts(self.value_fingerprint, tenant, &b.identity, &b.payload);
                     let bytes = (header.len() + identity.len() + b.payload.len()) as u64;
                     let mut cmd = redis::cmd("SET");
                     cmd.arg(self.key(tenant, b.identity.sequence_hash))

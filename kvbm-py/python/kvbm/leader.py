@@ -163,15 +163,17 @@ class KvbmLeader:
         """``get_external_cache_hit_sources``: the external tokens vLLM granted the request's
         last onboard, split by the tier they come from (``"host"``, ``"disk"``; only non-zero
         counts; they add up to ``num_external_tokens``). Tokens of a request kvbm planned no
-        onboard for are ``"external_unspecified"``."""
+        onboard for are ``"external_unspecified"``, and so are those from the shared tier:
+        vLLM 0.33's ``CacheHitSource`` (vllm/v1/metrics/cache_hit_source.py) names that member
+        for a remote store."""
         n = int(num_external_tokens)
         if n <= 0:
             return {}
         split = self._native.hit_sources(request.request_id, n)
         if split is None:
             return {"external_unspecified": n}
-        host, disk = split
-        return {k: v for k, v in (("host", host), ("disk", disk)) if v}
+        host, disk, shared = split
+        return {k: v for k, v in (("host", host), ("disk", disk), ("external_unspecified", shared)) if v}
 
     def build_connector_meta(self, scheduler_output: Any) -> KvbmConnectorMetadata:
         objs = self._objs
