@@ -131,6 +131,12 @@ impl Config {
         }
     }
 
+    /// Whether a shared tier's server is configured (`DYN_KVBM_SHARED_URL`).
+    #[getter]
+    fn shared_url_set(&self) -> bool {
+        self.inner.shared.is_some()
+    }
+
     /// Where KV events are published over ZMQ, if anywhere.
     #[getter]
     fn kv_events_endpoint(&self) -> Option<String> {
@@ -140,6 +146,33 @@ impl Config {
     fn __repr__(&self) -> String {
         format!("{:?}", self.inner)
     }
+}
+
+/// The shared tier's options for a leader or worker (`who`), when `config` names a server
+/// (`DYN_KVBM_SHARED_URL`): None without one, or for a hybrid model (not supported by the
+/// shared tier yet: it runs without it, and the connector warns). The keys name `model_fingerprint`, which both
+/// the scheduler and every worker derive from vLLM's config; without it the tier is refused
+/// (a `ConfigError`), since blocks of two models must never share keys.
+pub(crate) fn shared_tier(
+    config: Option<&KvbmConfig>,
+    model_fingerprint: u64,
+    hybrid: bool,
+    who: &str,
+) -> PyResult<Option<kvbm_core::shared::SharedOptions>> {
+    let Some(options) = config.and_then(|c| c.shared.clone()) else {
+        return Ok(None);
+    };
+    if hybrid {
+        // The Python side warns (kvbm.vllm_integration.connector).
+        return Ok(None);
+    }
+    if model_fingerprint == 0 {
+        return Err(crate::ConfigError::new_err(format!(
+            "DYN_KVBM_SHARED_URL is set, but this {who} was given no model fingerprint \
+             (model_fingerprint=...): the shared tier's keys must name the model"
+        )));
+    }
+    Ok(Some(options))
 }
 
 /// Where to serve the metrics, from the environment (or `overrides`): (host, port), or None when

@@ -73,13 +73,17 @@ impl Leader {
     /// one full-attention group. Block ids are then
     /// given per group everywhere.
     #[new]
-    #[pyo3(signature = (block_size, host_blocks, disk_blocks=0, disk_filter_disabled=false, groups=None))]
+    #[pyo3(signature = (block_size, host_blocks, disk_blocks=0, disk_filter_disabled=false, groups=None, *, config=None, model_fingerprint=0, world_size=1))]
+    #[allow(clippy::too_many_arguments)] // vLLM's sizes, then the shared tier's
     fn new(
         block_size: usize,
         host_blocks: usize,
         disk_blocks: usize,
         disk_filter_disabled: bool,
         groups: Option<Vec<(String, usize)>>,
+        config: Option<PyRef<'_, crate::config::Config>>,
+        model_fingerprint: u64,
+        world_size: usize,
     ) -> PyResult<Self> {
         guard(|| {
             // Sizes that do not fit are the caller's values: a ValueError naming the argument.
@@ -102,7 +106,27 @@ impl Leader {
                         .map_err(|e| PyValueError::new_err(e.to_string()))?
                 }
             };
-            core::Leader::new(block_size, host_blocks, disk_blocks, disk_filter_disabled)
+            let shared = crate::config::shared_tier(
+                config.as_ref().map(|c| &c.inner),
+                model_fingerprint,
+                !groups.is_single_full(),
+                "leader",
+            )?;
+            let world = world_size.max(1);
+            let mut leader =
+                core::Leader::new(block_size, host_blocks, disk_blocks, disk_filter_disabled)
+                    .map_err(core_err)?;
+            if let Some(options) = shared {
+                // Each rank's shard lives under its own key fingerprint; the leader's store
+                // only looks up, so its own fingerprint and block size do not matter.
+                let fingerprints: Vec<u64> = (0..world)
+                    .map(|r| kvbm_core::shared::shard_fingerprint(model_fingerprint, r, world))
+                    .collect();
+                let store = kvbm_core::shared::SharedStore::open(options, fingerprints[0], 0)
+                    .map_err(core_err)?;
+                leader = leader.with_shared(store, fingerprints);
+            }
+            Ok(leader)
                 .map(|inner| Self {
                     state: Mutex::new(LeaderState {
                         inner,

@@ -323,7 +323,7 @@ impl Worker {
     /// (a hybrid model's KV cache groups: kinds and layers) joins the disk file's layout
     /// fingerprint, so a file written under another grouping is discarded on open.
     #[new]
-    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, config=None, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=None, disk_engine=None, batch_blocks_max=None, inflight_max=None, async_onboards_max=4, layout_salt=0))]
+    #[pyo3(signature = (kv_caches, num_blocks, host_blocks, *, config=None, outer_dim=None, device="auto", device_index=0, disk_blocks=0, disk_dir=None, disk_file=None, disk_disable_o_direct=None, disk_engine=None, batch_blocks_max=None, inflight_max=None, async_onboards_max=4, layout_salt=0, model_fingerprint=0, rank=0, world_size=1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -343,6 +343,9 @@ impl Worker {
         inflight_max: Option<usize>,
         async_onboards_max: usize,
         layout_salt: u64,
+        model_fingerprint: u64,
+        rank: usize,
+        world_size: usize,
     ) -> PyResult<Self> {
         guard(|| {
             if num_blocks == 0 || host_blocks == 0 {
@@ -442,12 +445,27 @@ impl Worker {
             } else {
                 None
             };
+            let shared = crate::config::shared_tier(
+                config.as_ref(),
+                model_fingerprint,
+                layout_salt != 0,
+                "worker",
+            )?
+            .map(|options| kvbm_core::SharedWorkerOptions {
+                options,
+                key_fingerprint: kvbm_core::shared::shard_fingerprint(
+                    model_fingerprint,
+                    rank,
+                    world_size.max(1),
+                ),
+            });
             let options = WorkerOptions {
                 host_blocks,
                 limits,
                 async_onboards_max,
                 disk,
                 host_ready_timeout: Duration::from_secs(300),
+                shared,
                 ..WorkerOptions::default()
             };
             let metrics = std::sync::Arc::new(Metrics::default());
@@ -912,6 +930,54 @@ impl Worker {
             py.allow_threads(|| inner.wait_async());
             Ok(())
         })
+    }
+
+    /// Waits until the shared tier's queued writes were copied out and, up to `timeout`
+    /// seconds, sent; false when some were still in flight (or there is no shared tier).
+    fn wait_shared(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
+        let limit = crate::timeout_of("timeout", timeout)?;
+        let g = self.read(py)?;
+        let s = &*g;
+        guard(|| {
+            let inner = s.w();
+            Ok(py.allow_threads(|| inner.wait_shared(limit)))
+        })
+    }
+
+    /// The shared tier's counters (`writes`, `read_hits`, `outages`, ...; `bad_values` by
+    /// reason), or None without a shared tier.
+    fn shared_counts<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let g = self.read(py)?;
+        let Some(c) = g.w().shared_counts() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("lookups", c.lookups),
+            ("lookup_hits", c.lookup_hits),
+            ("reads", c.reads),
+            ("read_hits", c.read_hits),
+            ("read_missing", c.read_missing),
+            ("reads_skipped", c.reads_skipped),
+            ("read_refused", c.read_refused),
+            ("writes", c.writes),
+            ("write_bytes", c.write_bytes),
+            ("writes_dropped_down", c.writes_dropped_down),
+            ("writes_dropped_busy", c.writes_dropped_busy),
+            ("writes_refused", c.writes_refused),
+            ("timeouts", c.timeouts),
+            ("outages", c.outages),
+            ("recoveries", c.recoveries),
+        ] {
+            d.set_item(k, v)?;
+        }
+        let bad = PyDict::new(py);
+        for why in kvbm_core::shared::BadValue::ALL {
+            bad.set_item(why.label(), c.bad_values[why.index()])?;
+        }
+        d.set_item("bad_values", bad)?;
+        d.set_item("up", c.up)?;
+        Ok(Some(d))
     }
 
     /// Asynchronous onboards finished since the last call: (request, GPU blocks that failed).

@@ -74,13 +74,26 @@ class KvbmLeader:
         metrics: Optional[Metrics] = None,
         recovery: Optional[Tuple[str, int, str]] = None,
         groups: Optional[List[Tuple[str, int]]] = None,
+        config: Optional["_kvbm.Config"] = None,
+        model_fingerprint: int = 0,
+        world_size: int = 1,
     ) -> None:
         self.block_size = int(block_size)
         #: The model's KV cache groups ((kind, window tokens) each), None for one
         #: full-attention group.
         self.groups = groups
+        # With DYN_KVBM_SHARED_URL in ``config``, the shared tier: its keys name
+        # ``model_fingerprint`` (kvbm.vllm_integration.connector derives it from vLLM's config,
+        # the same in every worker) and each of the ``world_size`` ranks' shards.
         self._native = _kvbm.Leader(
-            self.block_size, int(host_blocks), int(disk_blocks), bool(disk_filter_disabled), groups
+            self.block_size,
+            int(host_blocks),
+            int(disk_blocks),
+            bool(disk_filter_disabled),
+            groups,
+            config=config,
+            model_fingerprint=int(model_fingerprint),
+            world_size=int(world_size),
         )
         #: Disk blocks adopted from the workers' files at start.
         self.adopted_disk_blocks = 0

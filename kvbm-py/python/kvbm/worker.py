@@ -175,6 +175,7 @@ class KvbmWorker:
         publisher: Any = None,
         instance_id: Optional[str] = None,
         num_kv_cache_groups: Optional[int] = None,
+        model_fingerprint: int = 0,
     ) -> None:
         self._kv_cache_config = kv_cache_config
         # vLLM 0.33 refuses block-level load errors for a model of several KV cache groups
@@ -192,6 +193,8 @@ class KvbmWorker:
         # With it, what this rank's disk file held is written for the leader of the same vLLM
         # instance to adopt (kvbm.recovery).
         self._instance_id = instance_id
+        # The shared tier's keys name it (see KvbmLeader).
+        self._model_fingerprint = int(model_fingerprint)
         self._host_blocks = host_blocks
         self._disk_blocks = disk_blocks
         self._world_size = int(world_size)
@@ -261,6 +264,9 @@ class KvbmWorker:
             disk_blocks=int(disk_blocks),
             disk_file=f"kvbm-rank{self._rank}.cache",
             layout_salt=_layout_salt(kcc),
+            model_fingerprint=self._model_fingerprint,
+            rank=self._rank,
+            world_size=self._world_size,
         )
         self._layers = {n: i for i, n in enumerate(names)}
         # vLLM's own tensors: restore_kv_caches re-reads them (sleep mode may remap them).

@@ -62,6 +62,35 @@ def _role_name(role: Any) -> str:
     return "scheduler" if "SCHEDULER" in name.upper() else "worker"
 
 
+def model_fingerprint(vllm_config: Any, kv_cache_config: Any, block_size: int) -> int:
+    """What the shared tier's keys name (kvbm-core's ``shared``): the model (name and revision:
+    two fine-tunes of one geometry do not share KV), its dtypes, the block size, the bytes of one
+    block on one rank and the parallel split. The scheduler and every worker derive the same
+    value from the same vLLM config; nodes that agree on it share blocks."""
+    import hashlib
+
+    model = getattr(vllm_config, "model_config", None)
+    cache = getattr(vllm_config, "cache_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    try:
+        per_block = _bytes_per_block(kv_cache_config, block_size) if kv_cache_config is not None else 0
+    except _kvbm.LayoutError:
+        per_block = 0
+    parts = [
+        "kvbm-shared-model-v1",
+        str(getattr(model, "model", "") or ""),
+        str(getattr(model, "revision", "") or ""),
+        str(getattr(model, "dtype", "") or ""),
+        str(getattr(cache, "cache_dtype", "") or ""),
+        str(int(block_size)),
+        str(int(per_block)),
+        str(int(getattr(parallel, "tensor_parallel_size", 1) or 1)),
+        str(int(getattr(parallel, "pipeline_parallel_size", 1) or 1)),
+    ]
+    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
 def _bytes_per_block(kv_cache_config: Any, block_size: int) -> int:
     """Bytes of one block on one rank, from vLLM's KV cache config: what one GPU block id
     addresses. With several groups that is every group's share of the one buffer they overlay
@@ -306,6 +335,12 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
             )
         # The same in the scheduler and every worker of this vLLM instance (kvbm.recovery).
         instance_id = str(getattr(vllm_config, "instance_id", "") or "") or None
+        fingerprint = model_fingerprint(vllm_config, kv_cache_config, block_size)
+        if config.shared_url_set and self._groups is not None and len(self._groups) > 1:
+            log.warning(
+                "kvbm: the shared tier (DYN_KVBM_SHARED_URL) does not serve hybrid models yet; "
+                "running without it"
+            )
         if self._role == "scheduler":
             self._leader = KvbmLeader(
                 block_size,
@@ -314,6 +349,9 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
                 disk_filter_disabled=config.disk_offload_filter_disabled,
                 recovery=(config.disk_dir, world, instance_id) if instance_id else None,
                 groups=self._groups,
+                config=config,
+                model_fingerprint=fingerprint,
+                world_size=world,
             )
             log.info(
                 "kvbm leader: %d host and %d disk blocks of %d tokens",
@@ -332,6 +370,7 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
                 config=config,
                 kv_cache_config=kv_cache_config,
                 instance_id=instance_id,
+                model_fingerprint=fingerprint,
             )
 
     # -- scheduler role -----------------------------------------------------------------------
