@@ -51,6 +51,10 @@ pub const SHARED_CLUSTER: &str = "DYN_KVBM_SHARED_CLUSTER";
 pub const SHARED_PASSWORD: &str = "DYN_KVBM_SHARED_PASSWORD";
 /// First part of every key kvbm stores (default `kvbm`).
 pub const SHARED_KEY_PREFIX: &str = "DYN_KVBM_SHARED_KEY_PREFIX";
+/// The shared pool's name in the tier's events (`ownership`; default the key prefix and the
+/// model's fingerprint): workers that publish one name are taken by the router to reach one
+/// pool.
+pub const SHARED_POOL: &str = "DYN_KVBM_SHARED_POOL";
 /// Lifetime of a stored block in seconds (default 3600; 0: until the server evicts it).
 pub const SHARED_TTL_SECS: &str = "DYN_KVBM_SHARED_TTL_SECS";
 /// Longest wait for a prefix lookup, in milliseconds (default 50).
@@ -239,6 +243,17 @@ pub fn shared_options(
             ));
         }
         o.key_prefix = v;
+    }
+    if let Some(v) = lookup(SHARED_POOL) {
+        let ok = !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic());
+        if !ok {
+            return Err(invalid(
+                SHARED_POOL,
+                &v,
+                "expected 1 to 128 printable ASCII characters, without spaces",
+            ));
+        }
+        o.pool = Some(v);
     }
     if let Some(v) = lookup(SHARED_TTL_SECS) {
         let secs = v

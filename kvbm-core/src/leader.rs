@@ -106,11 +106,21 @@ struct Pinned {
     scratch: Vec<FillingBlock>,
 }
 
-/// The shared tier as the leader sees it: prefix lookups over every rank's shard.
+/// Shared-tier blocks announced at most while their TTL runs: past it the oldest are
+/// announced removed early (the router then credits a pool less, never more, than it holds).
+pub const SHARED_ANNOUNCED_MAX: usize = 1 << 22;
+
+/// The shared tier as the leader sees it: prefix lookups over every rank's shard, and what it
+/// announced written.
 struct SharedLookup {
     store: SharedStore,
     /// Each rank's key fingerprint ([`crate::shared::shard_fingerprint`]).
     fingerprints: Vec<u64>,
+    /// The pool's name in events.
+    pool: String,
+    /// Announced blocks with the time their TTL runs out, oldest first (none without a TTL).
+    announced: VecDeque<(Instant, Vec<SequenceHash>)>,
+    announced_blocks: usize,
 }
 
 /// A request's hit in the shared tier: the blocks continuing its hit in the local tiers.
@@ -372,12 +382,89 @@ impl Leader {
     /// looks up) and every rank's key fingerprint, `fingerprints` (a block is a hit when each
     /// rank's shard of it is there). From now on the blocks offloaded into the host tier are
     /// written to the shared tier too ([`StepPlan::shared_writes`]).
+    ///
+    /// What it plans to write is announced as stored in the pool (`KvEvent::SharedStored`,
+    /// while the tier is up), and as removed when its TTL ran out: the server's own evictions
+    /// are not seen, so a router takes these as hints.
     pub fn with_shared(mut self, store: SharedStore, fingerprints: Vec<u64>) -> Self {
+        let pool = store.options().pool.clone().unwrap_or_else(|| {
+            format!(
+                "{}:{:016x}",
+                store.options().key_prefix,
+                fingerprints.first().copied().unwrap_or(0)
+            )
+        });
         self.shared = Some(SharedLookup {
             store,
             fingerprints,
+            pool,
+            announced: VecDeque::new(),
+            announced_blocks: 0,
         });
         self
+    }
+
+    /// The shared pool's name in events, if the leader has a shared tier.
+    pub fn shared_pool(&self) -> Option<&str> {
+        self.shared.as_ref().map(|s| s.pool.as_str())
+    }
+
+    /// Announces shared blocks whose TTL ran out by `now` (or past [`SHARED_ANNOUNCED_MAX`])
+    /// as removed from the pool.
+    fn expire_shared(&mut self, now: Instant) {
+        let Some(s) = &mut self.shared else {
+            return;
+        };
+        while let Some((at, _)) = s.announced.front() {
+            if *at > now && s.announced_blocks <= SHARED_ANNOUNCED_MAX {
+                break;
+            }
+            let (_, hashes) = s.announced.pop_front().expect("a front");
+            s.announced_blocks -= hashes.len();
+            self.publisher.publish(KvEvent::SharedRemoved {
+                pool: s.pool.clone(),
+                removed: kvbm_events::BlockRemoved {
+                    tier: Tier::Disk,
+                    block_hashes: hashes,
+                },
+            });
+        }
+    }
+
+    /// Announces a run of blocks planned for the shared tier as stored in its pool (each run
+    /// of consecutive blocks one event), while the tier is up.
+    fn announce_shared(&mut self, runs: Vec<(Option<SequenceHash>, Vec<BlockIdentity>)>) {
+        let block_size = self.block_size as u32;
+        let Some(s) = &mut self.shared else {
+            return;
+        };
+        if runs.is_empty() || !s.store.counts().up {
+            return;
+        }
+        let expires = s.store.options().ttl.map(|t| Instant::now() + t);
+        for (parent, blocks) in runs {
+            let hashes: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
+            let token_ids = blocks
+                .iter()
+                .flat_map(|b| b.tokens.iter().copied())
+                .collect();
+            self.publisher.publish(KvEvent::SharedStored {
+                pool: s.pool.clone(),
+                stored: kvbm_events::BlockStored {
+                    tier: Tier::Disk,
+                    block_hashes: hashes.clone(),
+                    parent_hash: parent,
+                    token_ids,
+                    block_size,
+                    lora_name: blocks[0].lora_name.as_deref().map(str::to_owned),
+                },
+            });
+            if let Some(at) = expires {
+                s.announced_blocks += hashes.len();
+                s.announced.push_back((at, hashes));
+            }
+        }
+        self.expire_shared(Instant::now());
     }
 
     /// Whether the leader has a shared tier.
@@ -930,16 +1017,31 @@ impl Leader {
         let identities = self.shared.is_some().then(|| planned.clone());
         let placed = self.register_blocks(planned)?.host;
         if let Some(identities) = identities {
-            for ((host, identity), tenant) in placed.iter().zip(&identities).zip(&tenants) {
-                if let Some(host) = host {
-                    self.plan.shared_writes.push(SharedWrite {
-                        host: *host,
-                        key: identity.sequence_hash.0,
-                        tenant: *tenant,
-                        identity: encode_identity(identity),
-                    });
+            // Runs of consecutive blocks written, for their events.
+            let mut runs: Vec<(Option<SequenceHash>, Vec<BlockIdentity>)> = Vec::new();
+            let mut extends = false;
+            for ((host, identity), tenant) in placed.iter().zip(identities).zip(&tenants) {
+                let Some(host) = host else {
+                    extends = false;
+                    continue;
+                };
+                self.plan.shared_writes.push(SharedWrite {
+                    host: *host,
+                    key: identity.sequence_hash.0,
+                    tenant: *tenant,
+                    identity: encode_identity(&identity),
+                });
+                match runs.last_mut() {
+                    Some((_, blocks))
+                        if extends && blocks.last().map(|b| b.sequence_hash) == identity.parent =>
+                    {
+                        blocks.push(identity)
+                    }
+                    _ => runs.push((identity.parent, vec![identity])),
                 }
+                extends = true;
             }
+            self.announce_shared(runs);
         }
         let mut ids = placed.into_iter();
         Ok(hashed
@@ -1165,6 +1267,9 @@ impl Leader {
     /// Ends a step: blocks handed out `hold_steps` steps ago become evictable again.
     pub fn end_step(&mut self) {
         self.step += 1;
+        if self.shared.is_some() {
+            self.expire_shared(Instant::now());
+        }
         while self
             .held
             .front()

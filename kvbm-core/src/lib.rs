@@ -59,5 +59,8 @@ pub use worker::{
 // What the bindings need of the leaves, through core (they depend on kvbm-core alone).
 pub use kvbm_cuda::{DeviceKind, Direction, StreamHold};
 pub use kvbm_disk::EngineChoice;
-pub use kvbm_events::{BlockHasher, KvEvent, SequenceHash, Tier};
+pub use kvbm_events::{
+    BlockHasher, BlockRemoved as BlockRemovedEvent, BlockStored as BlockStoredEvent, KvEvent,
+    SequenceHash, Tier,
+};
 pub use transfer::{BatchLatency, TransferLimits, TransferOutcome, TransferTicket};

@@ -338,6 +338,8 @@ fn concurrent_callers_with_faults_are_served_only_exact_bytes() {
                     }
                 }
                 kvbm_events::KvEvent::AllBlocksCleared => resident.clear(),
+                kvbm_events::KvEvent::SharedStored { .. }
+                | kvbm_events::KvEvent::SharedRemoved { .. } => {}
             }
         }
         assert_eq!(resident, m.residency());

@@ -264,6 +264,7 @@ fn only_the_primary_groups_blocks_are_announced() {
             KvEvent::BlockStored(s) => stored.extend(s.block_hashes.iter().map(|h| h.0)),
             KvEvent::BlockRemoved(r) => removed.extend(r.block_hashes.iter().map(|h| h.0)),
             KvEvent::AllBlocksCleared => {}
+            KvEvent::SharedStored { .. } | KvEvent::SharedRemoved { .. } => {}
         }
     }
     assert_eq!(stored, &primary_a | &primary_b);

@@ -33,6 +33,7 @@ fn replay(events: &[KvEvent], tier: Tier, into: &mut std::collections::BTreeSet<
                 }
             }
             KvEvent::AllBlocksCleared => into.clear(),
+            KvEvent::SharedStored { .. } | KvEvent::SharedRemoved { .. } => {}
             _ => {}
         }
     }

@@ -204,6 +204,7 @@ fn replay(sub: &mut EventSubscriber, set: &mut HashSet<u64>) -> Vec<u64> {
                 }
             }
             KvEvent::AllBlocksCleared => set.clear(),
+            KvEvent::SharedStored { .. } | KvEvent::SharedRemoved { .. } => {}
         }
     }
     removed_now

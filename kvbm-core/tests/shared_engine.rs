@@ -22,8 +22,8 @@ use kvbm_core::layout::{GpuLayout, PhysicalLayout};
 use kvbm_core::requests::{Requests, Scheduled};
 use kvbm_core::shared::{shard_fingerprint, SharedOptions, SharedStore};
 use kvbm_core::{
-    BlockHasher, DiskOptions, KvLayout, Leader, Metrics, SharedWorkerOptions, StepPlan, StepReport,
-    Worker, WorkerOptions,
+    BlockHasher, DiskOptions, KvEvent, KvLayout, Leader, Metrics, SharedWorkerOptions, StepPlan,
+    StepReport, Worker, WorkerOptions,
 };
 use kvbm_cuda::Device;
 use redis_server::{Cluster, Server};
@@ -41,7 +41,12 @@ fn kv() -> KvLayout {
 }
 
 fn options(urls: &[String], cluster: bool) -> SharedOptions {
+    options_ttl(urls, cluster, Duration::from_secs(3600))
+}
+
+fn options_ttl(urls: &[String], cluster: bool, ttl: Duration) -> SharedOptions {
     let mut o = SharedOptions::new(urls.to_vec());
+    o.ttl = Some(ttl);
     o.cluster = cluster;
     o.lookup_timeout = Duration::from_millis(500);
     o.read_timeout = Duration::from_secs(2);
@@ -86,6 +91,10 @@ struct Node {
 }
 
 fn node(urls: &[String], cluster: bool) -> Node {
+    node_ttl(urls, cluster, Duration::from_secs(3600))
+}
+
+fn node_ttl(urls: &[String], cluster: bool, ttl: Duration) -> Node {
     let device = Device::from_env(0).expect("KVBM_DEVICE names a device this machine has");
     let kv = kv();
     let gpu_blocks = 32;
@@ -121,7 +130,7 @@ fn node(urls: &[String], cluster: bool) -> Node {
                 layout_salt: 0,
             }),
             shared: Some(SharedWorkerOptions {
-                options: options(urls, cluster),
+                options: options_ttl(urls, cluster, ttl),
                 key_fingerprint,
             }),
             ..Default::default()
@@ -130,7 +139,7 @@ fn node(urls: &[String], cluster: bool) -> Node {
     )
     .unwrap();
     assert!(worker.wait_host_ready(Duration::from_secs(30)));
-    let store = SharedStore::open(options(urls, cluster), key_fingerprint, 0).unwrap();
+    let store = SharedStore::open(options_ttl(urls, cluster, ttl), key_fingerprint, 0).unwrap();
     let leader = Leader::new(B, host_blocks, 16, false)
         .unwrap()
         .with_metrics(metrics.clone())
@@ -422,4 +431,44 @@ impl Node {
         }
         unreachable!()
     }
+}
+
+#[test]
+fn shared_writes_are_announced_in_the_pool_and_removed_once_their_ttl_ran_out() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let urls = vec![server.url()];
+    let mut a = node_ttl(&urls, false, Duration::from_millis(300));
+    let tokens = prompt(15_000, 3);
+    a.compute("a", &tokens, &[0, 1, 2, 3]);
+    let hashes: Vec<u64> = hashes_of(&tokens);
+    let pool_events = |a: &mut Node| -> (Vec<u64>, Vec<u64>) {
+        let (mut stored, mut removed) = (Vec::new(), Vec::new());
+        for e in a.leader.take_events() {
+            match e {
+                KvEvent::SharedStored { stored: s, .. } => {
+                    stored.extend(s.block_hashes.iter().map(|h| h.0))
+                }
+                KvEvent::SharedRemoved { removed: r, .. } => {
+                    removed.extend(r.block_hashes.iter().map(|h| h.0))
+                }
+                _ => {}
+            }
+        }
+        (stored, removed)
+    };
+    // Announced once; whenever the steps pass its TTL (here perhaps already), once removed.
+    let (stored, mut removed) = pool_events(&mut a);
+    assert_eq!(stored, hashes);
+    std::thread::sleep(Duration::from_millis(400));
+    a.leader.end_step();
+    let (more, later) = pool_events(&mut a);
+    assert!(more.is_empty());
+    removed.extend(later);
+    assert_eq!(removed, hashes);
+    let mut b = node(&urls, false);
+    let (found, _) = b.admit("b", &tokens, &[10, 11, 12, 13]);
+    assert_eq!(found, 0, "the server expired them too");
 }

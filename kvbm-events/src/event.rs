@@ -40,8 +40,25 @@ pub enum KvEvent {
     BlockStored(BlockStored),
     /// Blocks left a tier.
     BlockRemoved(BlockRemoved),
-    /// Every block of every tier of this publisher is gone.
+    /// Every block of every tier of this publisher is gone (its shared pool's blocks stay).
     AllBlocksCleared,
+    /// Blocks the publisher wrote to a shared pool that other workers reach (the shared tier,
+    /// Dynamo's G4), `pool` naming it. On the wire as vLLM 0.33 writes a store of a tier that is
+    /// not the publisher's own: medium `STORAGE`, `locality` `REMOTE`, the pool in `ownership`.
+    /// The inner event's `tier` is not used.
+    SharedStored {
+        /// The pool's name.
+        pool: String,
+        /// The blocks.
+        stored: BlockStored,
+    },
+    /// Blocks that left a shared pool (as far as the publisher knows: their TTL ran out).
+    SharedRemoved {
+        /// The pool's name.
+        pool: String,
+        /// The blocks.
+        removed: BlockRemoved,
+    },
 }
 
 /// An event as delivered: stamped with its publisher's sequence number (from 0, no holes at the

@@ -19,8 +19,10 @@
 //!   cache salt (a bare string in the first block of a prompt). Multimodal keys, prompt-embeds
 //!   digests and a LoRA known only by id are recorded as the first block the router cannot
 //!   identify ([`WireEvent::Stored`]'s `unhashable_from`), never guessed.
-//! - A medium that names no local tier, or `locality: "REMOTE"`, is kept apart in
-//!   [`Location::NotLocal`], never mixed into the local tiers. A missing medium means GPU.
+//! - `locality: "REMOTE"` with a pool name in `ownership` is that shared pool's
+//!   ([`Location::Shared`]); a medium that names no local tier, or `REMOTE` without a pool, is
+//!   kept apart in [`Location::NotLocal`]; neither is ever mixed into the local tiers. A missing
+//!   medium means GPU.
 //! - vLLM 0.33's KV cache group fields are read from the map form (`BlockStored`: `group_idx`,
 //!   `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`; `BlockRemoved`: `group_idx`; each
 //!   omitted when `None`, as `omit_defaults` does). A stream without them decodes as before.
@@ -39,7 +41,11 @@ pub const DECODE_DEPTH_MAX: usize = 16;
 pub enum Location {
     /// A local tier of the publishing worker.
     Local(Tier),
-    /// A shared or remote pool, or a medium no local tier answers to (the name as sent).
+    /// A shared pool other workers reach too, by its name (`locality` `REMOTE` with the pool
+    /// in `ownership`, as vLLM 0.33 publishes a tier that is not the publisher's own).
+    Shared(String),
+    /// A remote store without a pool name, or a medium no local tier answers to (the name as
+    /// sent).
     NotLocal(String),
 }
 
@@ -346,6 +352,7 @@ enum Field {
     LoraName,
     Medium,
     Locality,
+    Ownership,
     ExtraKeys,
     GroupIdx,
     SpecKind,
@@ -364,6 +371,7 @@ impl Field {
             b"lora_name" => Field::LoraName,
             b"medium" => Field::Medium,
             b"locality" => Field::Locality,
+            b"ownership" => Field::Ownership,
             b"extra_keys" => Field::ExtraKeys,
             b"group_idx" => Field::GroupIdx,
             b"kv_cache_spec_kind" => Field::SpecKind,
@@ -399,6 +407,7 @@ struct Fields<'a> {
     lora_name: Option<Head<'a>>,
     medium: Option<Head<'a>>,
     locality: Option<Head<'a>>,
+    ownership: Option<Head<'a>>,
     group_idx: Option<Head<'a>>,
     spec_kind: Option<Head<'a>>,
     sliding_window: Option<Head<'a>>,
@@ -420,6 +429,7 @@ impl<'a> Fields<'a> {
             lora_name: None,
             medium: None,
             locality: None,
+            ownership: None,
             group_idx: None,
             spec_kind: None,
             sliding_window: None,
@@ -482,6 +492,7 @@ impl<'a> Fields<'a> {
             Field::LoraName => self.lora_name = Some(r.whole(depth)?),
             Field::Medium => self.medium = Some(r.whole(depth)?),
             Field::Locality => self.locality = Some(r.whole(depth)?),
+            Field::Ownership => self.ownership = Some(r.whole(depth)?),
             Field::GroupIdx => self.group_idx = Some(r.whole(depth)?),
             Field::SpecKind => self.spec_kind = Some(r.whole(depth)?),
             Field::SlidingWindow => self.sliding_window = Some(r.whole(depth)?),
@@ -548,8 +559,13 @@ impl<'a> Fields<'a> {
         let remote = Self::get(self.locality)
             .and_then(as_str)
             .is_some_and(|l| l.eq_ignore_ascii_case("REMOTE"));
-        Ok(match tier_of(medium) {
-            Some(tier) if !remote => Location::Local(tier),
+        // A pool named by `ownership` (a non-string or empty one names none).
+        let pool = Self::get(self.ownership)
+            .and_then(as_str)
+            .filter(|p| !p.is_empty());
+        Ok(match (tier_of(medium), remote, pool) {
+            (_, true, Some(pool)) => Location::Shared(pool.to_owned()),
+            (Some(tier), false, _) => Location::Local(tier),
             _ => Location::NotLocal(medium.to_owned()),
         })
     }
@@ -1142,18 +1158,49 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The medium of a shared pool's events (vLLM 0.33's `MEDIUM_STORAGE`).
+pub const SHARED_MEDIUM: &str = "STORAGE";
+
 /// Encodes kvbm's events as one payload in vLLM's current map form (media `GPU`, `CPU_PINNED`,
-/// `DISK`; `BlockStored` with a map16 header, as vLLM's encoder writes it).
+/// `DISK`; `BlockStored` with a map16 header, as vLLM's encoder writes it; a shared pool's events
+/// with medium `STORAGE`, `locality` `REMOTE` and the pool in `ownership`, the fields' order
+/// vLLM's struct has).
 pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: Option<u32>, out: &mut Vec<u8>) {
     use rmp::encode as w;
     done(w::write_array_len(out, 3));
     done(w::write_f64(out, ts));
     done(w::write_array_len(out, events.len() as u32));
     for event in events {
-        match event {
-            KvEvent::BlockStored(s) => {
-                // map16 with 8 entries: vLLM's BlockStored.
-                out.extend_from_slice(&[0xde, 0x00, 0x08]);
+        enum View<'a> {
+            Stored(&'a BlockStored),
+            Removed(&'a BlockRemoved),
+            Cleared,
+        }
+        let (view, pool) = match event {
+            KvEvent::BlockStored(s) => (View::Stored(s), None),
+            KvEvent::BlockRemoved(r) => (View::Removed(r), None),
+            KvEvent::AllBlocksCleared => (View::Cleared, None),
+            KvEvent::SharedStored { pool, stored } => (View::Stored(stored), Some(pool)),
+            KvEvent::SharedRemoved { pool, removed } => (View::Removed(removed), Some(pool)),
+        };
+        // A shared pool's event: vLLM 0.33's fields for a tier that is not the publisher's.
+        let medium = |tier: Tier| match pool {
+            Some(_) => SHARED_MEDIUM,
+            None => tier.medium_name(),
+        };
+        let remote = |out: &mut Vec<u8>| {
+            if let Some(pool) = pool {
+                write_str(out, "locality");
+                write_str(out, "REMOTE");
+                write_str(out, "ownership");
+                write_str(out, pool);
+            }
+        };
+        let extra = if pool.is_some() { 2 } else { 0 };
+        match view {
+            View::Stored(s) => {
+                // map16 with 8 entries: vLLM's BlockStored (10 for a shared pool's).
+                out.extend_from_slice(&[0xde, 0x00, 0x08 + extra]);
                 write_str(out, "type");
                 write_str(out, "BlockStored");
                 write_str(out, "block_hashes");
@@ -1173,23 +1220,25 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: Option<u32>, out: &mut
                 write_str(out, "lora_id");
                 done(w::write_nil(out));
                 write_str(out, "medium");
-                write_str(out, s.tier.medium_name());
+                write_str(out, medium(s.tier));
                 write_str(out, "lora_name");
                 match &s.lora_name {
                     Some(name) => write_str(out, name),
                     None => done(w::write_nil(out)),
                 }
+                remote(out);
             }
-            KvEvent::BlockRemoved(r) => {
-                done(w::write_map_len(out, 3));
+            View::Removed(r) => {
+                done(w::write_map_len(out, 3 + u32::from(extra)));
                 write_str(out, "type");
                 write_str(out, "BlockRemoved");
                 write_str(out, "block_hashes");
                 write_hashes(out, &r.block_hashes);
                 write_str(out, "medium");
-                write_str(out, r.tier.medium_name());
+                write_str(out, medium(r.tier));
+                remote(out);
             }
-            KvEvent::AllBlocksCleared => {
+            View::Cleared => {
                 done(w::write_map_len(out, 1));
                 write_str(out, "type");
                 write_str(out, "AllBlocksCleared");

@@ -27,10 +27,15 @@ fn hash(v: &Value) -> u64 {
     v.as_u64().unwrap_or_else(|| v.as_i64().unwrap() as u64)
 }
 
-fn location(medium: Option<&str>, locality: Option<&str>) -> Location {
+fn location(medium: Option<&str>, locality: Option<&str>, pool: Option<&str>) -> Location {
     let medium = medium.unwrap_or("GPU");
-    match Tier::from_medium_name(medium) {
-        Ok(tier) if locality != Some("REMOTE") => Location::Local(tier),
+    let remote = locality == Some("REMOTE");
+    match (
+        Tier::from_medium_name(medium),
+        pool.filter(|p| !p.is_empty()),
+    ) {
+        (_, Some(pool)) if remote => Location::Shared(pool.to_owned()),
+        (Ok(tier), _) if !remote => Location::Local(tier),
         _ => Location::NotLocal(medium.to_owned()),
     }
 }
@@ -41,7 +46,7 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
         // Legacy positional arrays.
         return Some(match items[0].as_str().unwrap() {
             "BlockStored" => WireEvent::Stored {
-                location: location(items[6].as_str(), None),
+                location: location(items[6].as_str(), None, None),
                 block_hashes: items[1].as_array().unwrap().iter().map(hash).collect(),
                 parent: (!items[2].is_null()).then(|| hash(&items[2])),
                 token_ids: items[3]
@@ -60,14 +65,18 @@ fn expected_event(e: &Value) -> Option<WireEvent> {
                 sliding_window: None,
             },
             "BlockRemoved" => WireEvent::Removed {
-                location: location(items[2].as_str(), None),
+                location: location(items[2].as_str(), None, None),
                 block_hashes: items[1].as_array().unwrap().iter().map(hash).collect(),
                 group: None,
             },
             other => panic!("unexpected legacy type {other}"),
         });
     }
-    let loc = location(e["medium"].as_str(), e["locality"].as_str());
+    let loc = location(
+        e["medium"].as_str(),
+        e["locality"].as_str(),
+        e["ownership"].as_str(),
+    );
     match e["type"].as_str().unwrap() {
         "BlockStored" => {
             let token_ids: Vec<u32> = e["token_ids"]
@@ -209,6 +218,72 @@ fn the_encoder_writes_vllms_bytes() {
     let mut out = Vec::new();
     encode_batch(1700000000.25, &events, Some(3), &mut out);
     assert_eq!(out, bytes_of(&case));
+}
+
+/// A shared pool's store and removal as vLLM 0.33's own encoder writes them: msgspec 0.19's
+/// `msgpack.encode` of `KVEventBatch` with structs declared as vllm/distributed/kv_events.py
+/// declares `BlockStored` and `BlockRemoved` (same fields, order, defaults, `omit_defaults`,
+/// `tag=True`), `medium="STORAGE", locality="REMOTE", ownership="kvbm:00000000deadbeef"`.
+const VLLM_SHARED_POOL_HEX: &str = "93cb41d954fc4010000092de000aa474797065ab426c6f636b53746f726564\
+ac626c6f636b5f68617368657392cf0123456789abcdefcfffffffffffffffffb1706172656e745f626c6f636b5f6861\
+7368cfdeadbeefcafef00da9746f6b656e5f696473986465666768696a6baa626c6f636b5f73697a6504a76c6f72615f\
+6964c0a66d656469756da753544f52414745a96c6f72615f6e616d65c0a86c6f63616c697479a652454d4f5445a96f77\
+6e657273686970b56b76626d3a3030303030303030646561646265656685a474797065ac426c6f636b52656d6f766564\
+ac626c6f636b5f68617368657391cfffffffffffffffffa66d656469756da753544f52414745a86c6f63616c697479a6\
+52454d4f5445a96f776e657273686970b56b76626d3a3030303030303030646561646265656603";
+
+#[test]
+fn a_shared_pools_events_are_written_as_vllm_writes_them_and_read_back_as_the_pool() {
+    let pool = "kvbm:00000000deadbeef".to_string();
+    let events = vec![
+        KvEvent::SharedStored {
+            pool: pool.clone(),
+            stored: BlockStored {
+                tier: Tier::Disk,
+                block_hashes: vec![SequenceHash(81985529216486895), SequenceHash(u64::MAX)],
+                parent_hash: Some(SequenceHash(16045690984503111693)),
+                token_ids: (100..108).collect(),
+                block_size: 4,
+                lora_name: None,
+            },
+        },
+        KvEvent::SharedRemoved {
+            pool: pool.clone(),
+            removed: BlockRemoved {
+                tier: Tier::Disk,
+                block_hashes: vec![SequenceHash(u64::MAX)],
+            },
+        },
+    ];
+    let mut out = Vec::new();
+    encode_batch(1700000000.25, &events, Some(3), &mut out);
+    let want: Vec<u8> = (0..VLLM_SHARED_POOL_HEX.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&VLLM_SHARED_POOL_HEX[i..i + 2], 16).unwrap())
+        .collect();
+    assert_eq!(out, want);
+    let batch = decode_batch(&out).unwrap();
+    assert!(matches!(
+        &batch.events[0],
+        WireEvent::Stored { location: Location::Shared(p), block_hashes, .. }
+            if *p == pool && block_hashes.len() == 2
+    ));
+    assert!(matches!(
+        &batch.events[1],
+        WireEvent::Removed { location: Location::Shared(p), .. } if *p == pool
+    ));
+    // Never a local tier's event.
+    assert!(batch.events.iter().all(|e| e.to_local().is_none()));
+    // REMOTE without a pool name stays apart, as before.
+    let remote = cases()
+        .into_iter()
+        .find(|c| c["name"] == "vllm-remote-locality")
+        .unwrap();
+    let batch = decode_batch(&bytes_of(&remote)).unwrap();
+    assert!(matches!(
+        &batch.events[0],
+        WireEvent::Stored { location: Location::NotLocal(m), .. } if m == "STORAGE"
+    ));
 }
 
 fn kv_event() -> impl Strategy<Value = KvEvent> {

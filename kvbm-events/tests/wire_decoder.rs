@@ -446,6 +446,16 @@ fn locality(x: Wild) -> impl Strategy<Value = M> {
     ]
 }
 
+/// A shared pool's name, or anything else.
+fn ownership(x: Wild) -> impl Strategy<Value = M> {
+    prop_oneof![
+        6 => one_of(&["pool-a", "kvbm:0123456789abcdef"]),
+        1 => one_of(&[""]),
+        2 => Just(M::Nil),
+        1 => any_value(x.levels),
+    ]
+}
+
 /// vLLM's per-block `extra_keys`: nil, or an array of nil or arrays of keys.
 fn extra_keys(x: Wild) -> impl Strategy<Value = M> {
     let key = prop_oneof![
@@ -504,20 +514,21 @@ fn known_fields(x: Wild) -> impl Strategy<Value = Vec<(&'static str, Option<M>)>
             opt(0.3, lora_id(x).boxed()),
             opt(0.4, lora_name(x).boxed()),
             opt(0.7, medium(x).boxed()),
-            opt(0.3, locality(x).boxed()),
+            opt(0.4, locality(x).boxed()),
             opt(0.4, extra_keys(x).boxed()),
         ),
         (
             opt(0.4, block_size(x).boxed()),
             opt(0.3, spec_kind(x).boxed()),
             opt(0.3, block_size(x).boxed()),
+            opt(0.6, ownership(x).boxed()),
         ),
     )
         .prop_map(
             |(
                 (ty, hashes, parent, tokens, size),
                 (id, name, med, loc, extra),
-                (group, kind, window),
+                (group, kind, window, pool),
             )| {
                 vec![
                     ("type", ty),
@@ -529,6 +540,7 @@ fn known_fields(x: Wild) -> impl Strategy<Value = Vec<(&'static str, Option<M>)>
                     ("lora_name", name),
                     ("medium", med),
                     ("locality", loc),
+                    ("ownership", pool),
                     ("extra_keys", extra),
                     ("group_idx", group),
                     ("kv_cache_spec_kind", kind),
@@ -1042,7 +1054,9 @@ fn with_extras(events: &[KvEvent], extras: bool) -> Vec<u8> {
                 entries[0].1 = s("BlockRemoved");
                 (&b.block_hashes, vec![], 0, b.tier.medium_name())
             }
-            KvEvent::AllBlocksCleared => unreachable!(),
+            KvEvent::AllBlocksCleared
+            | KvEvent::SharedStored { .. }
+            | KvEvent::SharedRemoved { .. } => unreachable!(),
         };
         entries.push((
             s("block_hashes"),
@@ -1188,6 +1202,10 @@ fn outcomes(strategy: impl Strategy<Value = M>, n: usize) -> BTreeMap<String, us
                                 "not local",
                                 usize::from(matches!(location, Location::NotLocal(_))),
                             );
+                            note(
+                                "shared pool",
+                                usize::from(matches!(location, Location::Shared(_))),
+                            );
                         }
                         WireEvent::Removed { .. } => note("removed", 1),
                         WireEvent::Cleared => note("cleared", 1),
@@ -1216,6 +1234,7 @@ fn the_generated_batches_cover_every_outcome() {
         "salt",
         "unhashable",
         "not local",
+        "shared pool",
         "removed",
         "cleared",
         "placeholder",
@@ -1226,7 +1245,7 @@ fn the_generated_batches_cover_every_outcome() {
             "{what}: {tame:?}"
         );
     }
-    let wild = outcomes(batch(WILD), n);
+    let wild = outcomes(batch(WILD), 2 * n);
     println!("wild: {wild:#?}");
     // Every error the decoder has, but trailing bytes (only damage adds those).
     for what in [

@@ -13,7 +13,7 @@ use pyo3::types::PyDict;
 use crate::{core_err, guard, LayoutError};
 
 /// One event as Python sees it: (kind, medium, block hashes, parent, token ids, block size,
-/// lora name).
+/// lora name, shared pool name (None: the worker's own tier)).
 type EventTuple = (
     &'static str,
     &'static str,
@@ -21,6 +21,7 @@ type EventTuple = (
     Option<u64>,
     Vec<u32>,
     u32,
+    Option<String>,
     Option<String>,
 );
 
@@ -461,27 +462,49 @@ impl Leader {
             Ok(s.inner
                 .take_events()
                 .into_iter()
-                .map(|event| match event {
-                    KvEvent::BlockStored(s) => (
-                        "stored",
-                        s.tier.medium_name(),
-                        s.block_hashes.iter().map(|h| h.0).collect(),
-                        s.parent_hash.map(|h| h.0),
-                        s.token_ids,
-                        s.block_size,
-                        s.lora_name,
-                    ),
-                    KvEvent::BlockRemoved(r) => (
-                        "removed",
-                        r.tier.medium_name(),
-                        r.block_hashes.iter().map(|h| h.0).collect(),
-                        None,
-                        Vec::new(),
-                        0,
-                        None,
-                    ),
-                    KvEvent::AllBlocksCleared => {
-                        ("cleared", "", Vec::new(), None, Vec::new(), 0, None)
+                .map(|event| {
+                    let stored = |s: kvbm_core::BlockStoredEvent, medium, pool| {
+                        (
+                            "stored",
+                            medium,
+                            s.block_hashes.iter().map(|h| h.0).collect(),
+                            s.parent_hash.map(|h| h.0),
+                            s.token_ids,
+                            s.block_size,
+                            s.lora_name,
+                            pool,
+                        )
+                    };
+                    let removed = |r: kvbm_core::BlockRemovedEvent, medium, pool| {
+                        (
+                            "removed",
+                            medium,
+                            r.block_hashes.iter().map(|h| h.0).collect(),
+                            None,
+                            Vec::new(),
+                            0,
+                            None,
+                            pool,
+                        )
+                    };
+                    match event {
+                        KvEvent::BlockStored(s) => {
+                            let medium = s.tier.medium_name();
+                            stored(s, medium, None)
+                        }
+                        KvEvent::BlockRemoved(r) => {
+                            let medium = r.tier.medium_name();
+                            removed(r, medium, None)
+                        }
+                        KvEvent::SharedStored { pool, stored: s } => {
+                            stored(s, kvbm_core::shared::EVENT_MEDIUM, Some(pool))
+                        }
+                        KvEvent::SharedRemoved { pool, removed: r } => {
+                            removed(r, kvbm_core::shared::EVENT_MEDIUM, Some(pool))
+                        }
+                        KvEvent::AllBlocksCleared => {
+                            ("cleared", "", Vec::new(), None, Vec::new(), 0, None, None)
+                        }
                     }
                 })
                 .collect())

@@ -32,6 +32,10 @@ use crate::pool::BlockIdentity;
 
 pub use store::{SharedCounts, SharedStore};
 
+/// The medium of the shared tier's events (with `locality` `REMOTE` and the pool's name in
+/// `ownership`, as vLLM 0.33 publishes a tier that is not the publisher's own).
+pub const EVENT_MEDIUM: &str = kvbm_events::wire::SHARED_MEDIUM;
+
 /// First bytes of every value kvbm stores.
 pub const VALUE_MAGIC: [u8; 8] = *b"KVBMSHR1";
 /// Version of the value format.
@@ -280,6 +284,9 @@ pub struct SharedOptions {
     pub writes_in_flight: usize,
     /// Most blocks one prefix lookup asks about.
     pub lookup_blocks_max: usize,
+    /// The pool's name in the tier's events (`ownership`), which the router groups the workers
+    /// that reach one pool by; None: the key prefix and the model's fingerprint.
+    pub pool: Option<String>,
 }
 
 impl SharedOptions {
@@ -295,6 +302,7 @@ impl SharedOptions {
             read_timeout: Duration::from_millis(1000),
             write_timeout: Duration::from_millis(2000),
             connect_timeout: Duration::from_millis(500),
+            pool: None,
             write_batch_blocks: 32,
             writes_in_flight: 4,
             lookup_blocks_max: 4096,
@@ -362,6 +370,7 @@ impl std::fmt::Debug for SharedOptions {
             .field("write_batch_blocks", &self.write_batch_blocks)
             .field("writes_in_flight", &self.writes_in_flight)
             .field("lookup_blocks_max", &self.lookup_blocks_max)
+            .field("pool", &self.pool)
             .finish()
     }
 }

@@ -145,6 +145,7 @@ pub fn replay(sub: &mut EventSubscriber, set: &mut HashSet<(Tier, SequenceHash)>
                 }
             }
             KvEvent::AllBlocksCleared => set.clear(),
+            KvEvent::SharedStored { .. } | KvEvent::SharedRemoved { .. } => {}
         }
     }
 }

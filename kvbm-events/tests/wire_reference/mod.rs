@@ -148,8 +148,12 @@ fn decode_event(raw: &Value) -> Result<Decoded, DecodeError> {
         let remote = get("locality")
             .and_then(Value::as_str)
             .is_some_and(|l| l.eq_ignore_ascii_case("REMOTE"));
-        Ok(match Tier::from_medium_name(medium) {
-            Ok(tier) if !remote => Location::Local(tier),
+        let pool = get("ownership")
+            .and_then(Value::as_str)
+            .filter(|p| !p.is_empty());
+        Ok(match (Tier::from_medium_name(medium), pool) {
+            (_, Some(pool)) if remote => Location::Shared(pool.to_owned()),
+            (Ok(tier), _) if !remote => Location::Local(tier),
             _ => Location::NotLocal(medium.to_owned()),
         })
     };

@@ -13,7 +13,9 @@ from typing import List, NamedTuple, Optional, Union
 # Named tuples, not frozen dataclasses: a step in which 256 requests each complete a block
 # produces 256 events, and the leader's budget for the whole step is under a millisecond.
 class BlockStored(NamedTuple):
-    """Blocks became resident in ``medium`` ("CPU_PINNED" or "DISK")."""
+    """Blocks became resident in ``medium`` ("CPU_PINNED" or "DISK"), or with ``ownership``
+    set, in that shared pool (medium "STORAGE", locality "REMOTE", as vLLM 0.33 publishes a tier
+    that is not the publisher's own)."""
 
     block_hashes: List[int]
     parent_block_hash: Optional[int]
@@ -21,13 +23,23 @@ class BlockStored(NamedTuple):
     block_size: int
     lora_name: Optional[str]
     medium: str
+    ownership: Optional[str] = None
+
+    @property
+    def locality(self) -> Optional[str]:
+        return "REMOTE" if self.ownership is not None else None
 
 
 class BlockRemoved(NamedTuple):
-    """Blocks left ``medium``."""
+    """Blocks left ``medium`` (or the shared pool ``ownership``)."""
 
     block_hashes: List[int]
     medium: str
+    ownership: Optional[str] = None
+
+    @property
+    def locality(self) -> Optional[str]:
+        return "REMOTE" if self.ownership is not None else None
 
 
 class AllBlocksCleared(NamedTuple):
@@ -38,14 +50,15 @@ KvEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 
 def from_tuples(raw) -> List[KvEvent]:
-    """kvbm's native event tuples (kind, medium, hashes, parent, tokens, block size, lora)."""
+    """kvbm's native event tuples (kind, medium, hashes, parent, tokens, block size, lora,
+    shared pool)."""
     out: List[KvEvent] = []
     append = out.append
-    for kind, medium, hashes, parent, tokens, block_size, lora in raw:
+    for kind, medium, hashes, parent, tokens, block_size, lora, pool in raw:
         if kind == "stored":
-            append(BlockStored(hashes, parent, tokens, block_size, lora, medium))
+            append(BlockStored(hashes, parent, tokens, block_size, lora, medium, pool))
         elif kind == "removed":
-            append(BlockRemoved(hashes, medium))
+            append(BlockRemoved(hashes, medium, pool))
         else:
             append(AllBlocksCleared())
     return out

@@ -227,6 +227,13 @@ def _event_group(kv_cache_config: Any, kinds: Optional[List[Tuple[str, int]]]) -
     return {"group_idx": primary, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": None}
 
 
+def _pool_fields(event) -> dict:
+    """A shared pool's event fields as vLLM 0.33 names them (``locality``, ``ownership``;
+    vllm/distributed/kv_events.py); none for a tier of the worker's own."""
+    pool = getattr(event, "ownership", None)
+    return {"locality": "REMOTE", "ownership": pool} if pool is not None else {}
+
+
 def _to_vllm_events(events, group: Optional[dict] = None):
     """kvbm's events as vLLM's KV cache event classes (host and disk media), built with the
     fields the installed vLLM's classes have (vllm/distributed/kv_events.py: 0.32 and 0.33 both
@@ -243,6 +250,12 @@ def _to_vllm_events(events, group: Optional[dict] = None):
     out = []
     for e in events:
         kind = type(e).__name__
+        if getattr(e, "ownership", None) is not None:
+            fields_known = stored_fields if kind == "BlockStored" else removed_fields
+            if fields_known and "ownership" not in fields_known:
+                # A vLLM without a pool field would publish the shared pool's blocks as this
+                # worker's own storage tier: not published at all.
+                continue
         try:
             if kind == "BlockStored":
                 fields = {
@@ -254,12 +267,13 @@ def _to_vllm_events(events, group: Optional[dict] = None):
                     "medium": e.medium,
                     "lora_name": e.lora_name,
                     **(group or {}),
+                    **_pool_fields(e),
                 }
                 if stored_fields:
                     fields = {k: v for k, v in fields.items() if k in stored_fields}
                 out.append(ve.BlockStored(**fields))
             elif kind == "BlockRemoved":
-                fields = {"block_hashes": list(e.block_hashes), "medium": e.medium}
+                fields = {"block_hashes": list(e.block_hashes), "medium": e.medium, **_pool_fields(e)}
                 if group:
                     fields["group_idx"] = group["group_idx"]
                 if removed_fields:
