@@ -40,10 +40,6 @@ fn kv() -> KvLayout {
     KvLayout::new(3, 2, B, 16, 2).unwrap()
 }
 
-fn options(urls: &[String], cluster: bool) -> SharedOptions {
-    options_ttl(urls, cluster, Duration::from_secs(3600))
-}
-
 fn options_ttl(urls: &[String], cluster: bool, ttl: Duration) -> SharedOptions {
     let mut o = SharedOptions::new(urls.to_vec());
     o.ttl = Some(ttl);
