@@ -223,7 +223,8 @@ fn groups_off_the_gpu_and_unmodelled_kinds_are_not_indexed() {
         Some(Overlap {
             gpu: 2,
             host: 0,
-            disk: 0
+            disk: 0,
+            shared: 0
         })
     );
 }

@@ -227,7 +227,8 @@ fn a_routed_request_counts_only_its_uncached_prompt_as_prefill() {
             Overlap {
                 gpu: 2,
                 host: 4,
-                disk: 0
+                disk: 0,
+                shared: 0
             },
             160,
             16
@@ -241,7 +242,8 @@ fn a_routed_request_counts_only_its_uncached_prompt_as_prefill() {
             Overlap {
                 gpu: 20,
                 host: 0,
-                disk: 0
+                disk: 0,
+                shared: 0
             },
             160,
             16

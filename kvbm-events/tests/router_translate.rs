@@ -214,7 +214,8 @@ fn a_gpu_eviction_leaves_the_host_copy_routable() {
         Overlap {
             gpu: 8,
             host: 0,
-            disk: 0
+            disk: 0,
+            shared: 0
         }
     );
     // The GPU evicts its last 5 blocks (tail first, as vLLM frees), then all of them.
@@ -228,7 +229,8 @@ fn a_gpu_eviction_leaves_the_host_copy_routable() {
         Overlap {
             gpu: 3,
             host: 3,
-            disk: 0
+            disk: 0,
+            shared: 0
         }
     );
     assert_eq!(
@@ -240,7 +242,8 @@ fn a_gpu_eviction_leaves_the_host_copy_routable() {
         Overlap {
             gpu: 0,
             host: 6,
-            disk: 0
+            disk: 0,
+            shared: 0
         }
     );
     // The host copies keep their engine names: a host eviction resolves them.

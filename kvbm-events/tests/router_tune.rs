@@ -137,6 +137,7 @@ fn adversarial_observations_never_make_it_nan_or_break_its_bounds() {
                     gpu: usize::MAX,
                     host: 3,
                     disk: 1,
+                    shared: 0,
                 },
                 load: WorkerLoad {
                     prefill_tokens: f.pending_compute_tokens,
@@ -281,6 +282,7 @@ fn the_externality_charges_a_request_its_own_service_time() {
             gpu: 125,
             host: 0,
             disk: 0,
+            shared: 0,
         },
         load: WorkerLoad {
             prefill_tokens: 3000,

@@ -122,6 +122,13 @@ pub struct Args {
     #[arg(long)]
     pub router_disk_cache_hit_weight: Option<f64>,
 
+    /// Credit of a block a worker would load from a shared pool it reaches (kvbm's shared tier
+    /// on Redis or Valkey; vLLM 0.33's `locality` `REMOTE` stores with the pool in `ownership`),
+    /// past the blocks it holds itself, relative to one on its GPU. Default: 0.2 in the modes
+    /// that weigh tiers (below a disk hit), 0 in `kv-gpu` and the load-only modes.
+    #[arg(long)]
+    pub router_shared_cache_hit_weight: Option<f64>,
+
     /// 0 always picks the lowest cost; above 0, picks at random with weights
     /// exp(-(cost - min) / ((max - min) * T)), spreading load between near-equal workers.
     #[arg(long, default_value_t = 0.0)]
@@ -602,14 +609,21 @@ impl Args {
         if let Some(v) = self.router_disk_cache_hit_weight {
             w.disk_weight = weight("router-disk-cache-hit-weight", v)?;
         }
-        Ok(SelectorConfig {
+        let mut config = SelectorConfig {
             decode_active_request_weight: weight(
                 "router-decode-active-request-weight",
                 self.router_decode_active_request_weight,
             )?,
             temperature: weight("router-temperature", self.router_temperature)?,
             ..SelectorConfig::for_mode(mode).with_weights(w)
-        })
+        };
+        if let Some(v) = self.router_shared_cache_hit_weight {
+            let v = weight("router-shared-cache-hit-weight", v)?;
+            if mode.takes_weights() && mode != RouterMode::KvGpu {
+                config.shared_weight = v;
+            }
+        }
+        Ok(config)
     }
 
     /// The router configuration these flags describe.
@@ -892,6 +906,11 @@ pub fn parse_worker(entry: &str) -> Result<WorkerSpec, ConfigError> {
             .map_err(|_| bad(format!("dp rank {r:?} is not an unsigned integer")))?,
         None => 0,
     };
+    if dp_rank == kvbm_events::router::index::POOL_RANK {
+        return Err(bad(format!(
+            "dp rank {dp_rank} is reserved for shared pools; use a smaller one"
+        )));
+    }
     let mut parts = rest.split(',');
     let endpoint = parts.next().unwrap_or_default().trim().to_owned();
     check_endpoint(entry, &endpoint)?;
@@ -1134,6 +1153,46 @@ mod tests {
             let c = parse(&["--router-mode", mode.name()]).unwrap().0.unwrap();
             assert_eq!(c.mode, mode);
         }
+    }
+
+    /// kvbm's shared-pool credit: its default below a disk hit in the modes that weigh tiers,
+    /// the flag's value there, 0 in the others whatever the flag; a negative one is refused.
+    #[test]
+    fn the_shared_pool_weight_flag_sets_the_shared_credit() {
+        use kvbm_events::router::SHARED_WEIGHT_DEFAULT;
+        let parse = |flags: &[&str]| {
+            let mut argv = vec!["kvbm-router"];
+            argv.extend_from_slice(flags);
+            Args::try_parse_from(argv).unwrap().selector_config()
+        };
+        assert_eq!(parse(&[]).unwrap().shared_weight, SHARED_WEIGHT_DEFAULT);
+        let c = parse(&["--router-shared-cache-hit-weight", "0.5"]).unwrap();
+        assert_eq!(c.shared_weight, 0.5);
+        let c = parse(&[
+            "--router-mode",
+            "dynamo",
+            "--router-shared-cache-hit-weight",
+            "0",
+        ]);
+        assert_eq!(c.unwrap().shared_weight, 0.0);
+        for mode in ["kv-gpu", "least-loaded", "round-robin"] {
+            let c = parse(&[
+                "--router-mode",
+                mode,
+                "--router-shared-cache-hit-weight",
+                "0.5",
+            ]);
+            assert_eq!(c.unwrap().shared_weight, 0.0, "{mode}");
+        }
+        let e = parse(&["--router-shared-cache-hit-weight=-1"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--router-shared-cache-hit-weight=-1"), "{e}");
+        // The pseudo-workers' rank is no worker's.
+        let e = parse_worker("1:4294967295=tcp://h:1")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("reserved for shared pools"), "{e}");
     }
 
     #[test]

@@ -1108,6 +1108,7 @@ fn log_decision(answer: &RouteAnswer, attempt: usize) {
         overlap_gpu_blocks = answer.overlap.gpu_blocks,
         overlap_host_blocks = answer.overlap.host_blocks,
         overlap_disk_blocks = answer.overlap.disk_blocks,
+        overlap_shared_blocks = answer.overlap.shared_blocks,
         request_blocks = answer.request_blocks,
         cost = answer.cost,
         runner_up = best_other.as_deref().unwrap_or("none"),
@@ -1122,6 +1123,7 @@ fn observe_overlap(fe: &Frontend, answer: &RouteAnswer) {
         ("gpu", answer.overlap.gpu_blocks),
         ("host", answer.overlap.host_blocks),
         ("disk", answer.overlap.disk_blocks),
+        ("shared", answer.overlap.shared_blocks),
     ] {
         h.with_label_values(&[tier]).observe(n as f64);
     }

@@ -154,12 +154,16 @@ pub struct TierOverlap {
     pub host_blocks: usize,
     /// Blocks continuing it on disk.
     pub disk_blocks: usize,
+    /// Blocks continuing it in a shared pool the worker reaches.
+    pub shared_blocks: usize,
     /// `gpu_blocks` in tokens.
     pub gpu_tokens: usize,
     /// `host_blocks` in tokens.
     pub host_tokens: usize,
     /// `disk_blocks` in tokens.
     pub disk_tokens: usize,
+    /// `shared_blocks` in tokens.
+    pub shared_tokens: usize,
 }
 
 impl TierOverlap {
@@ -168,9 +172,11 @@ impl TierOverlap {
             gpu_blocks: o.gpu,
             host_blocks: o.host,
             disk_blocks: o.disk,
+            shared_blocks: o.shared,
             gpu_tokens: o.gpu * block_size,
             host_tokens: o.host * block_size,
             disk_tokens: o.disk * block_size,
+            shared_tokens: o.shared * block_size,
         }
     }
 }
@@ -849,11 +855,13 @@ impl Router {
                 b.overlap.gpu_blocks,
                 b.overlap.host_blocks,
                 b.overlap.disk_blocks,
+                b.overlap.shared_blocks,
             )
                 .cmp(&(
                     a.overlap.gpu_blocks,
                     a.overlap.host_blocks,
                     a.overlap.disk_blocks,
+                    a.overlap.shared_blocks,
                 ))
                 .then((a.worker_id, a.dp_rank).cmp(&(b.worker_id, b.dp_rank)))
         });
@@ -1168,6 +1176,7 @@ impl Router {
                 "router_kv_overlap_score_credit": selector.overlap_score_credit,
                 "router_host_cache_hit_weight": selector.host_weight,
                 "router_disk_cache_hit_weight": selector.disk_weight,
+                "router_shared_cache_hit_weight": selector.shared_weight,
                 "router_decode_active_request_weight": selector.decode_active_request_weight,
             },
             "tuned": {
@@ -1360,7 +1369,12 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
             },
             recv(forgets) -> forget => match forget {
                 Ok(Forget { worker, done }) => {
-                    shared.index.write().remove_worker(worker);
+                    {
+                        let mut index = shared.index.write();
+                        index.remove_worker(worker);
+                        // It no longer reaches its shared pools for this router.
+                        index.forget_member(worker);
+                    }
                     let _ = done.send(());
                     continue;
                 }

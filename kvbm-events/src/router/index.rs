@@ -60,13 +60,31 @@ const PREFETCH_DISTANCE: usize = 16;
 /// Default number of tombstones tolerated before a compaction is considered.
 pub const MIN_TOMBSTONES_DEFAULT: usize = 1 << 16;
 
+/// Shared pools indexed at most (each a pseudo-worker; membership is a 64-bit mask).
+pub const POOLS_MAX: usize = 64;
+/// The data-parallel rank of a shared pool's pseudo-worker key ([`pool_key`]), which no real
+/// worker may use.
+pub const POOL_RANK: u32 = u32::MAX;
+
+/// The key of the `i`-th shared pool's pseudo-worker.
+pub fn pool_key(i: usize) -> WorkerKey {
+    (u64::MAX - i as u64, POOL_RANK)
+}
+
+/// Whether `key` is a shared pool's pseudo-worker.
+pub fn is_pool_key(key: WorkerKey) -> bool {
+    key.1 == POOL_RANK
+}
+
 /// What applying an event did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApplyStatus {
     /// Applied.
     Ok,
-    /// About a shared or remote pool: not indexed.
+    /// About a remote store without a pool name, or a medium no tier answers to: not indexed.
     NotLocal,
+    /// About a shared pool beyond [`POOLS_MAX`]: not indexed.
+    PoolsFull,
     /// A removal of blocks the worker did not hold (counted; the rest was applied).
     BlockNotFound,
     /// Stores beyond the worker's limit were refused.
@@ -105,6 +123,7 @@ impl ApplyStatus {
         match self {
             ApplyStatus::Ok => "ok",
             ApplyStatus::NotLocal => "not_local",
+            ApplyStatus::PoolsFull => "pools_full",
             ApplyStatus::BlockNotFound => "block_not_found",
             ApplyStatus::WorkerFull => "worker_full",
             ApplyStatus::ParentUnknown => "parent_unknown",
@@ -418,6 +437,10 @@ pub struct KvIndex {
     last_worker: Option<(WorkerKey, u32)>,
     blocks_per_worker_max: usize,
     min_tombstones: usize,
+    /// Shared pools by name, in the order first seen (the `i`-th is [`pool_key`]`(i)`).
+    pools: Vec<String>,
+    /// Per worker, the pools it published into (bit `i`: `pools[i]`): it reaches them.
+    members: HashMap<WorkerKey, u64>,
 }
 
 impl std::fmt::Debug for KvIndex {
@@ -461,6 +484,112 @@ impl KvIndex {
             last_worker: None,
             blocks_per_worker_max,
             min_tombstones: MIN_TOMBSTONES_DEFAULT,
+            pools: Vec::new(),
+            members: HashMap::new(),
+        }
+    }
+
+    /// Where an event of `worker` at `location` is indexed: a local tier of the worker's own,
+    /// or a shared pool's pseudo-worker (its blocks kept as a disk tier; `worker` becomes one of
+    /// its members).
+    fn place(
+        &mut self,
+        worker: WorkerKey,
+        location: &Location,
+    ) -> Result<(WorkerKey, Tier), ApplyStatus> {
+        match location {
+            Location::Local(tier) => Ok((worker, *tier)),
+            Location::NotLocal(_) => Err(ApplyStatus::NotLocal),
+            Location::Shared(name) => {
+                let i = match self.pools.iter().position(|p| p == name) {
+                    Some(i) => i,
+                    None if self.pools.len() < POOLS_MAX => {
+                        self.pools.push(name.clone());
+                        self.pools.len() - 1
+                    }
+                    None => return Err(ApplyStatus::PoolsFull),
+                };
+                *self.members.entry(worker).or_insert(0) |= 1 << i;
+                Ok((pool_key(i), Tier::Disk))
+            }
+        }
+    }
+
+    /// Forgets that `worker` reaches any shared pool (it left the fleet); a pool no member
+    /// reaches any more is dropped with its blocks.
+    pub fn forget_member(&mut self, worker: WorkerKey) {
+        if self.members.remove(&worker).is_none() {
+            return;
+        }
+        let reached = self.members.values().fold(0u64, |a, m| a | m);
+        for i in 0..self.pools.len() {
+            if reached & (1 << i) == 0 {
+                self.remove_worker(pool_key(i));
+            }
+        }
+    }
+
+    /// The shared pools: name, blocks indexed, and the workers that reach it.
+    pub fn pools(&self) -> Vec<(String, usize, Vec<WorkerKey>)> {
+        self.pools
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let blocks = self
+                    .by_key
+                    .get(&pool_key(i))
+                    .map_or(0, |&w| self.workers[w as usize].total());
+                let mut members: Vec<WorkerKey> = self
+                    .members
+                    .iter()
+                    .filter(|(_, m)| *m & (1 << i) != 0)
+                    .map(|(k, _)| *k)
+                    .collect();
+                members.sort_unstable();
+                (name.clone(), blocks, members)
+            })
+            .collect()
+    }
+
+    /// Credits each member of a shared pool with the pool's blocks beyond its own overlap
+    /// (`Overlap::shared`), and drops the pools' pseudo-workers from `out`.
+    fn credit_pools(&self, out: &mut Vec<(WorkerKey, Overlap)>) {
+        if self.pools.is_empty() {
+            return;
+        }
+        let mut reach = [0usize; POOLS_MAX];
+        out.retain(|(key, o)| {
+            if !is_pool_key(*key) {
+                return true;
+            }
+            let i = (u64::MAX - key.0) as usize;
+            if i < POOLS_MAX {
+                reach[i] = o.gpu + o.host + o.disk;
+            }
+            false
+        });
+        if reach.iter().all(|&r| r == 0) {
+            return;
+        }
+        for (&worker, &mask) in &self.members {
+            let pool = (0..self.pools.len())
+                .filter(|i| mask & (1 << i) != 0)
+                .map(|i| reach[i])
+                .max()
+                .unwrap_or(0);
+            if pool == 0 {
+                continue;
+            }
+            match out.iter_mut().find(|(k, _)| *k == worker) {
+                Some((_, o)) => o.shared = pool.saturating_sub(o.gpu + o.host + o.disk),
+                None => out.push((
+                    worker,
+                    Overlap {
+                        shared: pool,
+                        ..Overlap::default()
+                    },
+                )),
+            }
         }
     }
 
@@ -588,7 +717,7 @@ impl KvIndex {
                 ApplyStatus::Ok
             }
             WireEvent::Stored {
-                location: Location::Local(tier),
+                location,
                 block_hashes,
                 parent,
                 token_ids,
@@ -600,6 +729,11 @@ impl KvIndex {
                 group_kind,
                 sliding_window,
             } => {
+                let (worker, tier) = match self.place(worker, location) {
+                    Ok(at) => at,
+                    Err(status) => return status,
+                };
+                let tier = &tier;
                 let w = self.worker_index(worker) as usize;
                 if let (Some(g), Some(kind)) = (group, group_kind) {
                     self.groups[w].learn(*g, *kind, *sliding_window);
@@ -660,10 +794,15 @@ impl KvIndex {
                 refusal.map_or(status, ApplyStatus::from)
             }
             WireEvent::Removed {
-                location: Location::Local(tier),
+                location,
                 block_hashes,
                 group,
             } => {
+                let (worker, tier) = match self.place(worker, location) {
+                    Ok(at) => at,
+                    Err(status) => return status,
+                };
+                let tier = &tier;
                 let Some(w) = self.known_worker(worker) else {
                     return if block_hashes.is_empty() {
                         ApplyStatus::Ok
@@ -738,7 +877,6 @@ impl KvIndex {
                 self.scratch = ours;
                 status
             }
-            WireEvent::Stored { .. } | WireEvent::Removed { .. } => ApplyStatus::NotLocal,
         }
     }
 
@@ -1132,7 +1270,12 @@ impl KvIndex {
 
     /// Workers indexed.
     pub fn workers(&self) -> Vec<WorkerKey> {
-        let mut keys: Vec<WorkerKey> = self.by_key.keys().copied().collect();
+        let mut keys: Vec<WorkerKey> = self
+            .by_key
+            .keys()
+            .copied()
+            .filter(|k| !is_pool_key(*k))
+            .collect();
         keys.sort_unstable();
         keys
     }
@@ -1157,9 +1300,13 @@ impl KvIndex {
     /// A hybrid worker's GPU prefix is then cut where its sliding-window and Mamba groups would
     /// cut vLLM's hit (`router::groups`); a worker without a full-attention group
     /// matches as far as its groups accept.
+    ///
+    /// A worker that reaches a shared pool is credited with the pool's blocks beyond its own
+    /// (`Overlap::shared`); the pools themselves are not in the answer.
     pub fn find_matches(&self, hashes: &[u64]) -> Vec<(WorkerKey, Overlap)> {
         let mut out = self.find_prefix_matches(hashes);
         if !self.groups.iter().any(WorkerGroups::cuts) {
+            self.credit_pools(&mut out);
             return out;
         }
         out.retain_mut(|(key, o)| {
@@ -1172,8 +1319,7 @@ impl KvIndex {
                 if hit < o.gpu {
                     *o = Overlap {
                         gpu: hit,
-                        host: 0,
-                        disk: 0,
+                        ..Overlap::default()
                     };
                 }
             }
@@ -1190,12 +1336,12 @@ impl KvIndex {
                     state.key,
                     Overlap {
                         gpu: hit,
-                        host: 0,
-                        disk: 0,
+                        ..Overlap::default()
                     },
                 ));
             }
         }
+        self.credit_pools(&mut out);
         out
     }
 
@@ -1294,6 +1440,7 @@ impl KvIndex {
                     gpu: c[0] as usize,
                     host: c[1] as usize,
                     disk: c[2] as usize,
+                    shared: 0,
                 },
             ));
         });

@@ -23,13 +23,14 @@ pub mod tune;
 pub use index::{
     ApplyStatus, GroupEntry, GroupHolding, Holding, KvIndex, NameEntry, PageEntry, WorkerSnapshot,
     BLOCKS_PER_WORKER_MAX_DEFAULT, BLOCK_SIZE_DEFAULT, INDEX_CAPACITY_BLOCKS_MAX,
-    MIN_TOMBSTONES_DEFAULT,
+    MIN_TOMBSTONES_DEFAULT, POOLS_MAX, POOL_RANK,
 };
 pub use load::{LoadTracker, RequestId, WorkerLoad, REQUEST_TTL_DEFAULT};
 pub use predict::{with_prediction, Predictions, PREDICTIONS_MAX_DEFAULT};
 pub use selector::{
     pick, select, select_mode, Candidate, Overlap, RoundRobin, RouterMode, Selection,
     SelectorConfig, Weights, WorkerKey, DYNAMO_WEIGHTS, KV_WEIGHTS, ROUTER_MODE_DEFAULT,
+    SHARED_WEIGHT_DEFAULT,
 };
 pub use translate::Refusal;
 pub use tune::{Coefficients, DynamoEquivalent, RouteFeatures, Tuner, TunerCounts, WorkerView};

@@ -156,17 +156,19 @@ impl Predictions {
 }
 
 /// `indexed` with the first `predicted` blocks counted on the GPU: the GPU overlap is the longer
-/// of the two, and the indexed host and disk continuation go on after it.
+/// of the two, and the indexed host, disk and shared continuations go on after it.
 pub fn with_prediction(indexed: Overlap, predicted: usize) -> Overlap {
     if predicted <= indexed.gpu {
         return indexed;
     }
     let host_end = indexed.gpu + indexed.host;
     let disk_end = host_end + indexed.disk;
+    let shared_end = disk_end + indexed.shared;
     Overlap {
         gpu: predicted,
         host: host_end.saturating_sub(predicted),
         disk: disk_end.saturating_sub(predicted.max(host_end)),
+        shared: shared_end.saturating_sub(predicted.max(disk_end)),
     }
 }
 
@@ -204,6 +206,7 @@ mod tests {
             gpu: 2,
             host: 3,
             disk: 1,
+            shared: 2,
         };
         assert_eq!(with_prediction(o, 1), o);
         assert_eq!(
@@ -211,7 +214,8 @@ mod tests {
             Overlap {
                 gpu: 4,
                 host: 1,
-                disk: 1
+                disk: 1,
+                shared: 2,
             }
         );
         assert_eq!(
@@ -219,7 +223,15 @@ mod tests {
             Overlap {
                 gpu: 7,
                 host: 0,
-                disk: 0
+                disk: 0,
+                shared: 1,
+            }
+        );
+        assert_eq!(
+            with_prediction(o, 9),
+            Overlap {
+                gpu: 9,
+                ..Overlap::default()
             }
         );
     }

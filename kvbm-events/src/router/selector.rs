@@ -162,6 +162,10 @@ pub const KV_WEIGHTS: Weights = Weights {
     disk_weight: 0.25,
 };
 
+/// The default `--router-shared-cache-hit-weight`: a block a worker would load from a shared
+/// pool over the network is worth less than one from its own disk (0.25).
+pub const SHARED_WEIGHT_DEFAULT: f64 = 0.2;
+
 /// The mode, weights and knobs, named as Dynamo's router flags name them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SelectorConfig {
@@ -179,6 +183,10 @@ pub struct SelectorConfig {
     pub host_weight: f64,
     /// `--router-disk-cache-hit-weight`: credit per disk block. Default 0.25.
     pub disk_weight: f64,
+    /// `--router-shared-cache-hit-weight`: credit per block of a shared pool the worker reaches,
+    /// past its own tiers (kvbm's; Dynamo has no such flag). Default
+    /// [`SHARED_WEIGHT_DEFAULT`] in the modes that weigh tiers, 0 in the others.
+    pub shared_weight: f64,
     /// `--router-temperature`: 0 picks the lowest cost. Default 0.
     pub temperature: f64,
 }
@@ -198,6 +206,8 @@ pub struct Overlap {
     pub host: usize,
     /// Continuation on disk.
     pub disk: usize,
+    /// Continuation in a shared pool the worker reaches (beyond its own tiers).
+    pub shared: usize,
 }
 
 /// One worker up for selection.
@@ -240,6 +250,11 @@ impl SelectorConfig {
             decode_active_request_weight: 0.0,
             host_weight: w.host_weight,
             disk_weight: w.disk_weight,
+            shared_weight: if mode.takes_weights() && mode != RouterMode::KvGpu {
+                SHARED_WEIGHT_DEFAULT
+            } else {
+                0.0
+            },
             temperature: 0.0,
         }
     }
@@ -274,6 +289,7 @@ impl SelectorConfig {
         self.overlap_score_credit * overlap.gpu as f64
             + self.host_weight * overlap.host as f64
             + self.disk_weight * overlap.disk as f64
+            + self.shared_weight * overlap.shared as f64
     }
 
     /// The prompt tokens of a request a worker would not find cached, as the load tracker

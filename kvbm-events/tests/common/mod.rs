@@ -6,7 +6,12 @@ use kvbm_events::router::{Candidate, Overlap, WorkerLoad};
 pub fn cand(id: u64, gpu: usize, host: usize, disk: usize, load: WorkerLoad) -> Candidate {
     Candidate {
         worker: (id, 0),
-        overlap: Overlap { gpu, host, disk },
+        overlap: Overlap {
+            gpu,
+            host,
+            disk,
+            shared: 0,
+        },
         load,
     }
 }
