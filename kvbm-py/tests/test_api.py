@@ -98,7 +98,7 @@ def test_leader_offloads_matches_holds_evicts_and_reports_events():
     assert leader.count_prefix(hashes) == 3
     assert leader.count_prefix(hashes[1:]) == 2
     events = leader.take_events()
-    assert events == [("stored", "CPU_PINNED", hashes[:3], None, list(range(12)), 4, None)]
+    assert events == [("stored", "CPU_PINNED", hashes[:3], None, list(range(12)), 4, None, None)]
     # Blocks handed out stay held two steps: no room for a fourth yet.
     assert leader.offload(blocks[3:]) == [None]
     assert leader.counts()["held"] == 3

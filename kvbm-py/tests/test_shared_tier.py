@@ -69,6 +69,11 @@ NODE = textwrap.dedent(
         assert native.wait_shared(10.0), "the shared writes were sent"
         counts = native.shared_counts()
         assert counts["writes"] == 2, counts
+        # The pool's store reaches vLLM's event classes as vLLM 0.33 writes a remote tier's.
+        pool = [e for e in leader.take_events() if getattr(e, "locality", None) == "REMOTE"]
+        assert len(pool) == 1, pool
+        assert pool[0].medium == "STORAGE" and pool[0].ownership.startswith("kvbm:"), pool[0]
+        assert len(pool[0].block_hashes) == 2
     else:
         assert (found, is_async) == (8, True), (found, is_async)
         blocks = NS(get_block_ids=lambda: ([4, 5, 6],), get_unhashed_block_ids=lambda: [])
