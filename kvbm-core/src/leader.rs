@@ -101,9 +101,11 @@ struct Pinned {
     held: Vec<RegisteredBlock>,
     /// Staging host blocks that join the host tier once the onboard finished.
     staged: Vec<StagedRead>,
-    /// Staging host blocks of shared reads whose identities the leader does not know: freed
-    /// once the onboard finished.
-    scratch: Vec<FillingBlock>,
+    /// Staging host blocks of shared reads whose identities the leader does not know, with
+    /// their keys: freed once the onboard finished.
+    scratch: Vec<(FillingBlock, u64)>,
+    /// Keys of the staged blocks a worker reported it could not fill.
+    failed: Vec<u64>,
 }
 
 /// Shared-tier blocks announced at most while their TTL runs: past it the oldest are
@@ -121,6 +123,10 @@ struct SharedLookup {
     /// Announced blocks with the time their TTL runs out, oldest first (none without a TTL).
     announced: VecDeque<(Instant, Vec<SequenceHash>)>,
     announced_blocks: usize,
+    /// Per announced block, when its last write's TTL runs out and its tenant: a block hit
+    /// past half its TTL is written again ([`Leader::refresh_shared`]), so that a hot prefix
+    /// never expires from the pool.
+    written: HashMap<SequenceHash, (Instant, u64)>,
 }
 
 /// A request's hit in the shared tier: the blocks continuing its hit in the local tiers.
@@ -400,6 +406,7 @@ impl Leader {
             pool,
             announced: VecDeque::new(),
             announced_blocks: 0,
+            written: HashMap::new(),
         });
         self
     }
@@ -421,19 +428,66 @@ impl Leader {
             }
             let (_, hashes) = s.announced.pop_front().expect("a front");
             s.announced_blocks -= hashes.len();
-            self.publisher.publish(KvEvent::SharedRemoved {
-                pool: s.pool.clone(),
-                removed: kvbm_events::BlockRemoved {
-                    tier: Tier::Disk,
-                    block_hashes: hashes,
-                },
-            });
+            let over = s.announced_blocks > SHARED_ANNOUNCED_MAX;
+            // Blocks written again since stay announced until their new TTL ran out.
+            let (gone, rewritten): (Vec<SequenceHash>, Vec<SequenceHash>) = hashes
+                .into_iter()
+                .partition(|h| over || s.written.get(h).is_none_or(|(expires, _)| *expires <= now));
+            for h in &gone {
+                s.written.remove(h);
+            }
+            let later = rewritten
+                .iter()
+                .filter_map(|h| s.written.get(h))
+                .map(|w| w.0)
+                .max();
+            if let Some(later) = later {
+                s.announced_blocks += rewritten.len();
+                s.announced.push_back((later, rewritten));
+            }
+            if !gone.is_empty() {
+                self.publisher.publish(KvEvent::SharedRemoved {
+                    pool: s.pool.clone(),
+                    removed: kvbm_events::BlockRemoved {
+                        tier: Tier::Disk,
+                        block_hashes: gone,
+                    },
+                });
+            }
         }
+    }
+
+    /// A host block hit (or offloaded again) that this leader wrote to the shared tier, past
+    /// half its TTL: written again (from its host block, held for the write), so that a hot
+    /// prefix stays in the pool while it is used.
+    fn refresh_shared(&mut self, block: &RegisteredBlock, now: Instant) {
+        let Some(s) = &mut self.shared else {
+            return;
+        };
+        let Some(ttl) = s.store.options().ttl else {
+            return;
+        };
+        let hash = block.sequence_hash();
+        let Some((expires, tenant)) = s.written.get_mut(&hash) else {
+            return;
+        };
+        if expires.saturating_duration_since(now) > ttl / 2 || !s.store.usable() {
+            return;
+        }
+        *expires = now + ttl;
+        let tenant = *tenant;
+        self.plan.shared_writes.push(SharedWrite {
+            host: block.id().0,
+            key: hash.0,
+            tenant,
+            identity: encode_identity(&block.identity()),
+        });
+        self.keep(vec![block.clone()]);
     }
 
     /// Announces a run of blocks planned for the shared tier as stored in its pool (each run
     /// of consecutive blocks one event), while the tier is up.
-    fn announce_shared(&mut self, runs: Vec<(Option<SequenceHash>, Vec<BlockIdentity>)>) {
+    fn announce_shared(&mut self, runs: Vec<(Option<SequenceHash>, Vec<BlockIdentity>, u64)>) {
         let block_size = self.block_size as u32;
         let Some(s) = &mut self.shared else {
             return;
@@ -442,7 +496,25 @@ impl Leader {
             return;
         }
         let expires = s.store.options().ttl.map(|t| Instant::now() + t);
-        for (parent, blocks) in runs {
+        for (parent, mut blocks, tenant) in runs {
+            if let Some(at) = expires {
+                // A block announced before is written again, not announced twice: its removal
+                // waits for the new TTL.
+                blocks.retain(|b| match s.written.get_mut(&b.sequence_hash) {
+                    Some(w) => {
+                        w.0 = at;
+                        false
+                    }
+                    None => {
+                        s.written.insert(b.sequence_hash, (at, tenant));
+                        true
+                    }
+                });
+            }
+            let parent = match blocks.first() {
+                Some(b) => b.parent.or(parent),
+                None => continue,
+            };
             let hashes: Vec<SequenceHash> = blocks.iter().map(|b| b.sequence_hash).collect();
             let token_ids = blocks
                 .iter()
@@ -688,6 +760,7 @@ impl Leader {
         let now = Instant::now();
         for b in &host_blocks {
             self.sight(b, now);
+            self.refresh_shared(b, now);
         }
         held_blocks.extend(host_blocks);
         let mut reads = Vec::new();
@@ -742,7 +815,26 @@ impl Leader {
         if !host.is_empty() {
             // A staging block whose disk read failed never joins the host tier.
             for pinned in self.pinned.values_mut() {
-                pinned.staged.retain(|(b, _)| !host.contains(&b.id().0));
+                let Pinned {
+                    staged,
+                    scratch,
+                    failed,
+                    ..
+                } = pinned;
+                staged.retain(|(b, identity)| {
+                    let bad = host.contains(&b.id().0);
+                    if bad {
+                        failed.push(identity.sequence_hash.0);
+                    }
+                    !bad
+                });
+                scratch.retain(|(b, key)| {
+                    let bad = host.contains(&b.id().0);
+                    if bad {
+                        failed.push(*key);
+                    }
+                    !bad
+                });
             }
         }
         let mut n = 0;
@@ -873,6 +965,16 @@ impl Leader {
     /// how many left.
     pub fn evict_idle_host(&self) -> usize {
         self.host.evict_idle(usize::MAX)
+    }
+
+    /// The keys of `request_id`'s asynchronous onboard a worker reported it could not fill
+    /// (taken; [`Self::discard`] records them): its blocks from the first of them on are
+    /// recomputed by the engine, and must be offloaded again as they fill.
+    pub fn take_failed_loads(&mut self, request_id: &str) -> Vec<u64> {
+        self.pinned
+            .get_mut(request_id)
+            .map(|p| std::mem::take(&mut p.failed))
+            .unwrap_or_default()
     }
 
     /// Releases what an asynchronous onboard of `request_id` held (when its onboard finished); false
@@ -1018,7 +1120,7 @@ impl Leader {
         let placed = self.register_blocks(planned)?.host;
         if let Some(identities) = identities {
             // Runs of consecutive blocks written, for their events.
-            let mut runs: Vec<(Option<SequenceHash>, Vec<BlockIdentity>)> = Vec::new();
+            let mut runs: Vec<(Option<SequenceHash>, Vec<BlockIdentity>, u64)> = Vec::new();
             let mut extends = false;
             for ((host, identity), tenant) in placed.iter().zip(identities).zip(&tenants) {
                 let Some(host) = host else {
@@ -1032,12 +1134,12 @@ impl Leader {
                     identity: encode_identity(&identity),
                 });
                 match runs.last_mut() {
-                    Some((_, blocks))
+                    Some((_, blocks, _))
                         if extends && blocks.last().map(|b| b.sequence_hash) == identity.parent =>
                     {
                         blocks.push(identity)
                     }
-                    _ => runs.push((identity.parent, vec![identity])),
+                    _ => runs.push((identity.parent, vec![identity], *tenant)),
                 }
                 extends = true;
             }
@@ -1106,7 +1208,9 @@ impl Leader {
                     .staged
                     .extend(stages.into_iter().zip(shared.identities));
             } else {
-                entry.scratch.extend(stages);
+                entry
+                    .scratch
+                    .extend(stages.into_iter().zip(hashes_[local..].iter().copied()));
             }
             got += shared_reads.len();
         }
@@ -1359,6 +1463,7 @@ impl Leader {
                 Some(resident) => {
                     present += 1;
                     self.sight(&resident, now);
+                    self.refresh_shared(&resident, now);
                 }
                 None => missing.push(i),
             }

@@ -457,6 +457,14 @@ impl Requests {
             if let Some(r) = self.by_id.get_mut(request) {
                 if r.onboarding {
                     r.onboarding = false;
+                    // Blocks a worker could not load (a shared value gone, refused or late; a
+                    // bad disk read) are recomputed from the first of them: offloaded again
+                    // as they fill, never skipped as if loaded.
+                    let failed = leader.take_failed_loads(request);
+                    if let Some(first) = r.hashes.iter().position(|h| failed.contains(h)) {
+                        r.unbacked_from = Some(r.unbacked_from.map_or(first, |u| u.min(first)));
+                        r.offloaded_blocks = r.offloaded_blocks.min(first);
+                    }
                     leader.release(request);
                     if r.finished && !r.had_offloads {
                         self.by_id.remove(request);

@@ -56,6 +56,8 @@ pub const DISK_WRITES_QUEUED_MAX: usize = 1024;
 pub const ASYNC_ONBOARDS_QUEUED_MAX: usize = 256;
 /// Shared-tier writes queued for the shared writer at most; a step with more waits for it.
 pub const SHARED_WRITES_QUEUED_MAX: usize = 1024;
+/// Shared-tier blocks read per round trip (each round bounded by the read timeout).
+pub const SHARED_READ_CHUNK_BLOCKS: usize = 16;
 
 /// A worker's shared tier: where the store is and the key fingerprint of this rank's shard
 /// ([`crate::shared::shard_fingerprint`], which the leader computes too).
@@ -485,6 +487,19 @@ impl SharedSide {
     /// holds good bytes out of the host pool (then it may be overwritten), and queues the
     /// copies with the store (which sends them in pipelined batches and never waits).
     fn write_job(&self, job: SharedJob) {
+        let hosts: Vec<u32> = job.writes.iter().map(|w| w.host).collect();
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let run = std::panic::AssertUnwindSafe(|| self.write_job_inner(job, &done));
+        if std::panic::catch_unwind(run).is_err() {
+            // Never leave a host block waited for by nobody: the rest of the job is released.
+            tracing::error!("shared tier: a write job panicked; its blocks are not written");
+            for &h in &hosts[done.load(std::sync::atomic::Ordering::Relaxed)..] {
+                self.done(h);
+            }
+        }
+    }
+
+    fn write_job_inner(&self, job: SharedJob, done: &std::sync::atomic::AtomicUsize) {
         let mut failed_hosts = HashSet::new();
         for (ticket, pairs) in &job.after {
             for r in ticket.wait().failed {
@@ -497,7 +512,12 @@ impl SharedSide {
         let mut queued = 0;
         for w in job.writes {
             let bad = failed_hosts.contains(&w.host) || self.bad.lock().host.contains(&w.host);
-            let put = if bad {
+            let down = !self.store.usable();
+            if down && !bad {
+                // Not copied for nothing: the store would drop it.
+                self.store.count_dropped_down(1);
+            }
+            let put = if bad || down {
                 None
             } else {
                 let identity =
@@ -511,6 +531,7 @@ impl SharedSide {
                 }
             };
             self.done(w.host);
+            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if tenant != Some(w.tenant) || put.is_none() {
                 if let Some(t) = tenant {
                     queued += self.store.write(t, &run);
@@ -552,24 +573,30 @@ impl SharedSide {
             }
         }
         let end = hosts.iter().copied().max().unwrap_or(0) as usize + 1;
-        let blocks = if self
+        let ready = self
             .host_region
-            .wait_ready(end * self.host_stride, self.ready_timeout)
-        {
-            let keys: Vec<kvbm_events::SequenceHash> = reads
+            .wait_ready(end * self.host_stride, self.ready_timeout);
+        add(&self.metrics.shared_read_blocks, reads.len() as u64);
+        let mut missed = Vec::new();
+        // In chunks, each bounded by the read timeout and copied in as it lands: a long prefix
+        // neither waits on one deadline nor holds all its values at once. After a chunk that
+        // missed, the rest is not asked for (the load fails from there anyway).
+        let mut failed = !ready;
+        for chunk in reads.chunks(SHARED_READ_CHUNK_BLOCKS) {
+            if failed {
+                missed.extend(chunk.iter().map(|r| r.host));
+                continue;
+            }
+            let keys: Vec<kvbm_events::SequenceHash> = chunk
                 .iter()
                 .map(|r| kvbm_events::SequenceHash(r.key))
                 .collect();
-            self.store.read(tenant, &keys)
-        } else {
-            vec![None; reads.len()]
-        };
-        add(&self.metrics.shared_read_blocks, reads.len() as u64);
-        let mut missed = Vec::new();
-        for (r, block) in reads.iter().zip(blocks) {
-            let landed = block.is_some_and(|b| self.copy_in(r.host, b.payload()).is_ok());
-            if !landed {
-                missed.push(r.host);
+            for (r, block) in chunk.iter().zip(self.store.read(tenant, &keys)) {
+                let landed = block.is_some_and(|b| self.copy_in(r.host, b.payload()).is_ok());
+                if !landed {
+                    missed.push(r.host);
+                    failed = true;
+                }
             }
         }
         add(&self.metrics.shared_read_misses, missed.len() as u64);

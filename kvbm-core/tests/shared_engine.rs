@@ -368,6 +368,10 @@ fn a_server_killed_between_match_and_load_fails_that_load_only_and_the_tier_come
     let (found, _) = b.admit("b2", &tokens, &gpu);
     assert_eq!(found, 0);
     assert!(started.elapsed() < Duration::from_secs(2));
+    // vLLM recomputes b from its first failed block: those blocks are offloaded as they fill
+    // (not skipped as if they had loaded).
+    b.step(&[("b", &tokens, &gpu)], &[]);
+    assert_eq!(b.leader.count_prefix(&hashes_of(&tokens)), 5);
     // Local serving went on meanwhile: b computes a prompt of its own and finds it.
     let own = prompt(11_000, 3);
     b.compute_locally("own", &own, &[16, 17, 18, 19]);
@@ -467,4 +471,45 @@ fn shared_writes_are_announced_in_the_pool_and_removed_once_their_ttl_ran_out() 
     let mut b = node(&urls, false);
     let (found, _) = b.admit("b", &tokens, &[10, 11, 12, 13]);
     assert_eq!(found, 0, "the server expired them too");
+}
+
+#[test]
+fn a_prefix_hit_past_half_its_ttl_is_written_again_and_stays_in_the_pool() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let urls = vec![server.url()];
+    let ttl = Duration::from_secs(3);
+    let mut a = node_ttl(&urls, false, ttl);
+    let tokens = prompt(17_000, 3);
+    a.compute("a", &tokens, &[0, 1, 2, 3]);
+    let writes = a.worker.shared_counts().unwrap().writes;
+    assert_eq!(writes, 3);
+    // Past half the TTL, a request hits the prefix in a's host tier: its blocks are written
+    // again (no second announcement).
+    std::thread::sleep(ttl / 2 + Duration::from_millis(100));
+    let (found, asynchronous) = a.admit("hit", &tokens, &[4, 5, 6, 7]);
+    assert_eq!((found, asynchronous), (3 * B, false));
+    a.step(&[], &[]);
+    assert!(a.worker.wait_shared(Duration::from_secs(10)));
+    assert_eq!(a.worker.shared_counts().unwrap().writes, writes + 3);
+    // Past the first write's TTL: still in the pool, and not announced removed.
+    std::thread::sleep(ttl / 2 + Duration::from_millis(100));
+    a.leader.end_step();
+    let pool: Vec<KvEvent> = a
+        .leader
+        .take_events()
+        .into_iter()
+        .filter(|e| {
+            matches!(
+                e,
+                KvEvent::SharedStored { .. } | KvEvent::SharedRemoved { .. }
+            )
+        })
+        .collect();
+    assert_eq!(pool.len(), 1, "one announcement, no removal: {pool:?}");
+    let mut b = node(&urls, false);
+    let (found, _) = b.admit("b", &tokens, &[10, 11, 12, 13]);
+    assert_eq!(found, 3 * B, "the server still holds them");
 }

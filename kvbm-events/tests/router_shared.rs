@@ -147,7 +147,10 @@ fn members_of_a_pool_are_credited_with_its_blocks_beyond_their_own() {
     index.remove_worker(B);
     index.forget_member(B);
     assert_eq!(overlaps(&index, &hashes), vec![(C, o(0, 3, 0, 0))]);
-    assert_eq!(index.pools()[0].1, 0);
+    assert!(
+        index.pools().is_empty(),
+        "a pool no member reaches is dropped"
+    );
 }
 
 #[test]
@@ -185,6 +188,16 @@ fn pools_are_kept_apart_and_remote_stores_without_a_pool_are_not_indexed() {
         ApplyStatus::PoolsFull
     );
     assert_eq!(ApplyStatus::PoolsFull.label(), "pools_full");
+    // A pool whose members all left frees its slot for another.
+    index.forget_member(B);
+    assert_eq!(
+        index.apply(C, &stored(pool("one-too-many"), &tokens, 0..1)),
+        ApplyStatus::Ok
+    );
+    assert_eq!(
+        overlaps(&index, &hashes),
+        vec![(A, o(0, 0, 0, 4)), (C, o(0, 0, 0, 1))]
+    );
 }
 
 #[test]

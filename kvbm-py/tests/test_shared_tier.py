@@ -162,3 +162,38 @@ def test_a_configured_shared_tier_needs_the_models_fingerprint(redis_url, monkey
         kvbm._kvbm.Leader(4, 8, config=config)
     leader = kvbm._kvbm.Leader(4, 8, config=config, model_fingerprint=7)
     assert leader.count_prefix([1, 2]) == 0
+
+
+def test_the_model_fingerprint_names_the_model_as_served(tmp_path, monkeypatch):
+    """Two nodes share blocks only for the same computation: the same checkpoint (not only
+    its path), the same resolved config, quantization and split, and the same namespace."""
+    from types import SimpleNamespace as NS
+
+    from kvbm.vllm_integration.connector import model_fingerprint
+
+    monkeypatch.delenv("DYN_KVBM_SHARED_NAMESPACE", raising=False)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 4096)
+
+    def cfg(**model):
+        base = dict(model=str(tmp_path), revision=None, dtype="bfloat16", quantization=None,
+                    hf_config=NS(rope_theta=10000.0, num_hidden_layers=2), hf_overrides=None)
+        base.update(model)
+        return NS(model_config=NS(**base), cache_config=NS(cache_dtype="auto"),
+                  parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1))
+
+    base = model_fingerprint(cfg(), None, 16)
+    assert base == model_fingerprint(cfg(), None, 16), "deterministic"
+    different = [
+        model_fingerprint(cfg(hf_config=NS(rope_theta=500000.0, num_hidden_layers=2)), None, 16),
+        model_fingerprint(cfg(quantization="fp8"), None, 16),
+        model_fingerprint(cfg(dtype="float16"), None, 16),
+        model_fingerprint(cfg(), None, 32),
+    ]
+    assert base not in different
+    # Another fine-tune at the same path: same names and sizes, other weights.
+    weights.write_bytes(bytes(reversed(range(256))) * 4096)
+    tuned = model_fingerprint(cfg(), None, 16)
+    assert tuned != base
+    monkeypatch.setenv("DYN_KVBM_SHARED_NAMESPACE", "team-a")
+    assert model_fingerprint(cfg(), None, 16) not in (base, tuned)

@@ -22,7 +22,7 @@
 
 use std::future::Future;
 use std::io::Write;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -122,7 +122,13 @@ fn add(c: &AtomicU64, n: u64) {
 struct Health {
     state: Mutex<(u32, Option<Instant>)>,
     up: AtomicBool,
+    /// Lookups late in a row: at [`LATE_LOOKUPS_MAX`] the tier backs off as for an outage.
+    late_lookups: AtomicU32,
 }
+
+/// Lookups late in a row that take the tier out for a backoff: one late answer is a busy server
+/// (a miss), several in a row would add a lookup's timeout to every request.
+pub const LATE_LOOKUPS_MAX: u32 = 3;
 
 impl Health {
     fn usable(&self) -> bool {
@@ -432,6 +438,7 @@ impl SharedStore {
             health: Arc::new(Health {
                 state: Mutex::new((0, None)),
                 up: AtomicBool::new(true),
+                late_lookups: AtomicU32::new(0),
             }),
             counters: Arc::new(Counters::default()),
             writes,
@@ -460,6 +467,16 @@ impl SharedStore {
     pub fn with_layout(mut self, layout: u64) -> Self {
         self.value_fingerprint = super::value_fingerprint(self.fingerprint, layout);
         self
+    }
+
+    /// Whether the tier takes calls now (not backing off after an outage).
+    pub fn usable(&self) -> bool {
+        self.health.usable()
+    }
+
+    /// Counts `n` writes dropped before they reached [`Self::write`] because the tier was out.
+    pub fn count_dropped_down(&self, n: usize) {
+        add(&self.counters.writes_dropped_down, n as u64);
     }
 
     /// Bytes of one block.
@@ -592,8 +609,18 @@ impl SharedStore {
             handle.query_all::<bool>(asks).await
         });
         let Some(results) = answer else {
+            let late = self.health.late_lookups.fetch_add(1, Ordering::Relaxed) + 1;
+            if late >= LATE_LOOKUPS_MAX {
+                self.health.late_lookups.store(0, Ordering::Relaxed);
+                tracing::warn!(
+                    late,
+                    "shared tier: lookups late in a row; the tier is a miss for a backoff"
+                );
+                self.health.failed(&self.counters);
+            }
             return 0;
         };
+        self.health.late_lookups.store(0, Ordering::Relaxed);
         self.settle(&results);
         let found = results
             .chunks(fingerprints.len())

@@ -503,11 +503,18 @@ impl KvIndex {
             Location::Shared(name) => {
                 let i = match self.pools.iter().position(|p| p == name) {
                     Some(i) => i,
-                    None if self.pools.len() < POOLS_MAX => {
-                        self.pools.push(name.clone());
-                        self.pools.len() - 1
-                    }
-                    None => return Err(ApplyStatus::PoolsFull),
+                    // A slot a dropped pool left (its name cleared), else a new one.
+                    None => match self.pools.iter().position(String::is_empty) {
+                        Some(free) => {
+                            self.pools[free] = name.clone();
+                            free
+                        }
+                        None if self.pools.len() < POOLS_MAX => {
+                            self.pools.push(name.clone());
+                            self.pools.len() - 1
+                        }
+                        None => return Err(ApplyStatus::PoolsFull),
+                    },
                 };
                 *self.members.entry(worker).or_insert(0) |= 1 << i;
                 Ok((pool_key(i), Tier::Disk))
@@ -523,8 +530,10 @@ impl KvIndex {
         }
         let reached = self.members.values().fold(0u64, |a, m| a | m);
         for i in 0..self.pools.len() {
-            if reached & (1 << i) == 0 {
+            if reached & (1 << i) == 0 && !self.pools[i].is_empty() {
                 self.remove_worker(pool_key(i));
+                // Its slot is free for another pool.
+                self.pools[i].clear();
             }
         }
     }
@@ -534,6 +543,7 @@ impl KvIndex {
         self.pools
             .iter()
             .enumerate()
+            .filter(|(_, name)| !name.is_empty())
             .map(|(i, name)| {
                 let blocks = self
                     .by_key

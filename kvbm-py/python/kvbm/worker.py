@@ -176,6 +176,7 @@ class KvbmWorker:
         instance_id: Optional[str] = None,
         num_kv_cache_groups: Optional[int] = None,
         model_fingerprint: int = 0,
+        shards: Optional[int] = None,
     ) -> None:
         self._kv_cache_config = kv_cache_config
         # vLLM 0.33 refuses block-level load errors for a model of several KV cache groups
@@ -195,6 +196,8 @@ class KvbmWorker:
         self._instance_id = instance_id
         # The shared tier's keys name it (see KvbmLeader).
         self._model_fingerprint = int(model_fingerprint)
+        # This rank's shard among them (tensor x pipeline parallel; default the world size).
+        self._shards = int(shards) if shards else int(world_size)
         self._host_blocks = host_blocks
         self._disk_blocks = disk_blocks
         self._world_size = int(world_size)
@@ -266,7 +269,7 @@ class KvbmWorker:
             layout_salt=_layout_salt(kcc),
             model_fingerprint=self._model_fingerprint,
             rank=self._rank,
-            world_size=self._world_size,
+            world_size=self._shards,
         )
         self._layers = {n: i for i, n in enumerate(names)}
         # vLLM's own tensors: restore_kv_caches re-reads them (sleep mode may remap them).

@@ -62,30 +62,84 @@ def _role_name(role: Any) -> str:
     return "scheduler" if "SCHEDULER" in name.upper() else "worker"
 
 
-def model_fingerprint(vllm_config: Any, kv_cache_config: Any, block_size: int) -> int:
-    """What the shared tier's keys name (kvbm-core's ``shared``): the model (name and revision:
-    two fine-tunes of one geometry do not share KV), its dtypes, the block size, the bytes of one
-    block on one rank and the parallel split. The scheduler and every worker derive the same
-    value from the same vLLM config; nodes that agree on it share blocks."""
+#: An operator's namespace folded into the shared tier's model fingerprint: nodes share blocks only
+#: when they give the same one (for checkpoints kvbm cannot tell apart, e.g. a hub id served from
+#: caches that hold different snapshots).
+SHARED_NAMESPACE = "DYN_KVBM_SHARED_NAMESPACE"
+
+
+def _checkpoint_identity(path: str) -> str:
+    """Names and sizes of a local checkpoint's weight files, with a digest of a slice from the
+    middle and the end of each (two fine-tunes of one architecture have the same names, sizes and
+    headers, not the same weights); "" for a path that is not a local directory."""
     import hashlib
+    import os
+
+    if not path or not os.path.isdir(path):
+        return ""
+    parts = []
+    for name in sorted(os.listdir(path)):
+        if not name.endswith((".safetensors", ".bin", ".pt", ".gguf")):
+            continue
+        full = os.path.join(path, name)
+        try:
+            size = os.path.getsize(full)
+            digest = hashlib.blake2b(digest_size=16)
+            with open(full, "rb") as f:
+                for at in (size // 2, max(0, size - (1 << 20))):
+                    f.seek(at)
+                    digest.update(f.read(1 << 20))
+            parts.append(f"{name}:{size}:{digest.hexdigest()}")
+        except OSError:
+            parts.append(f"{name}:unreadable")
+    return ";".join(parts)
+
+
+def _hf_config_identity(model: Any) -> str:
+    """The resolved Hugging Face config (RoPE scaling, heads, overrides applied), as JSON."""
+    import json
+
+    config = getattr(model, "hf_config", None)
+    if config is None:
+        return ""
+    try:
+        return config.to_json_string(use_diff=False)
+    except Exception:  # not a transformers config (tests' stand-ins)
+        try:
+            return json.dumps(vars(config), sort_keys=True, default=str)
+        except TypeError:
+            return repr(config)
+
+
+def model_fingerprint(vllm_config: Any, kv_cache_config: Any, block_size: int) -> int:
+    """What the shared tier's keys name (kvbm-core's ``shared``): the model as served, since two
+    nodes may share KV only when it is the same computation: its name and revision, its resolved
+    Hugging Face config (RoPE scaling and overrides change K), quantization and dtypes, a local
+    checkpoint's weight files (two fine-tunes of one architecture), the block size and the
+    tensor- and pipeline-parallel split, and ``DYN_KVBM_SHARED_NAMESPACE``. The scheduler and
+    every worker derive the same value from the same vLLM config."""
+    import hashlib
+    import json
+    import os
 
     model = getattr(vllm_config, "model_config", None)
     cache = getattr(vllm_config, "cache_config", None)
     parallel = getattr(vllm_config, "parallel_config", None)
-    try:
-        per_block = _bytes_per_block(kv_cache_config, block_size) if kv_cache_config is not None else 0
-    except _kvbm.LayoutError:
-        per_block = 0
+    name = str(getattr(model, "model", "") or "")
     parts = [
-        "kvbm-shared-model-v1",
-        str(getattr(model, "model", "") or ""),
+        "kvbm-shared-model-v2",
+        name,
         str(getattr(model, "revision", "") or ""),
+        _hf_config_identity(model),
+        json.dumps(getattr(model, "hf_overrides", None) or {}, sort_keys=True, default=str),
+        str(getattr(model, "quantization", "") or ""),
         str(getattr(model, "dtype", "") or ""),
         str(getattr(cache, "cache_dtype", "") or ""),
         str(int(block_size)),
-        str(int(per_block)),
         str(int(getattr(parallel, "tensor_parallel_size", 1) or 1)),
         str(int(getattr(parallel, "pipeline_parallel_size", 1) or 1)),
+        _checkpoint_identity(name),
+        os.environ.get(SHARED_NAMESPACE, ""),
     ]
     digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1
@@ -350,6 +404,9 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
         # The same in the scheduler and every worker of this vLLM instance (kvbm.recovery).
         instance_id = str(getattr(vllm_config, "instance_id", "") or "") or None
         fingerprint = model_fingerprint(vllm_config, kv_cache_config, block_size)
+        # The shared tier's shards: one per rank of the tensor- and pipeline-parallel group (each
+        # holds its own heads of its own layers).
+        shards = world * int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
         if config.shared_url_set and self._groups is not None and len(self._groups) > 1:
             log.warning(
                 "kvbm: the shared tier (DYN_KVBM_SHARED_URL) does not serve hybrid models yet; "
@@ -365,7 +422,7 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
                 groups=self._groups,
                 config=config,
                 model_fingerprint=fingerprint,
-                world_size=world,
+                world_size=shards,
             )
             log.info(
                 "kvbm leader: %d host and %d disk blocks of %d tokens",
@@ -385,6 +442,7 @@ class DynamoConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,val
                 kv_cache_config=kv_cache_config,
                 instance_id=instance_id,
                 model_fingerprint=fingerprint,
+                shards=shards,
             )
 
     # -- scheduler role -----------------------------------------------------------------------
