@@ -365,6 +365,18 @@ fn a_hung_server_never_holds_a_call_past_its_bound() {
     assert_eq!(s.lookup(0, &hashes(4)), 4);
     server.signal("STOP");
     let margin = Duration::from_secs(2);
+    // One late lookup is a busy server (a miss); LATE_LOOKUPS_MAX in a row take the tier out,
+    // so that requests stop paying the lookup's timeout.
+    for i in 1..=kvbm_core::shared::store::LATE_LOOKUPS_MAX {
+        assert_eq!(s.lookup(0, &hashes(4)), 0);
+        let c = s.counts();
+        let last = i == kvbm_core::shared::store::LATE_LOOKUPS_MAX;
+        assert_eq!(
+            (c.outages, c.up),
+            (u64::from(last), !last),
+            "after {i}: {c:?}"
+        );
+    }
     for _ in 0..3 {
         let t = Instant::now();
         assert_eq!(s.lookup(0, &hashes(4)), 0);
