@@ -239,6 +239,13 @@ pub struct Args {
     /// Disk blocks per worker; 0: no disk tier.
     #[arg(long, default_value_t = 0)]
     pub disk_blocks: usize,
+    /// Blocks of a shared pool every worker of this process reaches (kvbm's shared tier on
+    /// Redis / Valkey, modelled); 0: none. What reaches a worker's host tier is written to it.
+    #[arg(long, default_value_t = 0)]
+    pub shared_blocks: usize,
+    /// The shared pool's name in events (`ownership`).
+    #[arg(long, default_value = "mocker-pool")]
+    pub shared_pool: String,
     /// Simulated time runs this many times faster than wall time.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
@@ -264,6 +271,9 @@ pub struct Args {
     /// Disk read bandwidth, GB/s (loads from the disk tier).
     #[arg(long, default_value_t = 6.0)]
     pub disk_gbps: f64,
+    /// Shared pool read bandwidth, GB/s (loads over the network from the shared tier).
+    #[arg(long, default_value_t = 2.0)]
+    pub shared_gbps: f64,
     /// Tokio threads serving HTTP for all workers.
     #[arg(long, default_value_t = 2)]
     pub http_threads: usize,
@@ -300,6 +310,10 @@ pub struct EngineConfig {
     pub host_blocks: usize,
     /// Disk blocks (0: none).
     pub disk_blocks: usize,
+    /// The fleet's shared pool's blocks (0: none).
+    pub shared_blocks: usize,
+    /// The shared pool's name.
+    pub shared_pool: String,
     /// Token budget per step.
     pub max_num_batched_tokens: usize,
     /// Running sequences at most.
@@ -310,6 +324,8 @@ pub struct EngineConfig {
     pub host_bytes_per_s: f64,
     /// Disk read bytes/s.
     pub disk_bytes_per_s: f64,
+    /// Shared pool read bytes/s.
+    pub shared_bytes_per_s: f64,
     /// The step-time model.
     pub cost: StepCost,
 }
@@ -388,6 +404,20 @@ impl Args {
         if self.disk_blocks >= u32::MAX as usize / 2 {
             return Err(bad("disk-blocks", self.disk_blocks, "must be below 2^31"));
         }
+        if self.shared_blocks >= u32::MAX as usize / 2 {
+            return Err(bad(
+                "shared-blocks",
+                self.shared_blocks,
+                "must be below 2^31",
+            ));
+        }
+        if self.shared_pool.is_empty() || self.shared_pool.len() > 128 {
+            return Err(bad(
+                "shared-pool",
+                &self.shared_pool,
+                "must be 1 to 128 bytes",
+            ));
+        }
         for (flag, port) in [("http-port", self.http_port), ("zmq-port", self.zmq_port)] {
             let span = if flag == "zmq-port" { 2 } else { 1 };
             if port != 0 && usize::from(port) + span * self.workers > 65536 {
@@ -424,11 +454,14 @@ impl Args {
             gpu_blocks,
             host_blocks: self.host_blocks,
             disk_blocks: self.disk_blocks,
+            shared_blocks: self.shared_blocks,
+            shared_pool: self.shared_pool.clone(),
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_num_seqs: self.max_num_seqs,
             speedup: positive("speedup", self.speedup)?,
             host_bytes_per_s: positive("host-gbps", self.host_gbps)? * 1e9,
             disk_bytes_per_s: positive("disk-gbps", self.disk_gbps)? * 1e9,
+            shared_bytes_per_s: positive("shared-gbps", self.shared_gbps)? * 1e9,
             cost,
         })
     }

@@ -22,6 +22,13 @@
 //! block). Host evictions go on to the disk tier when there is one. Pools evict idle registered
 //! blocks LRU first (kvbm-core's `LruPriority`), publishing BlockRemoved.
 //!
+//! Shared pool (kvbm's shared tier on Redis / Valkey, modelled; `--shared-blocks`): one pool
+//! every worker of the process reaches. What a worker writes through to its host tier it also
+//! writes there (kvbm writes what reaches the host tier); a lookup continues past the worker's own
+//! tiers into it, loaded at the network's bandwidth (`--shared-gbps`). Its stores and evictions
+//! go out as kvbm publishes them (medium `STORAGE`, `locality` `REMOTE`, the pool in
+//! `ownership`), through the worker whose step drained them.
+//!
 //! Events: the pools publish to an internal bus; after each step the engine rewrites the GPU
 //! tier's events with engine block hashes ([`engine_hash`]: vLLM's hashes are its own, not
 //! kvbm's) and republishes everything on the worker's outgoing bus, which the ZMQ publisher
@@ -33,7 +40,7 @@
 //! trivially.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvbm_core::pool::{BlockIdentity, BlockPool, FillingBlock, RegisteredBlock};
@@ -127,7 +134,7 @@ struct Seq {
     prefilled: bool,
     looked_up: bool,
     /// Prompt tokens from the GPU, host and disk tiers at admission.
-    cached: [usize; 3],
+    cached: [usize; 4],
     load: Option<Load>,
 }
 
@@ -148,7 +155,7 @@ impl Seq {
             generated: 0,
             prefilled: false,
             looked_up: false,
-            cached: [0; 3],
+            cached: [0; 4],
             load: None,
         }
     }
@@ -178,6 +185,41 @@ pub struct StepReport {
     pub preempted: usize,
 }
 
+/// The fleet's shared pool: blocks every worker of the process reaches.
+pub struct SharedPool {
+    name: String,
+    pool: BlockPool,
+    /// The pool's own events, turned into the shared tier's by whichever worker drains them.
+    events: Mutex<EventSubscriber>,
+}
+
+impl std::fmt::Debug for SharedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedPool")
+            .field("name", &self.name)
+            .field("counts", &self.pool.counts())
+            .finish()
+    }
+}
+
+impl SharedPool {
+    /// A pool of `blocks` blocks of `block_size` tokens, named `name` in events.
+    pub fn new(name: &str, blocks: usize, block_size: usize) -> Self {
+        let bus = EventPublisher::new();
+        let events = bus.subscribe(kvbm_events::SUBSCRIBER_CAPACITY_MAX);
+        Self {
+            name: name.to_owned(),
+            pool: BlockPool::new(Tier::Disk, blocks, block_size, Some(bus)),
+            events: Mutex::new(events),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+}
+
 /// One worker's engine. Single-threaded; [`run_worker`] drives it against wall time.
 pub struct Engine {
     cfg: EngineConfig,
@@ -185,6 +227,7 @@ pub struct Engine {
     gpu: BlockPool,
     host: Option<BlockPool>,
     disk: Option<BlockPool>,
+    shared: Option<Arc<SharedPool>>,
     internal: EventSubscriber,
     out_bus: EventPublisher,
     host_identities: HashMap<SequenceHash, BlockIdentity>,
@@ -229,6 +272,7 @@ impl Engine {
             gpu,
             host,
             disk,
+            shared: None,
             internal,
             out_bus,
             host_identities: HashMap::new(),
@@ -238,6 +282,12 @@ impl Engine {
             clock: 0.0,
             metrics,
         }
+    }
+
+    /// The same engine reaching the fleet's shared pool.
+    pub fn with_shared(mut self, shared: Option<Arc<SharedPool>>) -> Self {
+        self.shared = shared;
+        self
     }
 
     /// The configuration.
@@ -338,7 +388,7 @@ impl Engine {
             let identity = self.identity(seq, b);
             match std::mem::replace(&mut seq.blocks[b], GpuBlock::Taken) {
                 GpuBlock::Filling(f) => {
-                    if offload && self.host.is_some() {
+                    if offload && (self.host.is_some() || self.shared.is_some()) {
                         self.offload.push(identity.clone());
                     }
                     complete.push(f.complete(identity));
@@ -382,9 +432,22 @@ impl Engine {
                 }
             }
         }
+        // Then the shared pool, past the worker's own tiers.
+        let mut from_shared = 0;
+        if let Some(shared) = &self.shared {
+            for &h in &hashes[g + held.len()..] {
+                match shared.pool.lookup(h) {
+                    Some(b) => {
+                        held.push(b);
+                        from_shared += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
         if !seq.prefilled {
             // vLLM reports the first admission's hit (`num_cached_tokens` is set once).
-            seq.cached = [g * bs, from[0] * bs, from[1] * bs];
+            seq.cached = [g * bs, from[0] * bs, from[1] * bs, from_shared * bs];
         }
         seq.registered = g;
         seq.computed = g * bs;
@@ -400,8 +463,9 @@ impl Engine {
         seq.blocks
             .extend(filling.into_iter().map(GpuBlock::Filling));
         let bytes = |n: usize| (n * bs) as f64 * self.cfg.cost.kv_bytes_per_token;
-        let seconds =
-            bytes(from[0]) / self.cfg.host_bytes_per_s + bytes(from[1]) / self.cfg.disk_bytes_per_s;
+        let seconds = bytes(from[0]) / self.cfg.host_bytes_per_s
+            + bytes(from[1]) / self.cfg.disk_bytes_per_s
+            + bytes(from_shared) / self.cfg.shared_bytes_per_s;
         seq.load = Some(Load {
             ready_at: self.clock + seconds,
             first: g,
@@ -576,7 +640,7 @@ impl Engine {
                     let m = &self.metrics.prompt_tokens;
                     m.with_label_values(&["computed"])
                         .inc_by((seq.prompt_len - cached) as u64);
-                    for (tier, t) in ["gpu", "host", "disk"].iter().zip(seq.cached) {
+                    for (tier, t) in ["gpu", "host", "disk", "shared"].iter().zip(seq.cached) {
                         m.with_label_values(&[tier]).inc_by(t as u64);
                     }
                 }
@@ -628,6 +692,25 @@ impl Engine {
     }
 
     fn write_through(&mut self) {
+        if let Some(shared) = &self.shared {
+            // What reaches the host tier is written to the shared pool too (kvbm's shared writes).
+            let mut todo: Vec<BlockIdentity> = self
+                .offload
+                .iter()
+                .filter(|id| !shared.pool.contains(id.sequence_hash))
+                .cloned()
+                .collect();
+            todo.dedup_by_key(|id| id.sequence_hash);
+            let filling = shared.pool.allocate_up_to(todo.len());
+            let complete: Vec<_> = filling
+                .into_iter()
+                .zip(todo)
+                .map(|(f, id)| f.complete(id))
+                .collect();
+            // Dropped at once: idle, evictable (the server's LRU), findable by every worker.
+            let _ = shared.pool.register_all(complete);
+            self.pump_shared();
+        }
         let Some(host) = &self.host else {
             self.offload.clear();
             return;
@@ -651,6 +734,31 @@ impl Engine {
             self.host_identities.insert(id.sequence_hash, id);
         }
         self.pump_events();
+    }
+
+    /// Moves the shared pool's events out as the shared tier's (stores and evictions).
+    fn pump_shared(&mut self) {
+        let Some(shared) = &self.shared else {
+            return;
+        };
+        let batch = match shared.events.lock() {
+            Ok(mut events) => events.drain(),
+            Err(_) => return,
+        };
+        for d in batch {
+            let event = match &d.record.event {
+                KvEvent::BlockStored(stored) => KvEvent::SharedStored {
+                    pool: shared.name.clone(),
+                    stored: stored.clone(),
+                },
+                KvEvent::BlockRemoved(removed) => KvEvent::SharedRemoved {
+                    pool: shared.name.clone(),
+                    removed: removed.clone(),
+                },
+                _ => continue,
+            };
+            self.out_bus.publish(event);
+        }
     }
 
     /// Moves the internal events out (GPU hashes rewritten), spilling host evictions to disk.
@@ -845,11 +953,14 @@ mod tests {
             gpu_blocks: gpu,
             host_blocks: host,
             disk_blocks: disk,
+            shared_blocks: 0,
+            shared_pool: "pool".into(),
             max_num_batched_tokens: budget,
             max_num_seqs: 256,
             speedup: 1.0,
             host_bytes_per_s: 1e6,
             disk_bytes_per_s: 1e5,
+            shared_bytes_per_s: 1e4,
             cost: COST,
         }
     }
@@ -1020,6 +1131,53 @@ mod tests {
         let ready = e.next_load_ready().expect("a load");
         let usage = run_to_end(&mut e, &mut rd);
         (events(&mut sub), m, start, ready, usage)
+    }
+
+    /// Two workers reach one shared pool: what the first computed (and wrote through, with no
+    /// host tier of its own) the second finds there past its empty GPU, loads at the shared
+    /// bandwidth, and counts as `shared`; the first announces the pool's blocks as the shared
+    /// tier's events, named by the pool.
+    #[test]
+    fn a_prefix_one_worker_computed_is_loaded_from_the_shared_pool_by_another() {
+        let shared = Arc::new(SharedPool::new("pool", 16, 4));
+        let (a, mut sub_a, _) = engine(config(4, 8, 0, 0, 1000));
+        let mut a = a.with_shared(Some(shared.clone()));
+        let (b, _, mb) = engine(config(4, 8, 0, 0, 1000));
+        let mut b = b.with_shared(Some(shared.clone()));
+        let p = prompt(1, 13);
+        let (ra, mut rxa) = request(p.clone(), 1);
+        a.add(ra);
+        run_to_end(&mut a, &mut rxa);
+        assert_eq!(shared.pool().counts().registered, 3);
+        let pool_events: Vec<KvEvent> = events(&mut sub_a)
+            .into_iter()
+            .filter(|e| matches!(e, KvEvent::SharedStored { .. }))
+            .collect();
+        let stored: usize = pool_events
+            .iter()
+            .map(|e| match e {
+                KvEvent::SharedStored { pool, stored } => {
+                    assert_eq!(pool, "pool");
+                    stored.block_hashes.len()
+                }
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(stored, 3);
+        let (rb, mut rxb) = request(p, 1);
+        b.add(rb);
+        let start = b.clock;
+        assert!(b.step().scheduled.is_empty(), "loading, not scheduled");
+        let ready = b.next_load_ready().expect("a load");
+        // 3 blocks of 4 tokens at the preset's KV bytes per token, at 1e4 bytes/s.
+        let want = 12.0 * COST.kv_bytes_per_token / 1e4;
+        assert!(
+            (ready - start - want).abs() < 1e-9,
+            "{} vs {want}",
+            ready - start
+        );
+        assert_eq!(run_to_end(&mut b, &mut rxb).cached_tokens, 12);
+        assert_eq!(mb.prompt_tokens.with_label_values(&["shared"]).get(), 12);
     }
 
     fn stored_tiers(events: &[KvEvent]) -> std::collections::BTreeSet<Tier> {

@@ -99,6 +99,14 @@ impl Fleet {
                 .unwrap_or_else(|| dir.display().to_string())
         });
         let start = process_start();
+        // One pool for the whole fleet, as one Redis for the whole cluster.
+        let shared = (config.shared_blocks > 0).then(|| {
+            Arc::new(engine::SharedPool::new(
+                &config.shared_pool,
+                config.shared_blocks,
+                config.block_size,
+            ))
+        });
         let mut workers = Vec::with_capacity(args.workers);
         let mut servers = Vec::with_capacity(args.workers);
         for i in 0..args.workers {
@@ -131,7 +139,8 @@ impl Fleet {
             let http = listener.local_addr()?;
             let metrics = Arc::new(WorkerMetrics::new());
             let (tx, rx) = crossbeam_channel::unbounded::<Request>();
-            let engine = Engine::new(config.clone(), bus, metrics.clone());
+            let engine =
+                Engine::new(config.clone(), bus, metrics.clone()).with_shared(shared.clone());
             std::thread::Builder::new()
                 .name(format!("mocker-w{id}"))
                 .spawn(move || engine::run_worker(engine, rx, start))

@@ -139,7 +139,7 @@ impl WorkerMetrics {
             ),
             registry: r,
         };
-        for s in ["computed", "gpu", "host", "disk"] {
+        for s in ["computed", "gpu", "host", "disk", "shared"] {
             m.prompt_tokens.with_label_values(&[s]);
         }
         for o in ["finished", "aborted"] {

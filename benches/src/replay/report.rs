@@ -99,6 +99,8 @@ pub struct WorkerCounts {
     pub gpu: f64,
     pub host: f64,
     pub disk: f64,
+    /// From the fleet's shared pool (the mocker's `--shared-blocks`).
+    pub shared: f64,
     pub requests: f64,
     pub generation_tokens: f64,
     pub sim_seconds: f64,
@@ -112,13 +114,14 @@ impl WorkerCounts {
             gpu: prom_sum(text, p, Some(("source", "gpu"))),
             host: prom_sum(text, p, Some(("source", "host"))),
             disk: prom_sum(text, p, Some(("source", "disk"))),
+            shared: prom_sum(text, p, Some(("source", "shared"))),
             requests: prom_sum(text, "kvbm_mocker_requests_total", None),
             generation_tokens: prom_sum(text, "kvbm_mocker_generation_tokens_total", None),
             sim_seconds: prom_sum(text, "kvbm_mocker_sim_seconds", None),
         }
     }
     fn prompt_tokens(&self) -> f64 {
-        self.computed + self.gpu + self.host + self.disk
+        self.computed + self.gpu + self.host + self.disk + self.shared
     }
 }
 
@@ -129,6 +132,8 @@ pub struct Reuse {
     pub gpu: f64,
     pub host: f64,
     pub disk: f64,
+    /// From the fleet's shared pool.
+    pub shared: f64,
     /// Prompt tokens the workers counted (all tiers).
     pub prompt_tokens: f64,
 }
@@ -270,6 +275,7 @@ impl RunResult {
             gpu: frac(|w| w.gpu),
             host: frac(|w| w.host),
             disk: frac(|w| w.disk),
+            shared: frac(|w| w.shared),
             prompt_tokens: total,
         };
         let imbalance = Imbalance {
@@ -493,8 +499,8 @@ pub fn table(doc: &Json) -> String {
     let rr = find("round-robin");
     let best = doc["best_fixed"].as_str().and_then(find);
     let mut out = String::from(
-        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | imbalance (tok) | router ms/req | front end ms/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
-         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | shared hit | imbalance (tok) | router ms/req | front end ms/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
+         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
     );
     for r in &runs {
         let label = r["label"].as_str().unwrap_or("?");
@@ -510,7 +516,7 @@ pub fn table(doc: &Json) -> String {
             other.map_or("-".into(), |o| ratio(num(r, p), num(o, p)))
         };
         out.push_str(&format!(
-            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             fmt(num(r, "/ttft_s/p50"), 3),
             fmt(num(r, "/ttft_s/p90"), 3),
             fmt(num(r, "/ttft_s/p99"), 3),
@@ -523,6 +529,7 @@ pub fn table(doc: &Json) -> String {
             pct("/reuse/gpu"),
             pct("/reuse/host"),
             pct("/reuse/disk"),
+            pct("/reuse/shared"),
             fmt(num(r, "/imbalance/computed_prompt_tokens"), 2),
             fmt(num(r, "/cpu/router_ms_per_request"), 3),
             fmt(num(r, "/cpu/front_end_ms_per_request"), 3),
@@ -590,6 +597,7 @@ const RUN_FIELDS: &[&str] = &[
     "/reuse/gpu",
     "/reuse/host",
     "/reuse/disk",
+    "/reuse/shared",
     "/imbalance/computed_prompt_tokens",
     "/imbalance/requests",
     "/cpu/router_ms_per_request",
