@@ -492,7 +492,7 @@ impl Leader {
         let Some(s) = &mut self.shared else {
             return;
         };
-        if runs.is_empty() || !s.store.counts().up {
+        if runs.is_empty() || !s.store.usable() {
             return;
         }
         let expires = s.store.options().ttl.map(|t| Instant::now() + t);
