@@ -42,8 +42,8 @@ pub const METRICS_PORT: &str = "DYN_KVBM_METRICS_PORT";
 pub const METRICS_HOST: &str = "DYN_KVBM_METRICS_HOST";
 /// Log filter (tracing `EnvFilter` syntax).
 pub const LOG: &str = "DYN_LOG";
-/// The shared tier's server (Redis or Valkey): `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, or a
-/// Cluster's seed nodes separated by commas. Unset: no shared tier.
+/// The shared tier's server (Redis or Valkey): `redis://[USER:PASSWORD@]HOST:PORT[/DB]`
+/// (`rediss://` for TLS), or a Cluster's seed nodes separated by commas. Unset: no shared tier.
 pub const SHARED_URL: &str = "DYN_KVBM_SHARED_URL";
 /// Talk to a Redis Cluster even through one seed URL (several URLs imply it).
 pub const SHARED_CLUSTER: &str = "DYN_KVBM_SHARED_CLUSTER";
@@ -69,6 +69,14 @@ pub const SHARED_CONNECT_TIMEOUT_MS: &str = "DYN_KVBM_SHARED_CONNECT_TIMEOUT_MS"
 pub const SHARED_WRITE_BATCH_BLOCKS: &str = "DYN_KVBM_SHARED_WRITE_BATCH_BLOCKS";
 /// Write batches in flight (default 4); a batch past them is dropped, never waited for.
 pub const SHARED_WRITES_IN_FLIGHT: &str = "DYN_KVBM_SHARED_WRITES_IN_FLIGHT";
+/// PEM file of the certificate authorities a `rediss://` server's certificate must chain to
+/// (default: the system's trusted roots).
+pub const SHARED_TLS_CA_FILE: &str = "DYN_KVBM_SHARED_TLS_CA_FILE";
+/// PEM file of this client's certificate chain, for a server that authenticates its clients
+/// (`tls-auth-clients yes`); needs [`SHARED_TLS_KEY_FILE`].
+pub const SHARED_TLS_CERT_FILE: &str = "DYN_KVBM_SHARED_TLS_CERT_FILE";
+/// PEM file of the private key of [`SHARED_TLS_CERT_FILE`].
+pub const SHARED_TLS_KEY_FILE: &str = "DYN_KVBM_SHARED_TLS_KEY_FILE";
 /// Longest accepted shared-tier timeout, in milliseconds.
 pub const SHARED_TIMEOUT_MS_MAX: usize = 600_000;
 /// Longest accepted shared-tier TTL, in seconds (30 days).
@@ -186,18 +194,27 @@ pub fn shared_options(
         if url.is_empty() {
             return Err(invalid(SHARED_URL, &shown, "an empty URL in the list"));
         }
-        if url.starts_with("rediss://") {
+        if !(url.starts_with("redis://")
+            || url.starts_with("rediss://")
+            || url.starts_with("redis+unix://"))
+        {
             return Err(invalid(
                 SHARED_URL,
                 &shown,
-                "rediss:// (TLS) is not supported by this build; use redis:// on a trusted network",
+                "expected redis://[USER:PASSWORD@]HOST:PORT or rediss:// for TLS (several, \
+                 comma-separated, for a cluster)",
             ));
         }
-        if !(url.starts_with("redis://") || url.starts_with("redis+unix://")) {
+        // The client would take `#insecure` as "check no certificate"; this build has no such
+        // mode (a man in the middle could then plant blocks), and says how to trust a private CA.
+        if url.starts_with("rediss://") && url.contains('#') {
             return Err(invalid(
                 SHARED_URL,
                 &shown,
-                "expected redis://[USER:PASSWORD@]HOST:PORT (several, comma-separated, for a cluster)",
+                format!(
+                    "a rediss:// URL takes no #fragment (#insecure is not supported: give the \
+                     server's certificate authority in {SHARED_TLS_CA_FILE})"
+                ),
             ));
         }
         if redis::IntoConnectionInfo::into_connection_info(url).is_err() {
@@ -209,7 +226,16 @@ pub fn shared_options(
         }
         urls.push(url.to_owned());
     }
+    let tls = urls.iter().filter(|u| u.starts_with("rediss://")).count();
+    if tls != 0 && tls != urls.len() {
+        return Err(invalid(
+            SHARED_URL,
+            &shown,
+            "mixes rediss:// and redis://: every server of a cluster is reached the same way",
+        ));
+    }
     let mut o = SharedOptions::new(urls);
+    o.tls = shared_tls(lookup, tls != 0)?;
     if let Some(v) = lookup(SHARED_CLUSTER) {
         let on = parse_flag(&v)
             .ok_or_else(|| invalid(SHARED_CLUSTER, &v, "expected 0, 1, true or false"))?;
@@ -571,6 +597,66 @@ pub fn kv_cache_layout(
             )
         }),
     }
+}
+
+/// The `DYN_KVBM_SHARED_TLS_*` files, read and checked now so that a wrong path or a file that
+/// holds no PEM object is named at start-up rather than failing every connection later.
+fn shared_tls(
+    lookup: &impl Fn(&str) -> Option<String>,
+    rediss: bool,
+) -> Result<Option<crate::shared::SharedTls>, ConfigError> {
+    let read = |variable: &'static str, what: &str, begin: &[&str]| {
+        let Some(path) = lookup(variable).filter(|v| !v.trim().is_empty()) else {
+            return Ok(None);
+        };
+        if !rediss {
+            return Err(invalid(
+                variable,
+                &path,
+                format!("TLS files need a rediss:// URL in {SHARED_URL}"),
+            ));
+        }
+        let bytes = std::fs::read(&path)
+            .map_err(|e| invalid(variable, &path, format!("cannot read {what}: {e}")))?;
+        let text = String::from_utf8_lossy(&bytes);
+        if !begin
+            .iter()
+            .any(|b| text.contains(&format!("-----BEGIN {b}-----")))
+        {
+            return Err(invalid(
+                variable,
+                &path,
+                format!("holds no PEM {what} (-----BEGIN {}-----)", begin[0]),
+            ));
+        }
+        Ok(Some(bytes))
+    };
+    let ca = read(SHARED_TLS_CA_FILE, "certificate", &["CERTIFICATE"])?;
+    let cert = read(SHARED_TLS_CERT_FILE, "certificate", &["CERTIFICATE"])?;
+    let key = read(
+        SHARED_TLS_KEY_FILE,
+        "private key",
+        &["PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY"],
+    )?;
+    let client = match (cert, key) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(invalid(
+                SHARED_TLS_CERT_FILE,
+                &lookup(SHARED_TLS_CERT_FILE).unwrap_or_default(),
+                format!("a client certificate needs its key in {SHARED_TLS_KEY_FILE}"),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(invalid(
+                SHARED_TLS_KEY_FILE,
+                &lookup(SHARED_TLS_KEY_FILE).unwrap_or_default(),
+                format!("a client key needs its certificate in {SHARED_TLS_CERT_FILE}"),
+            ))
+        }
+    };
+    Ok(rediss.then_some(crate::shared::SharedTls { ca, client }))
 }
 
 fn invalid(variable: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {

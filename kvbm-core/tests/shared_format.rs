@@ -11,7 +11,7 @@ use std::time::Duration;
 use kvbm_core::config::shared_options;
 use kvbm_core::shared::{
     block_key, decode_value, encode_value, redact_url, shard_fingerprint, tenant_id, BadValue,
-    SharedOptions, ValueFor, VALUE_HEADER_BYTES,
+    SharedOptions, SharedTls, ValueFor, VALUE_HEADER_BYTES,
 };
 use kvbm_core::{BlockIdentity, ConfigError, SequenceHash};
 use proptest::prelude::*;
@@ -230,6 +230,98 @@ fn shared_tier_settings_parse() {
     .unwrap()
     .unwrap();
     assert!(one_seed.cluster);
+    assert_eq!(one_seed.tls, None);
+}
+
+fn tls_data(name: &str) -> String {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/tls")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn tls_settings_read_their_files_and_name_what_is_wrong() {
+    // rediss:// alone trusts the system's roots and shows no certificate.
+    let o = shared(&[("DYN_KVBM_SHARED_URL", "rediss://cache.example:6380")])
+        .unwrap()
+        .unwrap();
+    assert_eq!(o.tls, Some(SharedTls::default()));
+    let (ca, cert, key) = (
+        tls_data("ca.pem"),
+        tls_data("client.pem"),
+        tls_data("client.key"),
+    );
+    let o = shared(&[
+        ("DYN_KVBM_SHARED_URL", "rediss://a:1,rediss://b:2"),
+        ("DYN_KVBM_SHARED_TLS_CA_FILE", &ca),
+        ("DYN_KVBM_SHARED_TLS_CERT_FILE", &cert),
+        ("DYN_KVBM_SHARED_TLS_KEY_FILE", &key),
+    ])
+    .unwrap()
+    .unwrap();
+    let tls = o.tls.clone().unwrap();
+    assert_eq!(tls.ca.as_deref(), Some(&std::fs::read(&ca).unwrap()[..]));
+    let (c, k) = tls.client.unwrap();
+    assert_eq!(c, std::fs::read(&cert).unwrap());
+    assert_eq!(k, std::fs::read(&key).unwrap());
+    // The key never reaches a log line.
+    let shown = format!("{o:?}");
+    assert!(!shown.contains("PRIVATE"), "{shown}");
+    let err = |vars: &[(&str, &str)]| shared(vars).unwrap_err().to_string();
+    let starts = |text: String, var: &str| {
+        assert!(text.starts_with(&format!("{var}=")), "{text}");
+        text
+    };
+    // TLS files without a TLS server.
+    starts(
+        err(&[
+            ("DYN_KVBM_SHARED_URL", "redis://h:1"),
+            ("DYN_KVBM_SHARED_TLS_CA_FILE", &ca),
+        ]),
+        "DYN_KVBM_SHARED_TLS_CA_FILE",
+    );
+    // A file that is not there, and one that holds no certificate.
+    let text = starts(
+        err(&[
+            ("DYN_KVBM_SHARED_URL", "rediss://h:1"),
+            ("DYN_KVBM_SHARED_TLS_CA_FILE", "/nonexistent/ca.pem"),
+        ]),
+        "DYN_KVBM_SHARED_TLS_CA_FILE",
+    );
+    assert!(text.contains("cannot read"), "{text}");
+    let text = starts(
+        err(&[
+            ("DYN_KVBM_SHARED_URL", "rediss://h:1"),
+            ("DYN_KVBM_SHARED_TLS_CA_FILE", &key),
+        ]),
+        "DYN_KVBM_SHARED_TLS_CA_FILE",
+    );
+    assert!(text.contains("no PEM certificate"), "{text}");
+    starts(
+        err(&[
+            ("DYN_KVBM_SHARED_URL", "rediss://h:1"),
+            ("DYN_KVBM_SHARED_TLS_KEY_FILE", &cert),
+            ("DYN_KVBM_SHARED_TLS_CERT_FILE", &cert),
+        ]),
+        "DYN_KVBM_SHARED_TLS_KEY_FILE",
+    );
+    // A certificate without its key, and a key without its certificate.
+    starts(
+        err(&[
+            ("DYN_KVBM_SHARED_URL", "rediss://h:1"),
+            ("DYN_KVBM_SHARED_TLS_CERT_FILE", &cert),
+        ]),
+        "DYN_KVBM_SHARED_TLS_CERT_FILE",
+    );
+    starts(
+        err(&[
+            ("DYN_KVBM_SHARED_URL", "rediss://h:1"),
+            ("DYN_KVBM_SHARED_TLS_KEY_FILE", &key),
+        ]),
+        "DYN_KVBM_SHARED_TLS_KEY_FILE",
+    );
 }
 
 #[test]
@@ -239,8 +331,11 @@ fn bad_shared_tier_settings_name_the_variable_and_hide_passwords() {
         "http://h:1",
         "h:6379",
         "redis://h:1,,redis://g:2",
-        "rediss://h:1",
         "redis://:secret@h:notaport",
+        // No certificate check is not on offer.
+        "rediss://:secret@h:1/#insecure",
+        // One cluster, one way of reaching it.
+        "rediss://a:1,redis://b:2",
     ] {
         let e = url(bad);
         let text = e.to_string();

@@ -287,6 +287,30 @@ pub struct SharedOptions {
     /// The pool's name in the tier's events (`ownership`), which the router groups the workers
     /// that reach one pool by; None: the key prefix and the model's fingerprint.
     pub pool: Option<String>,
+    /// TLS (`rediss://` URLs): None for plain TCP.
+    pub tls: Option<SharedTls>,
+}
+
+/// What a `rediss://` connection trusts and shows, as PEM bytes. The server's certificate is
+/// always checked, host name included.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct SharedTls {
+    /// Certificate authorities the server's certificate must chain to; None: the system's
+    /// trusted roots.
+    pub ca: Option<Vec<u8>>,
+    /// This client's certificate chain and private key, for a server that authenticates its
+    /// clients.
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for SharedTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key's bytes.
+        f.debug_struct("SharedTls")
+            .field("ca", &self.ca.as_ref().map(|c| c.len()))
+            .field("client", &self.client.as_ref().map(|_| "***"))
+            .finish()
+    }
 }
 
 impl SharedOptions {
@@ -303,6 +327,7 @@ impl SharedOptions {
             write_timeout: Duration::from_millis(2000),
             connect_timeout: Duration::from_millis(500),
             pool: None,
+            tls: None,
             write_batch_blocks: 32,
             writes_in_flight: 4,
             lookup_blocks_max: 4096,
@@ -371,6 +396,7 @@ impl std::fmt::Debug for SharedOptions {
             .field("writes_in_flight", &self.writes_in_flight)
             .field("lookup_blocks_max", &self.lookup_blocks_max)
             .field("pool", &self.pool)
+            .field("tls", &self.tls)
             .finish()
     }
 }

@@ -396,12 +396,25 @@ impl SharedStore {
                 })
             })
             .collect::<Result<Vec<_>, CoreError>>()?;
+        // TLS: the given authorities (else the system's roots) and client certificate; the
+        // files were read and checked when the options were.
+        let certificates = options.tls.as_ref().map(|t| redis::TlsCertificates {
+            client_tls: t.client.as_ref().map(|(cert, key)| redis::ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+            root_cert: t.ca.clone(),
+        });
         let connect = |runtime: &tokio::runtime::Runtime| -> Result<Conn, CoreError> {
             Ok(if options.cluster {
-                let client = ClusterClient::builder(infos.clone())
+                let mut builder = ClusterClient::builder(infos.clone())
                     .connection_timeout(options.connect_timeout)
                     .response_timeout(options.read_timeout.max(options.write_timeout))
-                    .retries(3)
+                    .retries(3);
+                if let Some(c) = &certificates {
+                    builder = builder.certs(c.clone());
+                }
+                let client = builder
                     .build()
                     .map_err(|e| bad(format!("cannot use the cluster's seed nodes: {e}")))?;
                 Conn::Cluster {
@@ -411,8 +424,12 @@ impl SharedStore {
                     connect_timeout: options.connect_timeout,
                 }
             } else {
-                let client = redis::Client::open(infos[0].clone())
-                    .map_err(|e| bad(format!("cannot use the server URL: {e}")))?;
+                let client = match &certificates {
+                    Some(c) => redis::Client::build_with_tls(infos[0].clone(), c.clone())
+                        .map_err(|e| bad(format!("cannot use the TLS settings: {e}")))?,
+                    None => redis::Client::open(infos[0].clone())
+                        .map_err(|e| bad(format!("cannot use the server URL: {e}")))?,
+                };
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(options.connect_timeout))
                     .set_response_timeout(Some(options.read_timeout.max(options.write_timeout)))

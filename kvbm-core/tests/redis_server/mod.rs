@@ -81,9 +81,37 @@ pub fn ask(port: u16, password: Option<&str>, command: &str) -> String {
 pub struct Server {
     child: Option<Child>,
     pub port: u16,
+    /// Its TLS port, when started by [`Server::start_tls`].
+    pub tls_port: Option<u16>,
     args: Vec<String>,
     dir: tempfile::TempDir,
     password: Option<String>,
+}
+
+/// The test certificates (tests/data/tls: a CA, a server certificate for 127.0.0.1 and
+/// localhost, a client certificate, another CA that signed neither).
+pub fn tls_file(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/tls")
+        .join(name)
+}
+
+/// The `redis-server` arguments for TLS on `tls_port` with the test certificates; clients must
+/// show a certificate from the test CA when `auth_clients`.
+pub fn tls_args(tls_port: u16, auth_clients: bool) -> Vec<String> {
+    let f = |n: &str| tls_file(n).display().to_string();
+    vec![
+        "--tls-port".into(),
+        tls_port.to_string(),
+        "--tls-cert-file".into(),
+        f("server.pem"),
+        "--tls-key-file".into(),
+        f("server.key"),
+        "--tls-ca-cert-file".into(),
+        f("ca.pem"),
+        "--tls-auth-clients".into(),
+        if auth_clients { "yes" } else { "no" }.into(),
+    ]
 }
 
 impl Server {
@@ -93,6 +121,7 @@ impl Server {
         let mut s = Server {
             child: None,
             port: free_port(),
+            tls_port: None,
             args: extra.iter().map(|a| a.to_string()).collect(),
             dir,
             password: extra
@@ -108,6 +137,26 @@ impl Server {
             s.port = free_port();
         }
         panic!("redis-server did not start on any of 5 free ports");
+    }
+
+    /// A standalone server that also takes TLS on a port of its own (the plain port is for
+    /// the harness's own checks), with `extra` arguments.
+    pub fn start_tls(auth_clients: bool, extra: &[&str]) -> Server {
+        let tls_port = free_port();
+        let mut args = tls_args(tls_port, auth_clients);
+        args.extend(extra.iter().map(|a| a.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let mut s = Server::start(&args);
+        s.tls_port = Some(tls_port);
+        s
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT`.
+    pub fn tls_url(&self) -> String {
+        format!(
+            "rediss://127.0.0.1:{}",
+            self.tls_port.expect("a TLS server")
+        )
     }
 
     /// Starts the server; false when it exited at once (its port taken).
@@ -202,23 +251,46 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start() -> Cluster {
+        Self::start_with(false)
+    }
+
+    /// A cluster whose clients and bus speak TLS (`--tls-cluster yes`): the nodes announce
+    /// their TLS ports; each keeps a plain port for the harness.
+    pub fn start_tls() -> Cluster {
+        Self::start_with(true)
+    }
+
+    fn start_with(tls: bool) -> Cluster {
+        let cluster = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "5000",
+        ];
         let nodes: Vec<Server> = (0..3)
             .map(|_| {
-                Server::start(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "5000",
-                ])
+                if tls {
+                    let mut extra = cluster.to_vec();
+                    extra.extend(["--tls-cluster", "yes", "--tls-replication", "yes"]);
+                    Server::start_tls(false, &extra)
+                } else {
+                    Server::start(&cluster)
+                }
             })
             .collect();
+        // With `--tls-cluster yes` a node's bus listens at its TLS port + 10000, which is what
+        // a meet through that port computes: create the cluster through the TLS ports.
         let addrs: Vec<String> = nodes
             .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port))
+            .map(|n| format!("127.0.0.1:{}", n.tls_port.unwrap_or(n.port)))
             .collect();
-        let out = Command::new("redis-cli")
+        let mut cli = Command::new("redis-cli");
+        if tls {
+            cli.arg("--tls").arg("--cacert").arg(tls_file("ca.pem"));
+        }
+        let out = cli
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
@@ -248,9 +320,14 @@ impl Cluster {
         Cluster { nodes }
     }
 
-    /// Seed URLs of every node, comma-separated.
+    /// Seed URLs of every node.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(Server::url).collect()
+    }
+
+    /// `rediss://` seed URLs of every node of a TLS cluster.
+    pub fn tls_urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Server::tls_url).collect()
     }
 }
 
