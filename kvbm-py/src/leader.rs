@@ -298,10 +298,14 @@ impl Leader {
     ) -> PyResult<(usize, bool)> {
         let mut g = self.lock(py)?;
         let s = &mut *g;
+        // Hashing, and with a shared tier its lookup (a round trip to the server, bounded by
+        // its timeout), run without the GIL: vLLM's other threads (the API server's, in one
+        // process) go on meanwhile.
         guard(|| {
-            s.requests
-                .match_prefix(
-                    &s.inner,
+            let (requests, inner) = (&mut s.requests, &s.inner);
+            py.allow_threads(|| {
+                requests.match_prefix(
+                    inner,
                     request,
                     &new_tokens,
                     num_computed,
@@ -309,7 +313,8 @@ impl Leader {
                     lora_name,
                     cache_salt,
                 )
-                .map_err(core_err)
+            })
+            .map_err(core_err)
         })
     }
 

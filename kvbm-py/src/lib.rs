@@ -311,6 +311,9 @@ pub(crate) fn worker_metrics<'py>(
     d.set_item("kvbm_transfer_errors", m.transfer_errors)?;
     d.set_item("kvbm_disk_write_failures", m.disk_write_failures)?;
     d.set_item("kvbm_load_errors", m.load_errors)?;
+    d.set_item("kvbm_shared_read_blocks", m.shared_read_blocks)?;
+    d.set_item("kvbm_shared_read_misses", m.shared_read_misses)?;
+    d.set_item("kvbm_shared_write_blocks", m.shared_write_blocks)?;
     Ok(d)
 }
 
@@ -323,6 +326,7 @@ pub(crate) fn leader_metrics<'py>(
     d.set_item("kvbm_matched_tokens", m.matched_tokens)?;
     d.set_item("kvbm_host_cache_hit_rate", m.host_cache_hit_rate)?;
     d.set_item("kvbm_disk_cache_hit_rate", m.disk_cache_hit_rate)?;
+    d.set_item("kvbm_shared_cache_hit_rate", m.shared_cache_hit_rate)?;
     Ok(d)
 }
 

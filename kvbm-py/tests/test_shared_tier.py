@@ -69,6 +69,9 @@ NODE = textwrap.dedent(
         assert native.wait_shared(10.0), "the shared writes were sent"
         counts = native.shared_counts()
         assert counts["writes"] == 2, counts
+        # The metrics page's names (kvbm.metrics.METRICS) carry the tier's work.
+        assert native.metrics()["kvbm_shared_write_blocks"] == 2
+        assert native.metrics()["kvbm_shared_read_blocks"] == 0
         # The pool's store reaches vLLM's event classes as vLLM 0.33 writes a remote tier's.
         pool = [e for e in leader.take_events() if getattr(e, "locality", None) == "REMOTE"]
         assert len(pool) == 1, pool
@@ -85,6 +88,9 @@ NODE = textwrap.dedent(
         sent, recving = worker.get_finished(set())
         assert recving == {"x"}, recving
         assert worker.get_block_ids_with_load_errors() == set()
+        m = worker._work().native.metrics()
+        assert (m["kvbm_shared_read_blocks"], m["kvbm_shared_read_misses"]) == (2, 0), m
+        assert leader._leader._native.metrics()["kvbm_shared_cache_hit_rate"] == 1.0
         for name in caches:
             for src, dst in ((0, 4), (1, 5)):
                 assert np.array_equal(caches[name].array[dst], pattern(name, src)), (name, src)
@@ -197,3 +203,53 @@ def test_the_model_fingerprint_names_the_model_as_served(tmp_path, monkeypatch):
     assert tuned != base
     monkeypatch.setenv("DYN_KVBM_SHARED_NAMESPACE", "team-a")
     assert model_fingerprint(cfg(), None, 16) not in (base, tuned)
+
+
+def test_a_shared_lookup_runs_without_the_gil(redis_url, monkeypatch):
+    """A prompt's lookup in the shared tier is a round trip to the server, as long as its
+    timeout when the server hangs; vLLM's other Python threads (the API server's, in one
+    process) must run meanwhile. The server is stopped (SIGSTOP) so the lookup takes its whole
+    timeout; a thread counting in pure Python must advance during the call, which it cannot
+    while the call holds the GIL."""
+    import signal
+    import threading
+
+    import kvbm
+
+    port = int(redis_url.rsplit(":", 1)[1])
+    pid = subprocess.run(["redis-cli", "-p", str(port), "info", "server"], capture_output=True,
+                         text=True, check=True).stdout
+    pid = int(next(line.split(":")[1] for line in pid.splitlines() if line.startswith("process_id:")))
+    monkeypatch.setenv("DYN_KVBM_SHARED_URL", redis_url)
+    monkeypatch.setenv("DYN_KVBM_SHARED_LOOKUP_TIMEOUT_MS", "400")
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "16")
+    leader = kvbm._kvbm.Leader(4, 16, config=kvbm.Config.from_env(), model_fingerprint=7)
+    # A first lookup opens the connection while the server answers.
+    assert leader.match_request("warm", list(range(8)), 0, 8) == (0, False)
+    stamps = []
+    stop = threading.Event()
+
+    def spin():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            if n % 100 == 0:
+                stamps.append(time.monotonic())
+
+    t = threading.Thread(target=spin)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t.start()
+        started = time.monotonic()
+        found = leader.match_request("x", list(range(100, 132)), 0, 32)
+        ended = time.monotonic()
+    finally:
+        stop.set()
+        os.kill(pid, signal.SIGCONT)
+        t.join()
+    assert found == (0, False), "a late lookup is a miss"
+    assert ended - started >= 0.3, "the lookup waited for the hung server"
+    # Python hands the GIL over at most every switch interval (5 ms): a call that held it would
+    # leave no stamp well inside its span.
+    inside = [s for s in stamps if started + 0.1 < s < ended - 0.1]
+    assert inside, "the counting thread did not run during the lookup"

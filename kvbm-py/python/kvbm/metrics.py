@@ -53,6 +53,13 @@ METRICS: Dict[str, Tuple[str, str]] = {
     "kvbm_disk_write_failures": ("counter", "Host blocks whose disk write failed or was refused"),
     "kvbm_host_blocks_registered": ("gauge", "Blocks resident in the host tier"),
     "kvbm_host_blocks_capacity": ("gauge", "Blocks the host tier holds at most"),
+    "kvbm_shared_cache_hit_rate": (
+        "gauge",
+        "Shared tier (Redis / Valkey) prefix hits over lookups (past the host and disk tiers), in blocks",
+    ),
+    "kvbm_shared_read_blocks": ("counter", "Shared tier blocks read into host memory by this worker"),
+    "kvbm_shared_read_misses": ("counter", "Shared tier blocks read that were missing, refused or late"),
+    "kvbm_shared_write_blocks": ("counter", "Host blocks this worker queued for the shared tier"),
 }
 
 #: Metrics the leader (scheduler side) keeps; the rest are the workers'.
@@ -62,6 +69,7 @@ LEADER_METRICS = frozenset(
         "kvbm_lookup_tokens",
         "kvbm_host_cache_hit_rate",
         "kvbm_disk_cache_hit_rate",
+        "kvbm_shared_cache_hit_rate",
         "kvbm_host_blocks_registered",
         "kvbm_host_blocks_capacity",
     }
