@@ -329,6 +329,89 @@ fn a_cluster_of_three_masters_shares_blocks_across_its_slots() {
     assert_eq!(holding, 3);
 }
 
+/// `CLUSTER` subcommand `args` on `node`, through a plain (non-cluster) connection.
+fn cluster_cmd<T: redis::FromRedisValue>(node: &Server, args: &[&str]) -> T {
+    let mut cmd = redis::cmd("CLUSTER");
+    for a in args {
+        cmd.arg(*a);
+    }
+    cmd.query(&mut raw(node))
+        .unwrap_or_else(|e| panic!("CLUSTER {args:?} on {}: {e}", node.port))
+}
+
+#[test]
+fn a_resharding_cluster_is_followed_through_ask_and_moved() {
+    if !redis_server::available() {
+        return;
+    }
+    let cluster = Cluster::start();
+    let s = store(cluster.urls());
+    assert_eq!(s.write(0, &puts(48, 9)), 48);
+    assert!(s.flush(FLUSH));
+    // The client has learnt the slot map.
+    check_blocks(&s.read(0, &hashes(48)), 48, 9);
+    let key = |i: u64| block_key("kvbm", FINGERPRINT, 0, identity(i).sequence_hash);
+    let slot: i64 = cluster_cmd(&cluster.nodes[0], &["KEYSLOT", &key(0)]);
+    let slot = slot.to_string();
+    let from = cluster
+        .nodes
+        .iter()
+        .position(|n| cluster_cmd::<i64>(n, &["COUNTKEYSINSLOT", &slot]) > 0)
+        .expect("a node holds block 0's slot");
+    let to = (from + 1) % 3;
+    let (a, b) = (&cluster.nodes[from], &cluster.nodes[to]);
+    let id_a: String = cluster_cmd(a, &["MYID"]);
+    let id_b: String = cluster_cmd(b, &["MYID"]);
+    // Halfway through a migration of the slot: block 0's key has moved, any other key of the
+    // slot has not. The old owner answers ASK for the moved key; the client must follow it
+    // (ASKING) to the new owner without taking the tier out.
+    let _: () = cluster_cmd(b, &["SETSLOT", &slot, "IMPORTING", &id_a]);
+    let _: () = cluster_cmd(a, &["SETSLOT", &slot, "MIGRATING", &id_b]);
+    let migrate = |k: &str| {
+        let _: () = redis::cmd("MIGRATE")
+            .arg("127.0.0.1")
+            .arg(b.port)
+            .arg(k)
+            .arg(0)
+            .arg(5000)
+            .query(&mut raw(a))
+            .unwrap_or_else(|e| panic!("MIGRATE {k}: {e}"));
+    };
+    let held: i64 = cluster_cmd(a, &["COUNTKEYSINSLOT", &slot]);
+    migrate(&key(0));
+    assert_eq!(cluster_cmd::<i64>(a, &["COUNTKEYSINSLOT", &slot]), held - 1);
+    assert_eq!(cluster_cmd::<i64>(b, &["COUNTKEYSINSLOT", &slot]), 1);
+    assert_eq!(s.lookup(0, &hashes(48)), 48, "{:?}", s.counts());
+    check_blocks(&s.read(0, &hashes(48)), 48, 9);
+    // The migration ends: the rest of the slot's keys move and every node names the new
+    // owner. The client's map is now stale: the old owner answers MOVED.
+    let rest: Vec<String> = cluster_cmd(a, &["GETKEYSINSLOT", &slot, "1000"]);
+    for k in &rest {
+        migrate(k);
+    }
+    for n in &cluster.nodes {
+        let _: () = cluster_cmd(n, &["SETSLOT", &slot, "NODE", &id_b]);
+    }
+    assert_eq!(cluster_cmd::<i64>(a, &["COUNTKEYSINSLOT", &slot]), 0);
+    assert!(cluster_cmd::<i64>(b, &["COUNTKEYSINSLOT", &slot]) >= 1);
+    assert_eq!(s.lookup(0, &hashes(48)), 48, "{:?}", s.counts());
+    check_blocks(&s.read(0, &hashes(48)), 48, 9);
+    // New writes into the moved slot land at its new owner.
+    let before: i64 = cluster_cmd(b, &["COUNTKEYSINSLOT", &slot]);
+    let _: () = redis::cmd("DEL").arg(key(0)).query(&mut raw(b)).unwrap();
+    assert_eq!(s.write(0, &puts(1, 9)), 1);
+    assert!(s.flush(FLUSH));
+    assert_eq!(cluster_cmd::<i64>(b, &["COUNTKEYSINSLOT", &slot]), before);
+    check_blocks(&s.read(0, &hashes(48)), 48, 9);
+    let c = s.counts();
+    assert!(c.up && c.outages == 0, "{c:?}");
+    assert_eq!(
+        (c.read_refused, c.writes_refused, c.read_missing),
+        (0, 0, 0),
+        "{c:?}"
+    );
+}
+
 #[test]
 fn writes_past_the_batches_in_flight_are_dropped_and_counted_never_waited_for() {
     if !redis_server::available() {
