@@ -154,6 +154,49 @@ fn members_of_a_pool_are_credited_with_its_blocks_beyond_their_own() {
 }
 
 #[test]
+fn a_worker_said_to_reach_a_pool_is_credited_before_it_publishes_into_it() {
+    let mut index = KvIndex::new(1 << 16, BS as u32);
+    let tokens: Vec<u32> = (0..8 * BS as u32).collect();
+    let hashes = ours(&tokens);
+    assert_eq!(
+        index.apply(A, &stored(pool("p"), &tokens, 0..5)),
+        ApplyStatus::Ok
+    );
+    // C, new to the fleet, has written nothing anywhere: not credited until told.
+    assert_eq!(overlaps(&index, &hashes), vec![(A, o(0, 0, 0, 5))]);
+    assert_eq!(index.join_pool(C, "p"), Ok(()));
+    assert_eq!(
+        overlaps(&index, &hashes),
+        vec![(A, o(0, 0, 0, 5)), (C, o(0, 0, 0, 5))]
+    );
+    // Joining again, or publishing afterwards, changes nothing; a pool not seen yet takes a
+    // slot and is credited once blocks arrive.
+    assert_eq!(index.join_pool(C, "p"), Ok(()));
+    assert_eq!(index.join_pool(C, "q"), Ok(()));
+    assert_eq!(index.pools().len(), 2);
+    assert_eq!(
+        index.apply(B, &stored(pool("q"), &tokens, 0..7)),
+        ApplyStatus::Ok
+    );
+    assert_eq!(
+        overlaps(&index, &hashes),
+        vec![(A, o(0, 0, 0, 5)), (B, o(0, 0, 0, 7)), (C, o(0, 0, 0, 7))]
+    );
+    // No name, or a pool's own key, is refused.
+    assert_eq!(index.join_pool(C, ""), Err(ApplyStatus::Malformed));
+    assert_eq!(
+        index.join_pool((9, u32::MAX), "p"),
+        Err(ApplyStatus::Malformed)
+    );
+    // Leaving takes the membership with it.
+    index.forget_member(C);
+    assert_eq!(
+        overlaps(&index, &hashes),
+        vec![(A, o(0, 0, 0, 5)), (B, o(0, 0, 0, 7))]
+    );
+}
+
+#[test]
 fn pools_are_kept_apart_and_remote_stores_without_a_pool_are_not_indexed() {
     let mut index = KvIndex::new(1 << 16, BS as u32);
     let tokens: Vec<u32> = (100..100 + 4 * BS as u32).collect();

@@ -129,6 +129,13 @@ pub struct Args {
     #[arg(long)]
     pub router_shared_cache_hit_weight: Option<f64>,
 
+    /// Shared pools (the `ownership` names in kvbm's shared-tier events, `DYN_KVBM_SHARED_POOL`
+    /// on the workers), comma separated, that every registered worker reaches: each worker is
+    /// credited with their blocks from its registration on, before it has written to them
+    /// itself. Without this, a worker is taken to reach a pool once it has published into it.
+    #[arg(long, value_delimiter = ',')]
+    pub router_shared_pools: Vec<String>,
+
     /// 0 always picks the lowest cost; above 0, picks at random with weights
     /// exp(-(cost - min) / ((max - min) * T)), spreading load between near-equal workers.
     #[arg(long, default_value_t = 0.0)]
@@ -388,6 +395,8 @@ pub struct RouterConfig {
     pub http_body_timeout: Duration,
     /// Whether a --bootstrap-from dump that fails or is refused stops the router from starting.
     pub bootstrap_required: bool,
+    /// Shared pools every registered worker reaches (`--router-shared-pools`).
+    pub shared_pools: Vec<String>,
 }
 
 /// The OpenAI front end's settings.
@@ -466,6 +475,7 @@ impl Default for RouterConfig {
             http_header_timeout: Duration::from_secs_f64(HTTP_HEADER_TIMEOUT_SECS_DEFAULT),
             http_body_timeout: Duration::from_secs_f64(HTTP_BODY_TIMEOUT_SECS_DEFAULT),
             bootstrap_required: false,
+            shared_pools: Vec::new(),
         }
     }
 }
@@ -734,7 +744,35 @@ impl Args {
             )?,
             http_body_timeout: seconds("http-body-timeout-secs", self.http_body_timeout_secs)?,
             bootstrap_required: self.bootstrap_required,
+            shared_pools: self.shared_pools()?,
         })
+    }
+
+    fn shared_pools(&self) -> Result<Vec<String>, ConfigError> {
+        let mut pools: Vec<String> = Vec::new();
+        for name in &self.router_shared_pools {
+            // As the workers' DYN_KVBM_SHARED_POOL is checked.
+            let ok =
+                !name.is_empty() && name.len() <= 128 && name.bytes().all(|b| b.is_ascii_graphic());
+            if !ok {
+                return Err(ConfigError::Flag {
+                    flag: "router-shared-pools",
+                    value: name.clone(),
+                    why: "each name must be 1 to 128 printable ASCII characters, without spaces",
+                });
+            }
+            if !pools.contains(name) {
+                pools.push(name.clone());
+            }
+        }
+        if pools.len() > kvbm_events::router::POOLS_MAX {
+            return Err(ConfigError::Flag {
+                flag: "router-shared-pools",
+                value: pools.join(","),
+                why: "names more pools than the index keeps (64)",
+            });
+        }
+        Ok(pools)
     }
 
     fn frontend_config(&self) -> Result<FrontendConfig, ConfigError> {
@@ -1193,6 +1231,31 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("reserved for shared pools"), "{e}");
+    }
+
+    /// `--router-shared-pools`: names checked as the workers' DYN_KVBM_SHARED_POOL is, repeats
+    /// folded, none by default.
+    #[test]
+    fn the_shared_pools_flag_names_pools_every_worker_reaches() {
+        let parse = |flags: &[&str]| {
+            let mut argv = vec!["kvbm-router"];
+            argv.extend_from_slice(flags);
+            Args::try_parse_from(argv).unwrap().router_config()
+        };
+        assert!(parse(&[]).unwrap().shared_pools.is_empty());
+        let c = parse(&["--router-shared-pools", "prod,kvbm:00ff,prod"]).unwrap();
+        assert_eq!(c.shared_pools, vec!["prod", "kvbm:00ff"]);
+        for bad in ["has space", "a,,b"] {
+            let e = parse(&["--router-shared-pools", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("router-shared-pools"), "{bad}: {e}");
+        }
+        let many: Vec<String> = (0..65).map(|i| format!("p{i}")).collect();
+        let e = parse(&["--router-shared-pools", &many.join(",")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("64"), "{e}");
     }
 
     #[test]

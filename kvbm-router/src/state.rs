@@ -649,6 +649,16 @@ impl Router {
             count(&workers);
             return Err(e.into());
         }
+        // The pools every worker reaches (--router-shared-pools): credited from now on, until
+        // it is unregistered (which forgets its memberships).
+        if !self.shared.config.shared_pools.is_empty() {
+            let mut index = self.shared.index.write();
+            for pool in &self.shared.config.shared_pools {
+                if let Err(why) = index.join_pool(key, pool) {
+                    tracing::warn!(worker = ?key, pool, ?why, "cannot record that a worker reaches a shared pool");
+                }
+            }
+        }
         Ok(())
     }
 

@@ -556,6 +556,65 @@ fn the_router_follows_workers_over_zmq_and_answers_over_http() {
     assert!(router.metric("kv_router_find_matches_seconds_count") >= 8.0);
 }
 
+fn shared_of(answer: &Value, id: u64) -> u64 {
+    answer["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == id)
+        .unwrap_or_else(|| panic!("worker {id} missing from {answer}"))["overlap"]["shared_blocks"]
+        .as_u64()
+        .unwrap()
+}
+
+/// `--router-shared-pools`: a worker registered over HTTP that has published nothing yet is
+/// credited with the blocks another worker wrote to the pool; one of a pool not named is not.
+#[test]
+fn workers_the_operator_says_reach_a_pool_are_credited_before_they_write_to_it() {
+    let ctx = zmq::Context::new();
+    let mut expected = KvIndex::new(
+        kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+        BLOCK as u32,
+    );
+    let a: Vec<u32> = (0..32).collect();
+    let mut w1 = Worker::new(&ctx, 1, 0, true);
+    let w2 = Worker::new(&ctx, 2, 0, false);
+    let pooled = |pool: &str, from: usize, to: usize| KvEvent::SharedStored {
+        pool: pool.to_owned(),
+        stored: match stored(&a, from, to, Tier::Disk) {
+            KvEvent::BlockStored(s) => s,
+            _ => unreachable!(),
+        },
+    };
+    w1.batch(&[pooled("fleet", 0, 6)], false, &mut expected);
+    let router = RouterProcess::start_with(&w1.spec(), &["--router-shared-pools", "fleet"]);
+    router.wait_applied(&w1, 0);
+    w1.wait_for_subscriber();
+    router.ok(
+        "POST",
+        "/register",
+        Some(json!({ "worker_id": 2, "dp_rank": 0, "endpoint": w2.endpoint })),
+    );
+    w2.wait_for_subscriber();
+    let answer = router.ok("POST", "/query", Some(json!({ "token_ids": a })));
+    assert_eq!(shared_of(&answer, 1), 6, "{answer}");
+    assert_eq!(shared_of(&answer, 2), 6, "{answer}");
+    // Blocks in a pool the flag does not name reach only those that wrote to it.
+    let seq = w1.batch(&[pooled("other", 0, 8)], false, &mut expected);
+    router.wait_applied(&w1, seq);
+    let answer = router.ok("POST", "/query", Some(json!({ "token_ids": a })));
+    assert_eq!(shared_of(&answer, 1), 8, "{answer}");
+    assert_eq!(shared_of(&answer, 2), 6, "{answer}");
+    // Unregistered, the worker leaves the pool.
+    router.ok(
+        "POST",
+        "/unregister",
+        Some(json!({ "worker_id": 2, "dp_rank": 0 })),
+    );
+    let answer = router.ok("POST", "/query", Some(json!({ "token_ids": a })));
+    assert_eq!(answer["workers"].as_array().unwrap().len(), 1, "{answer}");
+}
+
 #[test]
 fn bad_requests_get_json_errors_and_the_router_keeps_serving() {
     let router = RouterProcess::start("");

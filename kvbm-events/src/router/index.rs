@@ -501,25 +501,47 @@ impl KvIndex {
             Location::Local(tier) => Ok((worker, *tier)),
             Location::NotLocal(_) => Err(ApplyStatus::NotLocal),
             Location::Shared(name) => {
-                let i = match self.pools.iter().position(|p| p == name) {
-                    Some(i) => i,
-                    // A slot a dropped pool left (its name cleared), else a new one.
-                    None => match self.pools.iter().position(String::is_empty) {
-                        Some(free) => {
-                            self.pools[free] = name.clone();
-                            free
-                        }
-                        None if self.pools.len() < POOLS_MAX => {
-                            self.pools.push(name.clone());
-                            self.pools.len() - 1
-                        }
-                        None => return Err(ApplyStatus::PoolsFull),
-                    },
-                };
-                *self.members.entry(worker).or_insert(0) |= 1 << i;
+                let i = self.join(worker, name)?;
                 Ok((pool_key(i), Tier::Disk))
             }
         }
+    }
+
+    /// Makes `worker` a member of the pool `name` (taking a slot for a pool not seen yet);
+    /// returns the pool's slot.
+    fn join(&mut self, worker: WorkerKey, name: &str) -> Result<usize, ApplyStatus> {
+        let i = match self.pools.iter().position(|p| p == name) {
+            Some(i) => i,
+            // A slot a dropped pool left (its name cleared), else a new one.
+            None => match self.pools.iter().position(String::is_empty) {
+                Some(free) => {
+                    self.pools[free] = name.to_owned();
+                    free
+                }
+                None if self.pools.len() < POOLS_MAX => {
+                    self.pools.push(name.to_owned());
+                    self.pools.len() - 1
+                }
+                None => return Err(ApplyStatus::PoolsFull),
+            },
+        };
+        *self.members.entry(worker).or_insert(0) |= 1 << i;
+        Ok(i)
+    }
+
+    /// Records that `worker` reaches the shared pool `name` before it has published into it
+    /// (an operator said so: every worker of the fleet is configured with the same store), so
+    /// that a worker that has not yet written to the pool, a new one above all, is credited with
+    /// the blocks the other members put there. Publishing into a pool makes a worker a member
+    /// anyway. An empty name is refused (`Malformed`), as is a pool past [`POOLS_MAX`].
+    pub fn join_pool(&mut self, worker: WorkerKey, name: &str) -> Result<(), ApplyStatus> {
+        if name.is_empty() {
+            return Err(ApplyStatus::Malformed);
+        }
+        if is_pool_key(worker) {
+            return Err(ApplyStatus::Malformed);
+        }
+        self.join(worker, name).map(|_| ())
     }
 
     /// Forgets that `worker` reaches any shared pool (it left the fleet); a pool no member
