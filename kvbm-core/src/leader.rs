@@ -127,6 +127,10 @@ struct SharedLookup {
     /// past half its TTL is written again ([`Leader::refresh_shared`]), so that a hot prefix
     /// never expires from the pool.
     written: HashMap<SequenceHash, (Instant, u64)>,
+    /// Announced blocks a lookup found gone from the server before their TTL ran out (the
+    /// server's memory policy evicted them, or it restarted): announced removed at the end of
+    /// the step, so that the router stops crediting the pool with them.
+    gone: parking_lot::Mutex<Vec<SequenceHash>>,
 }
 
 /// A request's hit in the shared tier: the blocks continuing its hit in the local tiers.
@@ -407,6 +411,7 @@ impl Leader {
             announced: VecDeque::new(),
             announced_blocks: 0,
             written: HashMap::new(),
+            gone: parking_lot::Mutex::new(Vec::new()),
         });
         self
     }
@@ -422,6 +427,21 @@ impl Leader {
         let Some(s) = &mut self.shared else {
             return;
         };
+        // Blocks a lookup found gone early: removed now. Their entries in `announced` are
+        // skipped when they come up (no longer in `written`), unless written again meanwhile.
+        let found_gone: Vec<SequenceHash> = std::mem::take(&mut *s.gone.lock())
+            .into_iter()
+            .filter(|h| s.written.remove(h).is_some())
+            .collect();
+        if !found_gone.is_empty() {
+            self.publisher.publish(KvEvent::SharedRemoved {
+                pool: s.pool.clone(),
+                removed: kvbm_events::BlockRemoved {
+                    tier: Tier::Disk,
+                    block_hashes: found_gone,
+                },
+            });
+        }
         while let Some((at, _)) = s.announced.front() {
             if *at > now && s.announced_blocks <= SHARED_ANNOUNCED_MAX {
                 break;
@@ -430,8 +450,10 @@ impl Leader {
             s.announced_blocks -= hashes.len();
             let over = s.announced_blocks > SHARED_ANNOUNCED_MAX;
             // Blocks written again since stay announced until their new TTL ran out.
+            // A block no longer in `written` was announced removed already.
             let (gone, rewritten): (Vec<SequenceHash>, Vec<SequenceHash>) = hashes
                 .into_iter()
+                .filter(|h| s.written.contains_key(h))
                 .partition(|h| over || s.written.get(h).is_none_or(|(expires, _)| *expires <= now));
             for h in &gone {
                 s.written.remove(h);
@@ -564,10 +586,15 @@ impl Leader {
         let m = &self.metrics;
         if let Some(s) = self.shared.as_ref().filter(|_| disk == disk_all) {
             if !rest.is_empty() && room > disk {
-                shared = s
-                    .store
-                    .lookup_shards(tenant, rest, &s.fingerprints)
-                    .min(room - disk);
+                let found = s.store.lookup_prefix(tenant, rest, &s.fingerprints);
+                shared = found.found.min(room - disk);
+                // A block this leader announced in the pool, for this tenant, that the server
+                // no longer has: its removal is announced at the end of the step.
+                if let Some(h) = found.missing.map(|i| rest[i]) {
+                    if s.written.get(&h).is_some_and(|w| w.1 == tenant) {
+                        s.gone.lock().push(h);
+                    }
+                }
                 add(&m.shared_lookup_blocks, rest.len() as u64);
                 add(&m.shared_hit_blocks, shared as u64);
             }

@@ -513,3 +513,69 @@ fn a_prefix_hit_past_half_its_ttl_is_written_again_and_stays_in_the_pool() {
     let (found, _) = b.admit("b", &tokens, &[10, 11, 12, 13]);
     assert_eq!(found, 3 * B, "the server still holds them");
 }
+
+/// The server loses a block before its TTL ran out (its memory policy evicted it, or it
+/// restarted empty): the next lookup of the node that announced it finds it gone, and the node
+/// announces it removed from the pool, once, so that the router stops crediting the pool with
+/// a block it no longer holds.
+#[test]
+fn an_announced_block_a_lookup_finds_gone_is_announced_removed() {
+    if !redis_server::available() {
+        return;
+    }
+    let server = Server::start(&[]);
+    let urls = vec![server.url()];
+    let mut a = node(&urls, false);
+    let tokens = prompt(19_000, 3);
+    a.compute("a", &tokens, &[0, 1, 2, 3]);
+    let hashes = hashes_of(&tokens);
+    let pool_events = |a: &mut Node| -> (Vec<u64>, Vec<u64>) {
+        let (mut stored, mut removed) = (Vec::new(), Vec::new());
+        for e in a.leader.take_events() {
+            match e {
+                KvEvent::SharedStored { stored: s, .. } => {
+                    stored.extend(s.block_hashes.iter().map(|h| h.0))
+                }
+                KvEvent::SharedRemoved { removed: r, .. } => {
+                    removed.extend(r.block_hashes.iter().map(|h| h.0))
+                }
+                _ => {}
+            }
+        }
+        (stored, removed)
+    };
+    assert_eq!(pool_events(&mut a), (hashes.clone(), vec![]));
+    // The server loses the second block.
+    let key = kvbm_core::shared::block_key(
+        "kvbm",
+        shard_fingerprint(MODEL, 0, 1),
+        0,
+        kvbm_core::SequenceHash(hashes[1]),
+    );
+    let deleted: i64 = redis::cmd("DEL")
+        .arg(&key)
+        .query(
+            &mut redis::Client::open(server.url())
+                .unwrap()
+                .get_connection()
+                .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(deleted, 1, "{key}");
+    // The node's own copies go (host memory needed elsewhere; the blocks were seen once, so
+    // none went to disk): the prompt is looked up in the pool again.
+    assert!(a.leader.evict_idle_host() >= 3);
+    let (found, asynchronous) = a.admit("again", &tokens, &[4, 5, 6, 7]);
+    assert_eq!(
+        (found, asynchronous),
+        (B, true),
+        "only the first block is left"
+    );
+    a.step(&[], &[]);
+    assert_eq!(pool_events(&mut a), (vec![], vec![hashes[1]]));
+    // Found gone again: not announced twice.
+    let (found, _) = a.admit("once more", &tokens, &[8, 9, 10, 11]);
+    assert_eq!(found, B);
+    a.step(&[], &[]);
+    assert_eq!(pool_events(&mut a), (vec![], vec![]));
+}

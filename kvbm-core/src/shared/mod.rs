@@ -30,7 +30,7 @@ use xxhash_rust::xxh3::Xxh3;
 use crate::disk::{decode_identity, encode_identity};
 use crate::pool::BlockIdentity;
 
-pub use store::{SharedCounts, SharedStore};
+pub use store::{PrefixLookup, SharedCounts, SharedStore};
 
 /// The medium of the shared tier's events (with `locality` `REMOTE` and the pool's name in
 /// `ownership`, as vLLM 0.33 publishes a tier that is not the publisher's own).

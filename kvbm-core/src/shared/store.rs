@@ -322,6 +322,17 @@ impl ToRedisArgs for ValueArg<'_> {
     }
 }
 
+/// What a prefix lookup found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixLookup {
+    /// Blocks of the prefix found, every shard of each.
+    pub found: usize,
+    /// `Some(found)` when the server said the block after them is not there (a shard of it
+    /// missing); None when that is not known (the prefix ran to the end, or the answer was late,
+    /// an error, or not asked).
+    pub missing: Option<usize>,
+}
+
 /// The shared tier of one worker: blocks of one layout (its fingerprint) in one store.
 pub struct SharedStore {
     /// Taken only by `Drop`.
@@ -589,13 +600,29 @@ impl SharedStore {
         hashes: &[SequenceHash],
         fingerprints: &[u64],
     ) -> usize {
+        self.lookup_prefix(tenant, hashes, fingerprints).found
+    }
+
+    /// [`Self::lookup_shards`], saying also whether the block after the prefix found is known
+    /// to be gone: the server answered that a shard of it does not exist (not late, not an
+    /// error, not past `lookup_blocks_max`).
+    pub fn lookup_prefix(
+        &self,
+        tenant: u64,
+        hashes: &[SequenceHash],
+        fingerprints: &[u64],
+    ) -> PrefixLookup {
+        let none = PrefixLookup {
+            found: 0,
+            missing: None,
+        };
         add(&self.counters.lookups, 1);
         if hashes.is_empty() || fingerprints.is_empty() {
-            return 0;
+            return none;
         }
         if !self.health.usable() {
             add(&self.counters.lookups_skipped, 1);
-            return 0;
+            return none;
         }
         let prefix = &self.options.key_prefix;
         let keys: Vec<String> = hashes
@@ -635,7 +662,7 @@ impl SharedStore {
                 );
                 self.health.failed(&self.counters);
             }
-            return 0;
+            return none;
         };
         self.health.late_lookups.store(0, Ordering::Relaxed);
         self.settle(&results);
@@ -646,7 +673,16 @@ impl SharedStore {
             })
             .count();
         add(&self.counters.lookup_hits, found as u64);
-        found
+        let missing = results
+            .chunks(fingerprints.len())
+            .nth(found)
+            .filter(|shards| {
+                shards.len() == fingerprints.len()
+                    && shards.iter().all(|r| r.is_ok())
+                    && shards.iter().any(|r| matches!(r, Ok(false)))
+            })
+            .map(|_| found);
+        PrefixLookup { found, missing }
     }
 
     /// Reads `hashes` for `tenant`, bounded by `read_timeout`: each block checked, or None (not
