@@ -507,7 +507,17 @@ impl SharedSide {
             }
         }
         // Runs of one tenant, in order: the store keeps what it queues a prefix of each run.
+        // A run's host blocks are released once the store has taken the run (so that
+        // `wait_shared` never finds a copied block that is not yet in the store's hands), in
+        // the job's order (which `write_job` relies on after a panic).
         let mut run: Vec<SharedPut> = Vec::new();
+        let mut run_hosts: Vec<u32> = Vec::new();
+        let release = |hosts: &mut Vec<u32>| {
+            for h in hosts.drain(..) {
+                self.done(h);
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        };
         let mut tenant = None;
         let mut queued = 0;
         for w in job.writes {
@@ -530,20 +540,24 @@ impl SharedSide {
                     _ => None,
                 }
             };
-            self.done(w.host);
-            done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             if tenant != Some(w.tenant) || put.is_none() {
                 if let Some(t) = tenant {
                     queued += self.store.write(t, &run);
                 }
                 run.clear();
+                release(&mut run_hosts);
                 tenant = Some(w.tenant);
             }
-            run.extend(put);
+            run_hosts.push(w.host);
+            match put {
+                Some(put) => run.push(put),
+                None => release(&mut run_hosts),
+            }
         }
         if let Some(t) = tenant {
             queued += self.store.write(t, &run);
         }
+        release(&mut run_hosts);
         add(&self.metrics.shared_write_blocks, queued as u64);
     }
 

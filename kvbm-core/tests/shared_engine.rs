@@ -493,7 +493,8 @@ fn a_prefix_hit_past_half_its_ttl_is_written_again_and_stays_in_the_pool() {
     assert_eq!((found, asynchronous), (3 * B, false));
     a.step(&[], &[]);
     assert!(a.worker.wait_shared(Duration::from_secs(10)));
-    assert_eq!(a.worker.shared_counts().unwrap().writes, writes + 3);
+    let counts = a.worker.shared_counts().unwrap();
+    assert_eq!(counts.writes, writes + 3, "{counts:?}");
     // Past the first write's TTL: still in the pool, and not announced removed.
     std::thread::sleep(ttl / 2 + Duration::from_millis(100));
     a.leader.end_step();

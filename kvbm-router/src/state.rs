@@ -349,21 +349,23 @@ struct LoadTrack {
     last_expiry: Instant,
 }
 
-/// What the pump is asked to do besides applying events: forget a worker's blocks (in order
-/// with the events, so that the pump stays the index's one writer), then say so.
-struct Forget {
-    worker: WorkerKey,
-    done: Sender<()>,
+/// What the pump is asked to do besides applying events (in order with the events, so that the
+/// pump stays the index's one writer), then say so on `done`.
+enum PumpRequest {
+    /// Drop a worker's blocks and its pool memberships (unregistering).
+    Forget { worker: WorkerKey, done: Sender<()> },
+    /// Record that a newly registered worker reaches the `--router-shared-pools`.
+    JoinPools { worker: WorkerKey, done: Sender<()> },
 }
 
-/// Forget requests queued for the pump at most (unregistering callers wait their turn).
-const FORGET_QUEUE_MAX: usize = 64;
+/// Requests queued for the pump at most (registering and unregistering callers wait their turn).
+const PUMP_REQUEST_QUEUE_MAX: usize = 64;
 
 /// The router: owns the subscriber and the pump thread; cheap to share through an `Arc`.
 pub struct Router {
     shared: Arc<Shared>,
-    /// Requests to the pump to drop a worker's blocks.
-    forget: Sender<Forget>,
+    /// Requests to the pump: drop a worker's blocks, join it to the shared pools.
+    requests: Sender<PumpRequest>,
     /// `Some` until dropped.
     subscriber: Option<ZmqSubscriber>,
     pump: Option<JoinHandle<()>>,
@@ -468,11 +470,11 @@ impl Router {
         // they drop show up as sequence gaps, filled by replay.
         let (sink, events) = crossbeam_channel::bounded(ROUTER_EVENT_QUEUE_MAX);
         let subscriber = ZmqSubscriber::start(Vec::new(), sink)?;
-        let (forget, forgets) = crossbeam_channel::bounded(FORGET_QUEUE_MAX);
+        let (requests, pump_requests) = crossbeam_channel::bounded(PUMP_REQUEST_QUEUE_MAX);
         let pump_shared = shared.clone();
         let pump = std::thread::Builder::new()
             .name("kvbm-router-pump".into())
-            .spawn(move || pump_loop(&pump_shared, &events, &forgets))
+            .spawn(move || pump_loop(&pump_shared, &events, &pump_requests))
             .map_err(|e| TransportError::Zmq {
                 call: "spawn",
                 endpoint: String::new(),
@@ -480,7 +482,7 @@ impl Router {
             })?;
         let router = Self {
             shared,
-            forget,
+            requests,
             subscriber: Some(subscriber),
             pump: Some(pump),
         };
@@ -652,11 +654,13 @@ impl Router {
         // The pools every worker reaches (--router-shared-pools): credited from now on, until
         // it is unregistered (which forgets its memberships).
         if !self.shared.config.shared_pools.is_empty() {
-            let mut index = self.shared.index.write();
-            for pool in &self.shared.config.shared_pools {
-                if let Err(why) = index.join_pool(key, pool) {
-                    tracing::warn!(worker = ?key, pool, ?why, "cannot record that a worker reaches a shared pool");
-                }
+            let (done, joined) = crossbeam_channel::bounded(1);
+            if self
+                .requests
+                .send(PumpRequest::JoinPools { worker: key, done })
+                .is_ok()
+            {
+                let _ = joined.recv();
             }
         }
         Ok(())
@@ -724,7 +728,11 @@ impl Router {
         self.subscriber().remove(key);
         let known = self.shared.workers.lock().remove(&key).is_some();
         let (done, dropped) = crossbeam_channel::bounded(1);
-        if self.forget.send(Forget { worker: key, done }).is_ok() {
+        if self
+            .requests
+            .send(PumpRequest::Forget { worker: key, done })
+            .is_ok()
+        {
             let _ = dropped.recv();
         }
         self.shared.load.lock().tracker.drop_worker(key);
@@ -1368,8 +1376,13 @@ fn event_type(event: &WireEvent) -> &'static str {
 }
 
 /// The one writer of the index: applies the subscriber's events and the forget requests of
-/// `unregister`, in the order they arrive; ends when the subscriber is gone.
-fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Receiver<Forget>) {
+/// `unregister` and the pool joins of registrations, in the order they arrive; ends when the
+/// subscriber is gone.
+fn pump_loop(
+    shared: &Shared,
+    events: &Receiver<SubscriberEvent>,
+    requests: &Receiver<PumpRequest>,
+) {
     let m = &shared.metrics;
     loop {
         let event = crossbeam_channel::select! {
@@ -1377,13 +1390,25 @@ fn pump_loop(shared: &Shared, events: &Receiver<SubscriberEvent>, forgets: &Rece
                 Ok(event) => event,
                 Err(_) => return,
             },
-            recv(forgets) -> forget => match forget {
-                Ok(Forget { worker, done }) => {
+            recv(requests) -> request => match request {
+                Ok(PumpRequest::Forget { worker, done }) => {
                     {
                         let mut index = shared.index.write();
                         index.remove_worker(worker);
                         // It no longer reaches its shared pools for this router.
                         index.forget_member(worker);
+                    }
+                    let _ = done.send(());
+                    continue;
+                }
+                Ok(PumpRequest::JoinPools { worker, done }) => {
+                    {
+                        let mut index = shared.index.write();
+                        for pool in &shared.config.shared_pools {
+                            if let Err(why) = index.join_pool(worker, pool) {
+                                tracing::warn!(?worker, pool, ?why, "cannot record that a worker reaches a shared pool");
+                            }
+                        }
                     }
                     let _ = done.send(());
                     continue;
