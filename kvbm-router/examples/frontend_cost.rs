@@ -148,7 +148,9 @@ fn main() -> anyhow::Result<()> {
                 endpoint: endpoint.clone(),
                 replay: None,
             },
-            http: None,
+            // Never called (nothing is forwarded here); named as the front end's workers are,
+            // since its prefix probe considers only workers it could forward to.
+            http: Some(format!("http://127.0.0.1:{}", 9000 + w)),
         })
         .collect();
     let config = RouterConfig {
@@ -774,10 +776,11 @@ fn measure(
 }
 
 /// What the front end does for a prompt (`serve_openai`): tokenize as far as an overlap can reach
-/// (`encode_prompt_until` with a `PrefixProbe`, the prefix cache on), route, finish.
+/// and the pick is not yet sure (`encode_prompt_until` with a `PrefixProbe`, the prefix cache
+/// on), route, finish.
 fn front_end(tokenizer: &ModelTokenizer, router: &Router, text: &str) -> anyhow::Result<usize> {
     let mut probe = router.prefix_probe(None, None);
-    let encoded = tokenizer.encode_prompt_until(text, true, &mut |ids| probe.holds_all(ids))?;
+    let encoded = tokenizer.encode_prompt_until(text, true, &mut |ids| probe.worth_more(ids))?;
     let request = RequestTokens {
         token_ids: &encoded.ids,
         untokenized_tokens: encoded.estimated_tokens() - encoded.ids.len(),

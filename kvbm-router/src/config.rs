@@ -298,6 +298,14 @@ pub struct Args {
     #[arg(long)]
     pub tokenize_whole_prompts: bool,
 
+    /// Go on tokenizing while exactly one worker holds every block so far and would already be
+    /// picked. By default the front end stops there too (in the fixed-weight cost modes): the
+    /// rest can only add to that worker's overlap, so the pick is the same, but the rest counts
+    /// as uncached in its queued prefill until its first token
+    /// (kv_router_frontend_probe_answers_total{answer="sure_pick"}).
+    #[arg(long)]
+    pub tokenize_past_sure_pick: bool,
+
     /// MiB of tokenized windows the front end keeps, by the text before them, so that a prompt
     /// repeating an earlier one's text (a conversation's history, a shared system prompt) is
     /// tokenized only past it; 0 turns the cache off.
@@ -426,6 +434,8 @@ pub struct FrontendConfig {
     pub max_sse_event_bytes: usize,
     /// Tokenize prompts whole, not only as far as an overlap can reach.
     pub tokenize_whole_prompts: bool,
+    /// Tokenize on past a window where one worker holds all blocks and would be picked.
+    pub tokenize_past_sure_pick: bool,
     /// Bytes of the tokenizer's prefix cache (0: none).
     pub tokenizer_cache_bytes: usize,
 }
@@ -445,6 +455,7 @@ impl Default for FrontendConfig {
             large_prompt_bytes: LARGE_PROMPT_BYTES_DEFAULT,
             max_sse_event_bytes: MAX_SSE_EVENT_BYTES_DEFAULT,
             tokenize_whole_prompts: false,
+            tokenize_past_sure_pick: false,
             tokenizer_cache_bytes: TOKENIZER_CACHE_MB_DEFAULT << 20,
         }
     }
@@ -850,6 +861,7 @@ impl Args {
                 1 << 34,
             )? as usize,
             tokenize_whole_prompts: self.tokenize_whole_prompts,
+            tokenize_past_sure_pick: self.tokenize_past_sure_pick,
             tokenizer_cache_bytes: if self.tokenizer_cache_mb == 0 {
                 0
             } else {

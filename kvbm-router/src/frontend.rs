@@ -820,10 +820,12 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     };
 
     // Tokenize as the worker will, off the async workers (an 8K-token prompt takes milliseconds),
-    // as far as any worker's overlap can reach unless --tokenize-whole-prompts.
+    // as far as any worker's overlap can reach, and no further than where the pick is sure,
+    // unless --tokenize-whole-prompts (or --tokenize-past-sure-pick).
     let tokenizer = fe.tokenizer.clone();
     let router = fe.router.clone();
     let whole = fe.config.tokenize_whole_prompts;
+    let past_sure_pick = fe.config.tokenize_past_sure_pick;
     let probe_lora = lora_name.clone();
     let probe_salt = cache_salt.clone();
     let body_value = Value::Object(body);
@@ -834,7 +836,14 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     let tokens = tokio::task::spawn_blocking(move || {
         let cpu = crate::metrics::thread_cpu_seconds();
         let mut probe = router.prefix_probe(probe_lora.as_deref(), probe_salt.as_deref());
-        let mut more = |ids: &[u32]| whole || probe.holds_all(ids);
+        let mut more = |ids: &[u32]| {
+            whole
+                || if past_sure_pick {
+                    probe.holds_all(ids)
+                } else {
+                    probe.worth_more(ids)
+                }
+        };
         let tokens = request_tokens(&tokenizer, endpoint, &body_value, &mut more);
         drop(body_value);
         if large {

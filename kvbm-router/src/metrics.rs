@@ -43,8 +43,11 @@
 //!   `kv_router_frontend_retries_total`, `kv_router_frontend_overlap_blocks{tier}`,
 //!   `kv_router_frontend_tokenize_seconds{kind}`, `kv_router_frontend_tokenize_fallbacks_total`,
 //!   `kv_router_frontend_prompt_bytes_total{how}` (`tokenized`, `cached`: taken from the
-//!   tokenizer's prefix cache, `skipped`: past the last block any worker could match),
-//!   `kv_router_frontend_tokenizer_cache_bytes`,
+//!   tokenizer's prefix cache, `skipped`: past the last block any worker could match, or past a
+//!   sure pick),
+//!   `kv_router_frontend_tokenizer_cache_bytes`, `kv_router_frontend_probe_answers_total{answer}`
+//!   (before each window it would tokenize, whether the prefix probe stopped it: `no_holder`,
+//!   `sure_pick`, or went on: `several_holders`, `holder_not_picked`, `pick_uncertain`),
 //!   `kv_router_frontend_routing_seconds`, and
 //!   `kv_router_worker_failures_total`.
 //! - Routing modes and the tuned cost ([`ModeMetrics`]): `kv_router_mode_info{mode}` (1 for the
@@ -177,6 +180,16 @@ pub struct ModeMetrics {
     /// on the thread that did it; proxying is the process's time less these.
     pub stage_cpu: CounterVec,
 }
+
+/// The prefix probe's answers (`kv_router_frontend_probe_answers_total{answer}`): the first two
+/// stop tokenizing.
+pub const PROBE_ANSWERS: [&str; 5] = [
+    "no_holder",
+    "sure_pick",
+    "several_holders",
+    "holder_not_picked",
+    "pick_uncertain",
+];
 
 /// The calling thread's CPU time (user and system), in seconds; None where it cannot be read.
 pub fn thread_cpu_seconds() -> Option<f64> {
@@ -334,6 +347,9 @@ pub struct FrontendMetrics {
     pub prompt_bytes: IntCounterVec,
     /// `kv_router_frontend_tokenizer_cache_bytes`: bytes the tokenizer's prefix cache holds.
     pub tokenizer_cache_bytes: IntGauge,
+    /// `kv_router_frontend_probe_answers_total{answer}`: the prefix probe's answers, before each
+    /// window the tokenizer would tokenize ([`crate::state::PrefixProbe::worth_more`]).
+    pub probe_answers: IntCounterVec,
     /// `kv_router_frontend_inflight_prompt_bytes`: bytes of large request bodies held while
     /// tokenizing (at most `--max-inflight-prompt-bytes`).
     pub inflight_prompt_bytes: IntGauge,
@@ -696,13 +712,33 @@ impl FrontendMetrics {
                     Opts::new(
                         "kv_router_frontend_prompt_bytes_total",
                         "Prompt text by what tokenizing did with it: tokenized, cached (ids from \
-                         the prefix cache), skipped (past the last block any worker held; its \
-                         tokens estimated)",
+                         the prefix cache), skipped (past the last block any worker held, or past \
+                         where one holder was sure to be picked; its tokens estimated)",
                     ),
                     &["how"],
                 )
                 .expect("valid metric"),
             ),
+            probe_answers: {
+                let v = register(
+                    registry,
+                    IntCounterVec::new(
+                        Opts::new(
+                            "kv_router_frontend_probe_answers_total",
+                            "Before each window of a prompt it would tokenize, the prefix \
+                             probe's answer: stop (no_holder: no worker holds all blocks so far; \
+                             sure_pick: one does and would be picked already) or go on \
+                             (several_holders, holder_not_picked, pick_uncertain)",
+                        ),
+                        &["answer"],
+                    )
+                    .expect("valid metric"),
+                );
+                for a in PROBE_ANSWERS {
+                    v.with_label_values(&[a]);
+                }
+                v
+            },
             tokenizer_cache_bytes: register(
                 registry,
                 IntGauge::new(

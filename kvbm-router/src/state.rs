@@ -270,6 +270,13 @@ impl PrefixProbe<'_> {
     /// overlaps are prefixes, so none can then reach further, and the rest of the prompt only
     /// adds to its length. Each call hashes only the blocks the last one did not see.
     pub fn holds_all(&mut self, ids: &[u32]) -> bool {
+        self.hash(ids);
+        let n = self.hashes.len();
+        n == 0 || Self::any_holds(&self.router.overlaps(&self.hashes), n)
+    }
+
+    /// Hashes the full blocks of `ids` not hashed yet.
+    fn hash(&mut self, ids: &[u32]) {
         let bs = self.hasher.block_size_tokens();
         let full = ids.len() / bs * bs;
         let seen = self.hashes.len() * bs;
@@ -278,13 +285,51 @@ impl PrefixProbe<'_> {
             self.parent = new.last().copied().or(self.parent);
             self.hashes.extend(new.into_iter().map(|h| h.0));
         }
+    }
+
+    fn any_holds(overlaps: &[(WorkerKey, Overlap)], n: usize) -> bool {
+        overlaps.iter().any(|(_, o)| o.gpu + o.host + o.disk >= n)
+    }
+
+    /// Whether tokenizing past `ids` could still change where the front end routes the prompt.
+    /// False where [`Self::holds_all`] is; false too when exactly one worker holds every full
+    /// block of `ids` and a routing now would already pick it ([`Router::sure_pick`]): the rest
+    /// of the prompt can only add to that worker's overlap (the others' overlaps, prefixes that
+    /// stopped short, cannot grow), and in the fixed-weight cost modes more overlap never raises
+    /// a worker's cost, so the full prompt would go to the same worker. The untokenized rest
+    /// then counts, as with `holds_all`, in the request's length and not in its overlap: the
+    /// chosen worker's queued prefill is over-counted until its first token, never under.
+    pub fn worth_more(&mut self, ids: &[u32]) -> bool {
+        self.hash(ids);
         let n = self.hashes.len();
-        n == 0
-            || self
-                .router
-                .overlaps(&self.hashes)
+        if n == 0 {
+            return true;
+        }
+        let overlaps = self.router.overlaps(&self.hashes);
+        let (answer, more) = if !Self::any_holds(&overlaps, n) {
+            ("no_holder", false)
+        } else {
+            let mut holders = overlaps
                 .iter()
-                .any(|(_, o)| o.gpu + o.host + o.disk >= n)
+                .filter(|(_, o)| o.gpu + o.host + o.disk + o.shared >= n)
+                .map(|(k, _)| *k);
+            match (holders.next(), holders.next()) {
+                (Some(holder), None) => match self.router.sure_pick(&overlaps, ids.len()) {
+                    Some(pick) if pick == holder => ("sure_pick", false),
+                    Some(_) => ("holder_not_picked", true),
+                    None => ("pick_uncertain", true),
+                },
+                _ => ("several_holders", true),
+            }
+        };
+        self.router
+            .shared
+            .metrics
+            .frontend
+            .probe_answers
+            .with_label_values(&[answer])
+            .inc();
+        more
     }
 }
 
@@ -896,6 +941,67 @@ impl Router {
         request_id: Option<String>,
     ) -> Result<RouteAnswer, RouteError> {
         self.route_among(request, request_id, |_| true, false)
+    }
+
+    /// The worker the OpenAI front end's routing would pick now among `overlaps` (every
+    /// registered worker's) for a prompt of `input_tokens`, without routing anything; None
+    /// unless the pick is certain: a fixed-weight cost mode (`kv-gpu`, `kv`, `dynamo`) without
+    /// a temperature, credit weights at most 1 (so that an overlap never credits more than the
+    /// prompt's length and the length cancels out between workers), and one lowest cost. The
+    /// workers are filtered as the front end's first attempt filters them.
+    fn sure_pick(
+        &self,
+        overlaps: &[(WorkerKey, Overlap)],
+        input_tokens: usize,
+    ) -> Option<WorkerKey> {
+        let config = &self.shared.config;
+        let s = &config.selector;
+        let fixed = matches!(
+            s.mode,
+            RouterMode::KvGpu | RouterMode::Kv | RouterMode::Dynamo
+        );
+        let weights = [
+            s.overlap_score_credit,
+            s.host_weight,
+            s.disk_weight,
+            s.shared_weight,
+        ];
+        if !fixed || s.temperature > 0.0 || weights.iter().any(|w| !(0.0..=1.0).contains(w)) {
+            return None;
+        }
+        let urls = self.http_urls();
+        let mut eligible: Vec<(WorkerKey, Overlap)> = overlaps
+            .iter()
+            .filter(|(k, _)| urls.contains_key(k))
+            .copied()
+            .collect();
+        let down = self.unreachable();
+        if !eligible.iter().all(|(k, _)| down.contains(k)) {
+            eligible.retain(|(k, _)| !down.contains(k));
+        }
+        let cooling = self.cooling(Instant::now());
+        if eligible.iter().any(|(k, _)| !cooling.contains(k)) {
+            eligible.retain(|(k, _)| !cooling.contains(k));
+        }
+        let load = self.shared.load.lock();
+        let mut costs: Vec<(WorkerKey, f64)> = eligible
+            .iter()
+            .map(|&(worker, overlap)| {
+                let c = Candidate {
+                    worker,
+                    overlap,
+                    load: load.tracker.load(worker),
+                };
+                (worker, s.cost(&c, input_tokens, config.block_size))
+            })
+            .collect();
+        drop(load);
+        costs.sort_by(|a, b| a.1.total_cmp(&b.1));
+        match costs[..] {
+            [(only, _)] => Some(only),
+            [(best, c0), (_, c1), ..] if c0 < c1 => Some(best),
+            _ => None,
+        }
     }
 
     /// The HTTP server of a registered worker, if it named one.

@@ -1494,3 +1494,129 @@ fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
     assert_eq!(status, 429, "{v}");
     assert!(v.to_string().contains("--max-workers"), "{v}");
 }
+
+/// The OpenAI front end's prefix probe (issue 25, the front end's CPU per request), on a router
+/// following two workers over ZMQ: tokenizing stops where no worker holds every block so far,
+/// and also where exactly one does and the fixed-weight cost would pick it already (the rest of
+/// the prompt can only add to its overlap); it goes on while two hold the blocks, while the one
+/// that does is loaded enough to lose at the overlap seen so far, and in a mode whose pick is
+/// not a cost (round robin).
+#[test]
+fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
+    use kvbm_events::router::{RouterMode, SelectorConfig};
+    use kvbm_events::WorkerEndpoint;
+    use kvbm_router::config::WorkerSpec;
+    use kvbm_router::state::RequestTokens;
+    use kvbm_router::{Router, RouterConfig};
+
+    let ctx = zmq::Context::new();
+    let mut expected = KvIndex::new(
+        kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+        BLOCK as u32,
+    );
+    let a: Vec<u32> = (0..16 * BLOCK as u32).collect();
+    let start = |mode: RouterMode, workers: &[&Worker]| {
+        let specs = workers
+            .iter()
+            .map(|w| WorkerSpec {
+                events: WorkerEndpoint {
+                    worker_id: w.id,
+                    dp_rank: 0,
+                    endpoint: w.endpoint.clone(),
+                    replay: None,
+                },
+                // Never called: the probe only asks which worker has one.
+                http: Some("http://127.0.0.1:9".into()),
+            })
+            .collect();
+        let config = RouterConfig {
+            block_size: BLOCK,
+            selector: SelectorConfig::for_mode(mode),
+            ..RouterConfig::default()
+        };
+        Router::start(config, specs).unwrap()
+    };
+    let mut w1 = Worker::new(&ctx, 1, 0, false);
+    let mut w2 = Worker::new(&ctx, 2, 0, false);
+    let router = start(RouterMode::Kv, &[&w1, &w2]);
+    w1.wait_for_subscriber();
+    w2.wait_for_subscriber();
+    // Worker 1 holds all 16 blocks of `a`, worker 2 its first 4.
+    w1.batch(&[stored(&a, 0, 16, Tier::Gpu)], false, &mut expected);
+    w2.batch(&[stored(&a, 0, 4, Tier::Gpu)], false, &mut expected);
+    let applied = |router: &Router| {
+        let q = router.query(&RequestTokens {
+            token_ids: &a,
+            untokenized_tokens: 0,
+            lora_name: None,
+            cache_salt: None,
+        });
+        let gpu = |id: u64| {
+            q.workers
+                .iter()
+                .find(|w| w.worker_id == id)
+                .map_or(0, |w| w.overlap.gpu_blocks)
+        };
+        (gpu(1), gpu(2))
+    };
+    let deadline = Instant::now() + WAIT;
+    while applied(&router) != (16, 4) {
+        assert!(Instant::now() < deadline, "events not applied");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut probe = router.prefix_probe(None, None);
+    // Both hold the first 4 blocks: tokenizing goes on.
+    assert!(probe.worth_more(&a[..4 * BLOCK]));
+    // Past them only worker 1 does, idle: it would be picked, tokenizing stops.
+    assert!(!probe.worth_more(&a[..8 * BLOCK]));
+    // Where only the overlap's reach counts, it would have gone on.
+    assert!(router.prefix_probe(None, None).holds_all(&a[..8 * BLOCK]));
+    // Blocks nobody holds: stop.
+    let b: Vec<u32> = (1000..1000 + 8 * BLOCK as u32).collect();
+    assert!(!router.prefix_probe(None, None).worth_more(&b));
+    // Worker 1 queued with a long prefill: at 8 blocks of overlap it loses to worker 2, so the
+    // rest must be tokenized to see whether its overlap makes up for it.
+    let long: Vec<u32> = (5000..5000 + 4 * BLOCK as u32).collect();
+    router
+        .route_among(
+            &RequestTokens {
+                token_ids: &long,
+                untokenized_tokens: 100_000,
+                lora_name: None,
+                cache_salt: None,
+            },
+            None,
+            |k| k == (1, 0),
+            false,
+        )
+        .unwrap();
+    assert!(router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]));
+    let metrics = router.render_metrics();
+    for (answer, n) in [
+        ("several_holders", 1),
+        ("sure_pick", 1),
+        ("no_holder", 1),
+        ("holder_not_picked", 1),
+    ] {
+        let line = format!("kv_router_frontend_probe_answers_total{{answer=\"{answer}\"}} {n}");
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+    drop(router);
+
+    // Round robin's pick is not a cost: the probe never stops at a sole holder.
+    let (mut w1, mut w2) = (
+        Worker::new(&ctx, 1, 0, false),
+        Worker::new(&ctx, 2, 0, false),
+    );
+    let router = start(RouterMode::RoundRobin, &[&w1, &w2]);
+    w1.wait_for_subscriber();
+    w2.wait_for_subscriber();
+    w1.batch(&[stored(&a, 0, 16, Tier::Gpu)], false, &mut expected);
+    w2.batch(&[stored(&a, 0, 4, Tier::Gpu)], false, &mut expected);
+    let deadline = Instant::now() + WAIT;
+    while applied(&router) != (16, 4) {
+        assert!(Instant::now() < deadline, "events not applied");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]));
+}
