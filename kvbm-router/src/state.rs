@@ -296,7 +296,8 @@ impl PrefixProbe<'_> {
     /// block of `ids` and a routing now would already pick it ([`Router::sure_pick`]): the rest
     /// of the prompt can only add to that worker's overlap (the others' overlaps, prefixes that
     /// stopped short, cannot grow), and in the fixed-weight cost modes more overlap never raises
-    /// a worker's cost, so the full prompt would go to the same worker. The untokenized rest
+    /// a worker's cost, so the full prompt would go to the same worker (given the loads now:
+    /// requests routed before this one's routing may still change them). The untokenized rest
     /// then counts, as with `holds_all`, in the request's length and not in its overlap: the
     /// chosen worker's queued prefill is over-counted until its first token, never under.
     pub fn worth_more(&mut self, ids: &[u32]) -> bool {
