@@ -712,8 +712,20 @@ async fn router_follows_each_workers_prefix() {
 /// The router's front end before two workers: it tokenizes a prompt only as far as some worker
 /// holds its blocks (`PrefixProbe`), and still sends a conversation's next turn to the worker
 /// holding its history, which then finds all of it cached (the worker counts every token itself).
+/// Here with `--tokenize-past-sure-pick`: the whole history is tokenized.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_front_end_tokenizes_only_as_far_as_a_worker_holds_the_prompt() {
+    next_turn_goes_where_its_history_is(true).await;
+}
+
+/// As above with the default: the next turn's tokenizing stops inside the history, where the one
+/// worker holding it is sure to be picked, and the turn still goes there, all of it cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_end_stops_tokenizing_where_the_pick_is_sure() {
+    next_turn_goes_where_its_history_is(false).await;
+}
+
+async fn next_turn_goes_where_its_history_is(tokenize_past_sure_pick: bool) {
     use kvbm_router::config::FrontendConfig;
     let fleet = Fleet::start(&args(&["--workers", "2", "--gpu-blocks", "4096"]))
         .await
@@ -724,6 +736,7 @@ async fn the_front_end_tokenizes_only_as_far_as_a_worker_holds_the_prompt() {
         frontend: FrontendConfig {
             model_path: Some(fixture()),
             model_name: Some("mock".into()),
+            tokenize_past_sure_pick,
             ..FrontendConfig::default()
         },
         ..Default::default()
@@ -804,8 +817,22 @@ async fn the_front_end_tokenizes_only_as_far_as_a_worker_holds_the_prompt() {
         ids.len()
     );
     let skipped_second = skipped(c.clone(), base.clone()).await - skipped_first;
-    assert!(
-        skipped_second > 0.0 && skipped_second < (turn.len() - history.len()) as f64,
-        "{skipped_second} bytes of the turn skipped"
-    );
+    let question = (turn.len() - history.len()) as f64;
+    if tokenize_past_sure_pick {
+        assert!(
+            skipped_second > 0.0 && skipped_second < question,
+            "{skipped_second} bytes of the turn skipped"
+        );
+    } else {
+        assert!(
+            skipped_second > question && skipped_second < turn.len() as f64,
+            "{skipped_second} bytes of the turn skipped"
+        );
+        let m = router.render_metrics();
+        assert!(
+            m.lines()
+                .any(|l| l == "kv_router_frontend_probe_answers_total{answer=\"sure_pick\"} 1"),
+            "{m}"
+        );
+    }
 }
