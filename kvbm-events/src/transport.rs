@@ -167,10 +167,33 @@ impl std::fmt::Debug for ZmqPublisher {
     }
 }
 
+/// The name libzmq's own threads (one I/O thread and the reaper per context) carry here.
+/// libzmq as built by the `zmq` crate does not name them (no `pthread_setname_np` in its
+/// build), so they inherit the name of the thread that made the context's first socket: a
+/// caller on an async runtime made them look like the runtime's workers in `top -H`, and made
+/// the event path's CPU count as the front end's (kvbm-bench replay splits a router's CPU by
+/// thread name).
+pub const ZMQ_THREAD_NAME: &str = "ZMQbg/kvbm";
+
+/// A ZMQ context whose background threads are already running under [`ZMQ_THREAD_NAME`]:
+/// libzmq starts them with a context's first socket, from the thread making it, so a throwaway
+/// socket is made (and closed) on a thread of that name.
+pub fn named_context() -> zmq::Context {
+    let ctx = zmq::Context::new();
+    let starter = ctx.clone();
+    // On failure (no thread, no socket) the threads start with the first real socket instead,
+    // under its thread's name: a name is all that is lost.
+    let _ = std::thread::Builder::new()
+        .name(ZMQ_THREAD_NAME.into())
+        .spawn(move || drop(starter.socket(zmq::PAIR)))
+        .map(|t| t.join());
+    ctx
+}
+
 impl ZmqPublisher {
     /// Binds the sockets and starts publishing what `bus` publishes from now on.
     pub fn start(bus: &EventPublisher, config: PublisherConfig) -> Result<Self, TransportError> {
-        let ctx = zmq::Context::new();
+        let ctx = named_context();
         let publisher = ctx
             .socket(zmq::PUB)
             .map_err(|e| zmq_err("socket", &config.endpoint, e))?;
@@ -705,7 +728,7 @@ impl Shared {
             .position(|c| c.as_ref().is_some_and(|(_, n)| *n < WORKERS_PER_CONTEXT));
         let slot = room.unwrap_or_else(|| {
             bump(&self.stats.contexts_open);
-            let fresh = Some((zmq::Context::new(), 0));
+            let fresh = Some((named_context(), 0));
             match contexts.iter().position(Option::is_none) {
                 Some(free) => {
                     contexts[free] = fresh;

@@ -311,3 +311,57 @@ fn a_new_subscriber_first_reports_what_the_replay_socket_buffers() {
     peer.send(5, &Peer::payload(5));
     assert_eq!(batch_seq(next(&rx)), 5);
 }
+
+/// Names of this process's threads, one per thread.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("comm")).ok())
+        .map(|n| n.trim_end().to_owned())
+        .collect()
+}
+
+#[test]
+fn zmqs_own_threads_carry_its_name_not_their_creators() {
+    // libzmq starts a context's I/O thread and reaper with its first socket, on the thread
+    // making it, and (as the zmq crate builds it) does not rename them: they would carry the
+    // name of whoever subscribed first (a runtime's worker in the router), here "zmq-starter".
+    let started = std::thread::Builder::new()
+        .name("zmq-starter".into())
+        .spawn(|| {
+            let bus = EventPublisher::new();
+            let publisher =
+                ZmqPublisher::start(&bus, PublisherConfig::new("tcp://127.0.0.1:*", None)).unwrap();
+            let (tx, rx) = crossbeam_channel::bounded(16);
+            let sub = ZmqSubscriber::start(
+                vec![WorkerEndpoint {
+                    worker_id: 1,
+                    dp_rank: 0,
+                    endpoint: publisher.endpoint().to_owned(),
+                    replay: None,
+                }],
+                tx,
+            )
+            .unwrap();
+            (bus, publisher, sub, rx)
+        })
+        .unwrap()
+        .join()
+        .unwrap();
+    let names = thread_names();
+    assert!(
+        !names.iter().any(|n| n == "zmq-starter"),
+        "a thread outlived its starter under its name: {names:?}"
+    );
+    // Two contexts (publisher, subscriber), each with an I/O thread and a reaper.
+    let zmq = names
+        .iter()
+        .filter(|n| *n == kvbm_events::transport::ZMQ_THREAD_NAME)
+        .count();
+    assert!(
+        zmq >= 4,
+        "ZMQ's threads under their name: {zmq} in {names:?}"
+    );
+    drop(started);
+}
