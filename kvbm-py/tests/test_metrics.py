@@ -1,10 +1,12 @@
 """DYN_KVBM_METRICS serves Prometheus text with Dynamo KVBM's metric names."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 
 def free_port() -> int:
@@ -199,3 +201,36 @@ def test_a_file_left_by_a_process_whose_pid_was_reused_is_ignored_and_removed(tm
     stale.write_text(_json.dumps({"kvbm_offload_blocks_d2h": 5, "_pid_start": 1}))
     assert read_published(str(d)) == []
     assert not stale.exists()
+
+
+def test_a_workers_values_reach_its_file_after_its_last_engine_call(tmp_path):
+    """A worker's counters move after vLLM's last call into it (a shared-tier read or a write
+    finishes in the background; an idle engine calls nothing), and a call inside the last
+    PUBLISH_INTERVAL_S skips writing: the refresher writes them anyway, and nothing after
+    close()."""
+    from kvbm.metrics import PUBLISH_INTERVAL_S, Metrics, WorkerPublisher
+
+    directory = tmp_path / "m"
+    directory.mkdir(mode=0o700)
+    native = {"kvbm_shared_read_blocks": 1.0}
+    m = Metrics()
+    pub = WorkerPublisher(m, rank=0, directory=str(directory))
+
+    def file_value():
+        with open(pub.path) as f:
+            return json.load(f).get("kvbm_shared_read_blocks")
+
+    m.update(native)
+    pub.publish(force=True)
+    pub.keep_fresh(lambda: m.update(native))
+    native["kvbm_shared_read_blocks"] = 64.0
+    pub.publish()  # within the interval: skipped, as the engine's last call would be
+    deadline = time.monotonic() + 10.0
+    while file_value() != 64.0:
+        assert time.monotonic() < deadline, f"the file still says {file_value()}"
+        time.sleep(PUBLISH_INTERVAL_S / 5)
+    pub.close()
+    assert not os.path.exists(pub.path)
+    native["kvbm_shared_read_blocks"] = 65.0
+    time.sleep(3 * PUBLISH_INTERVAL_S)
+    assert not os.path.exists(pub.path), "a closed publisher wrote again"

@@ -10,7 +10,10 @@ executor, tensor parallelism). Only the scheduler side listens. Workers in other
 publish their values to a private directory (``DYN_KVBM_METRICS_DIR``, by default
 ``<tmp>/kvbm-metrics-<uid>``, mode 0700, one subdirectory per port) as one small JSON file per
 process, rewritten at most every :data:`PUBLISH_INTERVAL_S` and removed at shutdown; the server
-merges them on every scrape. The leader's metrics are its own; a worker metric is the sum over
+merges them on every scrape. A worker's counters move after its last engine call too (reads and
+writes finish in the background, and an idle engine calls nothing), so a thread of the worker
+refreshes and rewrites its file every :data:`PUBLISH_INTERVAL_S` while a value changed: a scrape
+is at most about that much behind. The leader's metrics are its own; a worker metric is the sum over
 ranks for bytes (each rank moves its shard) and the largest rank's value for block counts (every
 rank copies its shard of the same blocks). Files of processes that no longer exist are ignored
 and removed.
@@ -29,7 +32,7 @@ import stat
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("kvbm")
 
@@ -249,19 +252,30 @@ class WorkerPublisher:
         self._last = 0.0
         self._lock = threading.Lock()
         self._pid_start = _proc_start(os.getpid())
+        # What the file holds now (None: nothing written yet).
+        self._written: Optional[Dict[str, float]] = None
+        self._closed = threading.Event()
+        self._refresher: Optional[threading.Thread] = None
 
     @property
     def path(self) -> str:
         return self._path
 
-    def publish(self, force: bool = False) -> None:
+    def publish(self, force: bool = False, changed_only: bool = False) -> None:
+        """Writes the values now (``force``) or unless written in the last
+        :data:`PUBLISH_INTERVAL_S`; with ``changed_only``, only if they differ from the file's."""
         now = time.monotonic()
         with self._lock:
+            if self._closed.is_set():
+                return
             if not force and now - self._last < PUBLISH_INTERVAL_S:
                 return
-            self._last = now
             snap = {k: v for k, v in self._metrics.snapshot().items() if k not in LEADER_METRICS}
             snap["_pid_start"] = self._pid_start
+            if changed_only and snap == self._written:
+                return
+            self._last = now
+            self._written = snap
             tmp = self._path + ".tmp"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -271,7 +285,29 @@ class WorkerPublisher:
             except OSError as e:
                 log.debug("kvbm metrics: cannot publish to %s: %s", self._path, e)
 
+    def keep_fresh(self, refresh: Callable[[], None]) -> None:
+        """From now on, every :data:`PUBLISH_INTERVAL_S` until :meth:`close`, a daemon thread
+        calls ``refresh`` (which copies the native counters in) and rewrites the file if a value
+        changed. Once per publisher; an exception of ``refresh`` is logged and the values
+        written as they are."""
+        with self._lock:
+            if self._refresher is not None or self._closed.is_set():
+                return
+            self._refresher = threading.Thread(
+                target=self._refresh_loop, args=(refresh,), name="kvbm-metrics", daemon=True
+            )
+            self._refresher.start()
+
+    def _refresh_loop(self, refresh: Callable[[], None]) -> None:
+        while not self._closed.wait(PUBLISH_INTERVAL_S):
+            try:
+                refresh()
+            except Exception as e:  # noqa: BLE001 - a metrics thread must not die of it
+                log.debug("kvbm metrics: refreshing the worker's values failed: %s", e)
+            self.publish(force=True, changed_only=True)
+
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             for path in (self._path, self._path + ".tmp"):
                 try:

@@ -272,6 +272,9 @@ class KvbmWorker:
             world_size=self._shards,
         )
         self._layers = {n: i for i, n in enumerate(names)}
+        if self._publisher is not None:
+            # The counters move after the engine's last call (see kvbm.metrics).
+            self._publisher.keep_fresh(self._refresh_metrics)
         # vLLM's own tensors: restore_kv_caches re-reads them (sleep mode may remap them).
         self._kv_caches = dict(kv_caches)
         if int(disk_blocks) > 0 and self._instance_id is not None:
@@ -473,9 +476,14 @@ class KvbmWorker:
     def _report_metrics(self) -> None:
         """kvbm-core's counters of this worker, exported under Dynamo's names (they are
         cumulative in core: set, not added)."""
-        self._metrics.update(self.native.metrics())
+        self._refresh_metrics()
         if self._publisher is not None:
             self._publisher.publish()
+
+    def _refresh_metrics(self) -> None:
+        native = self._native
+        if native is not None:
+            self._metrics.update(native.metrics())
 
 
 __all__: List[str] = ["KvbmWorker", "TransferResults", "describe_kv_caches"]
