@@ -1036,8 +1036,28 @@ impl Worker {
 
     /// kvbm-core's counters of this worker, under Dynamo's metric names.
     fn metrics<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let snapshot = guard(|| Ok(self.read(py)?.w().metrics().snapshot()))?;
-        guard(|| crate::worker_metrics(py, &snapshot))
+        let (snapshot, shared) = guard(|| {
+            let g = self.read(py)?;
+            Ok((g.w().metrics().snapshot(), g.w().shared_counts()))
+        })?;
+        let d = guard(|| crate::worker_metrics(py, &snapshot))?;
+        // The shared tier's failures, where there is one (kvbm.metrics names them).
+        if let Some(c) = shared {
+            for (name, value) in [
+                ("kvbm_shared_outages", c.outages),
+                ("kvbm_shared_timeouts", c.timeouts),
+                (
+                    "kvbm_shared_writes_dropped",
+                    c.writes_dropped_down + c.writes_dropped_busy,
+                ),
+                ("kvbm_shared_writes_refused", c.writes_refused),
+                ("kvbm_shared_bad_values", c.bad_values.iter().sum()),
+                ("kvbm_shared_down", u64::from(!c.up)),
+            ] {
+                d.set_item(name, value)?;
+            }
+        }
+        Ok(d)
     }
 
     /// Keeps the D2H stream (`"d2h"`) or the H2D stream (`"h2d"`) from starting further copies

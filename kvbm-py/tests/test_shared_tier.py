@@ -77,6 +77,22 @@ NODE = textwrap.dedent(
         assert len(pool) == 1, pool
         assert pool[0].medium == "STORAGE" and pool[0].ownership.startswith("kvbm:"), pool[0]
         assert len(pool[0].block_hashes) == 2
+    elif role == "corrupted":
+        # The values are there (the lookup finds them) but do not check: misses, counted.
+        assert (found, is_async) == (8, True), (found, is_async)
+        blocks = NS(get_block_ids=lambda: ([4, 5, 6],), get_unhashed_block_ids=lambda: [])
+        leader.update_state_after_alloc(req, blocks, 8)
+        out = NS(scheduled_new_reqs=[], scheduled_cached_reqs=None, num_scheduled_tokens={})
+        run_step(leader.build_connector_meta(out))
+        worker._work().native.wait_async()
+        worker.get_finished(set())
+        assert worker.get_block_ids_with_load_errors(), "the corrupt blocks failed their load"
+        m = worker._work().native.metrics()
+        # Both asked for, both refused by the check, both failed.
+        assert (m["kvbm_shared_read_blocks"], m["kvbm_shared_read_misses"]) == (2, 2), m
+        assert (m["kvbm_shared_bad_values"], m["kvbm_load_errors"]) == (2, 2), m
+        # A bad value is a miss, not an outage.
+        assert (m["kvbm_shared_down"], m["kvbm_shared_outages"]) == (0, 0), m
     else:
         assert (found, is_async) == (8, True), (found, is_async)
         blocks = NS(get_block_ids=lambda: ([4, 5, 6],), get_unhashed_block_ids=lambda: [])
@@ -90,6 +106,9 @@ NODE = textwrap.dedent(
         assert worker.get_block_ids_with_load_errors() == set()
         m = worker._work().native.metrics()
         assert (m["kvbm_shared_read_blocks"], m["kvbm_shared_read_misses"]) == (2, 0), m
+        failures = ("kvbm_shared_outages", "kvbm_shared_timeouts", "kvbm_shared_writes_dropped",
+                    "kvbm_shared_writes_refused", "kvbm_shared_bad_values", "kvbm_shared_down")
+        assert all(m[f] == 0 for f in failures), m
         assert leader._leader._native.metrics()["kvbm_shared_cache_hit_rate"] == 1.0
         for name in caches:
             for src, dst in ((0, 4), (1, 5)):
@@ -155,6 +174,18 @@ def run_node(role, url):
 def test_a_prompt_computed_by_one_instance_is_loaded_by_another_through_redis(redis_url):
     run_node("first", redis_url)
     run_node("second", redis_url)
+
+
+def test_corrupt_values_are_misses_counted_on_the_metrics_page(redis_url):
+    run_node("first", redis_url)
+    port = redis_url.rsplit(":", 1)[1]
+    cli = ["redis-cli", "-p", port]
+    keys = subprocess.run(cli + ["--scan"], capture_output=True, text=True, check=True).stdout.split()
+    assert len(keys) == 2, keys
+    for key in keys:
+        # Past the header: the checksum no longer matches.
+        subprocess.run(cli + ["SETRANGE", key, "100", "garbage"], capture_output=True, check=True)
+    run_node("corrupted", redis_url)
 
 
 def test_a_configured_shared_tier_needs_the_models_fingerprint(redis_url, monkeypatch):

@@ -14,8 +14,9 @@ merges them on every scrape. A worker's counters move after its last engine call
 writes finish in the background, and an idle engine calls nothing), so a thread of the worker
 refreshes and rewrites its file every :data:`PUBLISH_INTERVAL_S` while a value changed: a scrape
 is at most about that much behind. The leader's metrics are its own; a worker metric is the sum over
-ranks for bytes (each rank moves its shard) and the largest rank's value for block counts (every
-rank copies its shard of the same blocks). Files of processes that no longer exist are ignored
+ranks for bytes (each rank moves its shard) and for the shared tier's outages and timeouts (each
+rank has its own connections), and the largest rank's value for block counts (every rank copies
+its shard of the same blocks) and for ``kvbm_shared_down`` (1 while any rank's tier is out). Files of processes that no longer exist are ignored
 and removed.
 
 The values are kvbm-core's counters (the leader's matches, a worker's copies), copied in under
@@ -63,6 +64,18 @@ METRICS: Dict[str, Tuple[str, str]] = {
     "kvbm_shared_read_blocks": ("counter", "Shared tier blocks read into host memory by this worker"),
     "kvbm_shared_read_misses": ("counter", "Shared tier blocks read that were missing, refused or late"),
     "kvbm_shared_write_blocks": ("counter", "Host blocks this worker queued for the shared tier"),
+    "kvbm_shared_outages": ("counter", "Times the shared tier went out on a worker (server down, hung or refusing TLS)"),
+    "kvbm_shared_timeouts": ("counter", "Shared tier calls of the workers that ran past their bound"),
+    "kvbm_shared_writes_dropped": (
+        "counter",
+        "Blocks the workers did not write to the shared tier (it was out, or its writes in flight at their bound)",
+    ),
+    "kvbm_shared_writes_refused": ("counter", "Blocks whose shared tier write the server refused (e.g. OOM)"),
+    "kvbm_shared_bad_values": (
+        "counter",
+        "Shared tier values the workers refused (corrupt, truncated, another model's or tenant's): misses",
+    ),
+    "kvbm_shared_down": ("gauge", "1 while a worker's shared tier is out (in backoff), else 0"),
 }
 
 #: Metrics the leader (scheduler side) keeps; the rest are the workers'.
@@ -78,7 +91,9 @@ LEADER_METRICS = frozenset(
     }
 )
 #: Worker metrics added up over ranks (the rest: the largest rank's value).
-SUMMED_OVER_RANKS = frozenset({"kvbm_offload_bytes_d2h", "kvbm_onboard_bytes_h2d"})
+SUMMED_OVER_RANKS = frozenset(
+    {"kvbm_offload_bytes_d2h", "kvbm_onboard_bytes_h2d", "kvbm_shared_outages", "kvbm_shared_timeouts"}
+)
 #: A worker process rewrites its file at most this often (and once more at shutdown).
 PUBLISH_INTERVAL_S = 0.25
 
