@@ -228,6 +228,21 @@ class VllmServer:
         _, raw = http("GET", f"http://127.0.0.1:{self.kvbm_metrics_port}/metrics", timeout=10)
         return parse_prometheus(raw.decode())
 
+    def settled_kvbm_metrics(self, deadline_s: float = 15.0, gap_s: float = 0.6):
+        """kvbm's metrics once two scrapes ``gap_s`` apart agree (or after ``deadline_s``): the
+        worker process's counters reach the scheduler's port a refresh interval after they move
+        (kvbm.metrics' PUBLISH_INTERVAL_S), and its copies may still be finishing after the last
+        answer."""
+        end = time.monotonic() + deadline_s
+        last = self.kvbm_metrics()
+        while time.monotonic() < end:
+            time.sleep(gap_s)
+            now = self.kvbm_metrics()
+            if now == last:
+                break
+            last = now
+        return last
+
     def reset_device_cache(self) -> bool:
         _, raw = http("POST", f"{self.url}/reset_prefix_cache")
         return bool(json.loads(raw or b"{}").get("success", True))

@@ -55,13 +55,13 @@ def run(servers, reference, tmp_path_factory):
     s = servers.start("kvbm", connector=True, env=env, kvbm_metrics_port=free_port()).wait_ready()
     for p in PASS1:
         got["outputs"][p] = s.complete(p)
-    got["kvbm1"], got["vllm1"] = s.kvbm_metrics(), s.metrics()
+    got["kvbm1"], got["vllm1"] = s.settled_kvbm_metrics(), s.metrics()
     host_first = [PASS2[i] for i in (7, 6, 5, 4)]
     disk_only = [PASS2[i] for i in (0, 1, 2, 3)]
     with ThreadPoolExecutor(2) as pool:
         for group in (host_first, disk_only):
             got["outputs"].update(zip(group, pool.map(s.complete, group)))
-    got["kvbm2"], got["vllm2"] = s.kvbm_metrics(), s.metrics()
+    got["kvbm2"], got["vllm2"] = s.settled_kvbm_metrics(), s.metrics()
     got["exit1"] = s.stop()
     got["log1"] = s.log()
 
@@ -69,7 +69,7 @@ def run(servers, reference, tmp_path_factory):
     got["kvbm3_before"] = s2.kvbm_metrics()
     for p in PASS3:
         got["outputs"][p] = s2.complete(p)
-    got["kvbm3"], got["vllm3"] = s2.kvbm_metrics(), s2.metrics()
+    got["kvbm3"], got["vllm3"] = s2.settled_kvbm_metrics(), s2.metrics()
     s2.stop()
     got["log2"] = s2.log()
     return got
