@@ -976,14 +976,7 @@ impl Router {
             .filter(|(k, _)| urls.contains_key(k))
             .copied()
             .collect();
-        let down = self.unreachable();
-        if !eligible.iter().all(|(k, _)| down.contains(k)) {
-            eligible.retain(|(k, _)| !down.contains(k));
-        }
-        let cooling = self.cooling(Instant::now());
-        if eligible.iter().any(|(k, _)| !cooling.contains(k)) {
-            eligible.retain(|(k, _)| !cooling.contains(k));
-        }
+        self.pass_over_down_and_cooling(&mut eligible, true);
         let load = self.shared.load.lock();
         let mut costs: Vec<(WorkerKey, f64)> = eligible
             .iter()
@@ -1002,6 +995,25 @@ impl Router {
             [(only, _)] => Some(only),
             [(best, c0), (_, c1), ..] if c0 < c1 => Some(best),
             _ => None,
+        }
+    }
+
+    /// Leaves out of `overlaps` the workers whose event stream is down (unless
+    /// `unreachable_as_last_resort` and no other is left) and those cooling down after a failure
+    /// (while any other can take the request; when none can, they are tried rather than nothing).
+    /// Empty only if no worker is reachable.
+    fn pass_over_down_and_cooling(
+        &self,
+        overlaps: &mut Vec<(WorkerKey, Overlap)>,
+        unreachable_as_last_resort: bool,
+    ) {
+        let down = self.unreachable();
+        if !(unreachable_as_last_resort && overlaps.iter().all(|(k, _)| down.contains(k))) {
+            overlaps.retain(|(k, _)| !down.contains(k));
+        }
+        let cooling = self.cooling(Instant::now());
+        if overlaps.iter().any(|(k, _)| !cooling.contains(k)) {
+            overlaps.retain(|(k, _)| !cooling.contains(k));
         }
     }
 
@@ -1078,18 +1090,9 @@ impl Router {
         if overlaps.is_empty() {
             return Err(RouteError::NoneEligible);
         }
-        let down = self.unreachable();
-        if !(unreachable_as_last_resort && overlaps.iter().all(|(k, _)| down.contains(k))) {
-            overlaps.retain(|(k, _)| !down.contains(k));
-        }
+        self.pass_over_down_and_cooling(&mut overlaps, unreachable_as_last_resort);
         if overlaps.is_empty() {
             return Err(RouteError::NoneReachable);
-        }
-        // Workers cooling down after a failure are passed over while any other can take the
-        // request; when none can, they are tried rather than nothing.
-        let cooling = self.cooling(Instant::now());
-        if overlaps.iter().any(|(k, _)| !cooling.contains(k)) {
-            overlaps.retain(|(k, _)| !cooling.contains(k));
         }
         let config = &self.shared.config;
         let input_tokens = request.token_ids.len() + request.untokenized_tokens;
