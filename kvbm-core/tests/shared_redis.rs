@@ -422,13 +422,20 @@ fn writes_past_the_batches_in_flight_are_dropped_and_counted_never_waited_for() 
     o.writes_in_flight = 1;
     o.write_batch_blocks = 4;
     let s = SharedStore::open(o, FINGERPRINT, PAYLOAD).unwrap();
+    // A first write, answered, so that the connection is up before the server stops.
+    assert_eq!(s.write(0, &puts(4, 7)), 4);
+    assert!(s.flush(FLUSH));
+    // Stopped, the server cannot answer the first batch before the later ones are offered (a
+    // fast answer would otherwise free the slot and nothing would be dropped).
+    server.signal("STOP");
     let queued = s.write(0, &puts(64, 8));
+    server.signal("CONT");
     assert!(s.flush(FLUSH));
     let c = s.counts();
     // The first batch goes; with it in flight every later one is dropped, so that what is
     // written stays a prefix (a block after a hole could never be found).
     assert_eq!(queued, 4);
-    assert_eq!(c.writes, queued as u64);
+    assert_eq!(c.writes, 4 + queued as u64);
     assert_eq!(c.writes_dropped_busy, 64 - queued as u64);
 }
 
