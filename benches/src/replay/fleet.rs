@@ -63,17 +63,25 @@ impl Process {
         cpu_seconds(&format!("/proc/{}/stat", self.pid()))
     }
 
-    /// CPU seconds its live threads whose names start with one of `prefixes` have used.
-    pub fn threads_cpu_s(&self, prefixes: &[&str]) -> Option<f64> {
+    /// CPU seconds (user, system) the process has used so far.
+    pub fn cpu_split_s(&self) -> Option<CpuSplit> {
+        cpu_split_seconds(&format!("/proc/{}/stat", self.pid()))
+    }
+
+    /// CPU seconds (user, system) its live threads whose names start with one of `prefixes`
+    /// have used.
+    pub fn threads_cpu_split_s(&self, prefixes: &[&str]) -> Option<CpuSplit> {
         let dir = format!("/proc/{}/task", self.pid());
-        let mut total = 0.0;
+        let mut total = CpuSplit::default();
         for entry in std::fs::read_dir(&dir).ok()?.flatten() {
             let task = entry.path();
             let Ok(comm) = std::fs::read_to_string(task.join("comm")) else {
                 continue;
             };
             if prefixes.iter().any(|p| comm.starts_with(p)) {
-                total += cpu_seconds(&task.join("stat").to_string_lossy()).unwrap_or(0.0);
+                let c = cpu_split_seconds(&task.join("stat").to_string_lossy()).unwrap_or_default();
+                total.user += c.user;
+                total.system += c.system;
             }
         }
         Some(total)
@@ -106,17 +114,44 @@ impl Drop for Process {
     }
 }
 
+/// CPU seconds in user space and in the kernel.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CpuSplit {
+    pub user: f64,
+    pub system: f64,
+}
+
+impl CpuSplit {
+    pub fn total(&self) -> f64 {
+        self.user + self.system
+    }
+}
+
 /// utime + stime of `/proc/PID/stat` (or `/proc/self/stat`), in seconds.
 pub fn cpu_seconds(stat_path: &str) -> Option<f64> {
-    let text = std::fs::read_to_string(stat_path).ok()?;
+    cpu_split_seconds(stat_path).map(|c| c.total())
+}
+
+/// utime and stime of `/proc/PID/stat` (or a thread's `/proc/PID/task/TID/stat`), in seconds.
+pub fn cpu_split_seconds(stat_path: &str) -> Option<CpuSplit> {
+    parse_cpu_split(&std::fs::read_to_string(stat_path).ok()?)
+}
+
+/// utime and stime of a `stat` file's text, in seconds.
+fn parse_cpu_split(text: &str) -> Option<CpuSplit> {
     // Fields after the command name (which may hold spaces) start at field 3 (state):
     // utime and stime are fields 14 and 15 (proc(5)).
     let rest = &text[text.rfind(')')? + 2..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
     // SAFETY: sysconf reads a constant of the system.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    Some(ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 })
+    let hz = if hz > 0 { hz as f64 } else { 100.0 };
+    Some(CpuSplit {
+        user: utime as f64 / hz,
+        system: stime as f64 / hz,
+    })
 }
 
 /// Waits for the mocker's ready file; returns its lines (one worker each, `--workers` syntax).
@@ -244,5 +279,18 @@ mod tests {
     #[test]
     fn own_cpu_time_is_readable() {
         assert!(cpu_seconds("/proc/self/stat").is_some_and(|s| s >= 0.0));
+    }
+
+    #[test]
+    fn user_and_system_time_are_fields_14_and_15_after_any_command_name() {
+        // A command name with a space and a parenthesis, utime 250 and stime 150 ticks.
+        let text = "4242 (tokio rt) x) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 150 0 0 20 0 8 0";
+        // SAFETY: sysconf reads a constant of the system.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+        let c = parse_cpu_split(text).unwrap();
+        assert_eq!((c.user * hz, c.system * hz), (250.0, 150.0));
+        assert_eq!(c.total() * hz, 400.0);
+        assert!(parse_cpu_split("4242 (cut short) S 1 2").is_none());
+        assert!(parse_cpu_split("no parenthesis").is_none());
     }
 }

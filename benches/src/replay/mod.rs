@@ -457,7 +457,8 @@ async fn run_one(
         router.cpu_s(),
         mocker.cpu_s(),
         fleet::cpu_seconds("/proc/self/stat"),
-        router.threads_cpu_s(ROUTER_EVENT_THREADS),
+        router.threads_cpu_split_s(ROUTER_EVENT_THREADS),
+        router.cpu_split_s(),
     );
     let records = drive(
         &client,
@@ -473,7 +474,8 @@ async fn run_one(
         router.cpu_s(),
         mocker.cpu_s(),
         fleet::cpu_seconds("/proc/self/stat"),
-        router.threads_cpu_s(ROUTER_EVENT_THREADS),
+        router.threads_cpu_split_s(ROUTER_EVENT_THREADS),
+        router.cpu_split_s(),
     );
     let delta = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
 
@@ -528,7 +530,13 @@ async fn run_one(
         delta(cpu_before.1, cpu_after.1),
         delta(cpu_before.2, cpu_after.2),
     );
-    result.set_router_events_cpu(delta(cpu_before.3, cpu_after.3));
+    let events = |c: Option<fleet::CpuSplit>| c.map(|c| c.total());
+    let system = |c: Option<fleet::CpuSplit>| c.map(|c| c.system);
+    result.set_router_events_cpu(
+        delta(events(cpu_before.3), events(cpu_after.3)),
+        delta(system(cpu_before.4), system(cpu_after.4))
+            .zip(delta(system(cpu_before.3), system(cpu_after.3))),
+    );
     Ok(result)
 }
 

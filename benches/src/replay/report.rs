@@ -103,6 +103,8 @@ pub struct WorkerCounts {
     pub shared: f64,
     pub requests: f64,
     pub generation_tokens: f64,
+    /// Requests the worker preempted (their computed tokens are computed again on resuming).
+    pub preemptions: f64,
     pub sim_seconds: f64,
 }
 
@@ -117,6 +119,7 @@ impl WorkerCounts {
             shared: prom_sum(text, p, Some(("source", "shared"))),
             requests: prom_sum(text, "kvbm_mocker_requests_total", None),
             generation_tokens: prom_sum(text, "kvbm_mocker_generation_tokens_total", None),
+            preemptions: prom_sum(text, "kvbm_mocker_preemptions_total", None),
             sim_seconds: prom_sum(text, "kvbm_mocker_sim_seconds", None),
         }
     }
@@ -155,6 +158,9 @@ pub struct Cpu {
     pub router_events_s: Option<f64>,
     /// The rest (tokenizing, scoring, proxying) per request: the front end's own cost.
     pub front_end_ms_per_request: Option<f64>,
+    /// Of `front_end_ms_per_request`, the part spent in the kernel (socket reads and writes,
+    /// polling, wake-ups): a floor for relaying that grows with the events a stream carries.
+    pub front_end_kernel_ms_per_request: Option<f64>,
     pub mocker_s: Option<f64>,
     pub client_s: Option<f64>,
 }
@@ -185,6 +191,9 @@ pub struct RunResult {
     pub cached_tokens: u64,
     pub mean_prompt_tokens: f64,
     pub output_tokens: u64,
+    /// Server-sent events a streamed answer carried, on average (each one relayed by the
+    /// router's front end).
+    pub stream_events_per_request: f64,
     pub reuse: Reuse,
     pub imbalance: Imbalance,
     pub workers: Vec<WorkerCounts>,
@@ -232,7 +241,7 @@ impl RunResult {
         let (mut errors, mut dropped, mut answered) = (0, 0, 0);
         let mut samples: Vec<String> = Vec::new();
         let (mut prompt_tokens, mut cached_tokens, mut output_tokens) = (0u64, 0u64, 0u64);
-        let mut trace_prompt_tokens = 0u64;
+        let (mut trace_prompt_tokens, mut stream_events) = (0u64, 0u64);
         let (mut first, mut last) = (f64::INFINITY, 0.0f64);
         for r in records {
             let Some(a) = &r.answer else {
@@ -260,6 +269,7 @@ impl RunResult {
             trace_prompt_tokens += r.nominal_prompt_tokens as u64;
             cached_tokens += a.cached_tokens.unwrap_or(0);
             output_tokens += a.completion_tokens.unwrap_or(0);
+            stream_events += a.chunks as u64;
         }
         let makespan = if last > first { last - first } else { f64::NAN };
         let total: f64 = workers.iter().map(WorkerCounts::prompt_tokens).sum();
@@ -307,6 +317,11 @@ impl RunResult {
                 f64::NAN
             },
             output_tokens,
+            stream_events_per_request: if answered > 0 {
+                stream_events as f64 / answered as f64
+            } else {
+                f64::NAN
+            },
             reuse,
             imbalance,
             workers,
@@ -334,19 +349,24 @@ impl RunResult {
                 .map(|s| s * 1e3 / (self.prompt_tokens as f64 / 1e3)),
             router_events_s: None,
             front_end_ms_per_request: None,
+            front_end_kernel_ms_per_request: None,
             mocker_s: mocker,
             client_s: client,
         };
     }
 
-    /// Splits the router's CPU: `events` seconds were its event threads'.
-    pub fn set_router_events_cpu(&mut self, events: Option<f64>) {
+    /// Splits the router's CPU: `events` seconds were its event threads'; of the router's
+    /// and the event threads' time, `system` seconds were in the kernel.
+    pub fn set_router_events_cpu(&mut self, events: Option<f64>, system: Option<(f64, f64)>) {
         let routed = self.answered + self.errors;
+        let per_request = |s: f64| (routed > 0).then(|| s.max(0.0) * 1e3 / routed as f64);
         self.cpu.router_events_s = events;
         self.cpu.front_end_ms_per_request = match (self.cpu.router_s, events) {
-            (Some(all), Some(ev)) if routed > 0 => Some((all - ev).max(0.0) * 1e3 / routed as f64),
+            (Some(all), Some(ev)) => per_request(all - ev),
             _ => None,
         };
+        self.cpu.front_end_kernel_ms_per_request =
+            system.and_then(|(all, ev)| per_request(all - ev));
     }
 }
 
@@ -376,6 +396,7 @@ pub struct Medians {
     pub ttft_p90_max_s: f64,
     pub imbalance: f64,
     pub front_end_ms_per_request: f64,
+    pub front_end_kernel_ms_per_request: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -425,6 +446,9 @@ pub fn medians(runs: &[RunResult]) -> Vec<Medians> {
                 imbalance: of(&|r| r.imbalance.computed_prompt_tokens),
                 front_end_ms_per_request: of(&|r| {
                     r.cpu.front_end_ms_per_request.unwrap_or(f64::NAN)
+                }),
+                front_end_kernel_ms_per_request: of(&|r| {
+                    r.cpu.front_end_kernel_ms_per_request.unwrap_or(f64::NAN)
                 }),
             }
         })
@@ -499,8 +523,8 @@ pub fn table(doc: &Json) -> String {
     let rr = find("round-robin");
     let best = doc["best_fixed"].as_str().and_then(find);
     let mut out = String::from(
-        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | shared hit | imbalance (tok) | router ms/req | front end ms/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
-         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | shared hit | imbalance (tok) | router ms/req | front end ms/req | of which kernel | events/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
+         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
     );
     for r in &runs {
         let label = r["label"].as_str().unwrap_or("?");
@@ -516,7 +540,7 @@ pub fn table(doc: &Json) -> String {
             other.map_or("-".into(), |o| ratio(num(r, p), num(o, p)))
         };
         out.push_str(&format!(
-            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             fmt(num(r, "/ttft_s/p50"), 3),
             fmt(num(r, "/ttft_s/p90"), 3),
             fmt(num(r, "/ttft_s/p99"), 3),
@@ -533,6 +557,8 @@ pub fn table(doc: &Json) -> String {
             fmt(num(r, "/imbalance/computed_prompt_tokens"), 2),
             fmt(num(r, "/cpu/router_ms_per_request"), 3),
             fmt(num(r, "/cpu/front_end_ms_per_request"), 3),
+            fmt(num(r, "/cpu/front_end_kernel_ms_per_request"), 3),
+            fmt(num(r, "/stream_events_per_request"), 0),
             r["errors"],
             r["dropped"],
             vs(rr, "/ttft_s/p50"),
@@ -548,8 +574,8 @@ pub fn table(doc: &Json) -> String {
         let best = doc["best_fixed"].as_str().and_then(find);
         out.push_str(
             "\nMedians over the repeated runs:\n\n\
-             | setting | runs | TTFT p50 | TTFT p90 | p90 min-max | TTFT p99 | TTFT mean | imbalance (tok) | front end ms/req | p90 vs RR | p90 vs best fixed |\n\
-             |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+             | setting | runs | TTFT p50 | TTFT p90 | p90 min-max | TTFT p99 | TTFT mean | imbalance (tok) | front end ms/req | of which kernel | p90 vs RR | p90 vs best fixed |\n\
+             |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
         );
         for m in &medians {
             let vs = |other: Option<&Json>| {
@@ -558,7 +584,7 @@ pub fn table(doc: &Json) -> String {
                 })
             };
             out.push_str(&format!(
-                "| {} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} | {} |\n",
                 m["label"].as_str().unwrap_or("?"),
                 m["runs"],
                 fmt(num(m, "/ttft_p50_s"), 3),
@@ -569,6 +595,7 @@ pub fn table(doc: &Json) -> String {
                 fmt(num(m, "/ttft_mean_s"), 3),
                 fmt(num(m, "/imbalance"), 2),
                 fmt(num(m, "/front_end_ms_per_request"), 3),
+                fmt(num(m, "/front_end_kernel_ms_per_request"), 3),
                 vs(rr),
                 vs(best),
             ));
@@ -601,6 +628,9 @@ const RUN_FIELDS: &[&str] = &[
     "/imbalance/computed_prompt_tokens",
     "/imbalance/requests",
     "/cpu/router_ms_per_request",
+    "/cpu/front_end_ms_per_request",
+    "/cpu/front_end_kernel_ms_per_request",
+    "/stream_events_per_request",
     "/mean_prompt_tokens",
     "/engine/prefill_tokens_per_sec",
     "/scale/factor",
@@ -769,8 +799,9 @@ mod tests {
         let mut r = RunResult::from_records(&spec, &records, 10.0, workers);
         assert_eq!((r.answered, r.errors, r.dropped, r.requests), (2, 1, 1, 4));
         assert_eq!(r.error_samples, vec!["HTTP 500".to_owned()]);
-        // Simulated: wall × 10.
-        // Nearest rank of two: index round(0.5) = 1.
+        assert_eq!(r.stream_events_per_request, 1.0); // one chunk each, errors not counted
+                                                      // Simulated: wall × 10.
+                                                      // Nearest rank of two: index round(0.5) = 1.
         assert_eq!(r.ttft_s.p50, 2.0);
         assert_eq!(r.ttft_s.mean, 1.5);
         assert_eq!(r.itl_s.n, 1);
@@ -789,8 +820,11 @@ mod tests {
         r.set_cpu(Some(0.3), None, None);
         assert_eq!(r.cpu.router_ms_per_request, Some(100.0)); // 0.3 s over 3 routed
         assert_eq!(r.cpu.router_ms_per_1k_prompt_tokens, Some(750.0)); // 0.3 s / 0.4K
-        r.set_router_events_cpu(Some(0.12));
+                                                                       // 0.1 s of the router's in the kernel, 0.04 s of it its event threads'.
+        r.set_router_events_cpu(Some(0.12), Some((0.1, 0.04)));
         assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9); // 0.18 s / 3
+        assert!((r.cpu.front_end_kernel_ms_per_request.unwrap() - 20.0).abs() < 1e-9);
+        // 0.06 / 3
     }
 
     #[test]
@@ -879,6 +913,7 @@ mod tests {
             offered_prompt_tokens_per_s: 0.0,
         });
         r.set_cpu(Some(0.01), Some(0.1), Some(0.1));
+        r.set_router_events_cpu(Some(0.004), Some((0.003, 0.001)));
         let doc = |runs: Vec<RunResult>| {
             json!({"command": [], "trace": {"requests": 1}, "workers": 1, "speedup": 1.0,
                    "load": 1.0, "runs": runs, "best_fixed": "round-robin"})
