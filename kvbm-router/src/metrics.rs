@@ -51,7 +51,10 @@
 //!   `kv_router_frontend_routing_seconds`, and
 //!   `kv_router_worker_failures_total`.
 //! - Routing modes and the tuned cost ([`ModeMetrics`]): `kv_router_mode_info{mode}` (1 for the
-//!   mode in force), `kv_router_routed_total{mode}`, `kv_router_tuned_active` (1 once the learned
+//!   mode in force), `kv_router_routed_total{mode}`,
+//!   `kv_router_worker_prompt_tokens_total{worker_id, dp_rank, part}` (`routed`: whole prompts;
+//!   `uncached`: past the chosen worker's overlap in every tier, what it was expected to compute;
+//!   a worker's series go when it is unregistered), `kv_router_tuned_active` (1 once the learned
 //!   cost is in use), `kv_router_tuned_prefill_load_scale`,
 //!   `kv_router_tuned_host_cache_hit_weight`, `kv_router_tuned_disk_cache_hit_weight` (the
 //!   learned cost in Dynamo's weights), `kv_router_tuned_compute_seconds_per_token{worker_id,
@@ -159,6 +162,10 @@ pub struct ModeMetrics {
     pub mode_info: IntGaugeVec,
     /// `kv_router_routed_total{mode}`: routing decisions.
     pub routed: IntCounterVec,
+    /// `kv_router_worker_prompt_tokens_total{worker_id, dp_rank, part}`: prompt tokens routed
+    /// to each worker, `routed` (whole prompts) and `uncached` (past the worker's overlap in
+    /// every tier when it was chosen: what the router expected it to compute).
+    pub worker_prompt_tokens: IntCounterVec,
     /// `kv_router_tuned_active`: 1 once the learned cost is in use.
     pub tuned_active: IntGauge,
     /// `kv_router_tuned_prefill_load_scale`.
@@ -238,6 +245,18 @@ impl ModeMetrics {
                 IntCounterVec::new(
                     Opts::new("kv_router_routed_total", "Routing decisions, by mode"),
                     &["mode"],
+                )
+                .expect("valid metric"),
+            ),
+            worker_prompt_tokens: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kv_router_worker_prompt_tokens_total",
+                        "Prompt tokens routed to each worker: routed (whole prompts), uncached \
+                         (past the worker's cached prefix in every tier when it was chosen)",
+                    ),
+                    &["worker_id", "dp_rank", "part"],
                 )
                 .expect("valid metric"),
             ),

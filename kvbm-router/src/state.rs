@@ -785,6 +785,15 @@ impl Router {
         self.shared.predictions.lock().forget(key);
         self.shared.cooldown.lock().remove(&key);
         self.shared.tuner.lock().forget(key);
+        let (id, rank) = (key.0.to_string(), key.1.to_string());
+        for part in ["routed", "uncached"] {
+            let _ = self
+                .shared
+                .metrics
+                .modes
+                .worker_prompt_tokens
+                .remove_label_values(&[id.as_str(), rank.as_str(), part]);
+        }
         self.shared
             .metrics
             .workers
@@ -1182,6 +1191,22 @@ impl Router {
             .with_label_values(&[selector.mode.name()])
             .inc();
         let chosen = selection.chosen;
+        {
+            let overlap = overlaps
+                .iter()
+                .find(|(w, _)| *w == chosen)
+                .map_or(Overlap::default(), |(_, o)| *o);
+            let cached = (overlap.gpu + overlap.host + overlap.disk + overlap.shared)
+                .saturating_mul(block_size);
+            let (id, rank) = (chosen.0.to_string(), chosen.1.to_string());
+            let tokens = &self.shared.metrics.modes.worker_prompt_tokens;
+            tokens
+                .with_label_values(&[id.as_str(), rank.as_str(), "routed"])
+                .inc_by(input_tokens as u64);
+            tokens
+                .with_label_values(&[id.as_str(), rank.as_str(), "uncached"])
+                .inc_by(input_tokens.saturating_sub(cached) as u64);
+        }
         {
             let mut predictions = self.shared.predictions.lock();
             if predictions.enabled() {

@@ -270,6 +270,20 @@ impl RouterProcess {
         });
     }
 
+    /// `kv_router_worker_prompt_tokens_total` of worker `id` (rank 0) for `part`; None when the
+    /// series is not on the page.
+    fn worker_tokens(&self, id: u64, part: &str) -> Option<f64> {
+        let (status, text) = self.call("GET", "/metrics", None);
+        assert_eq!(status, 200);
+        let (worker, part) = (format!("worker_id=\"{id}\""), format!("part=\"{part}\""));
+        text.as_str()
+            .unwrap()
+            .lines()
+            .filter(|l| l.starts_with("kv_router_worker_prompt_tokens_total{"))
+            .find(|l| l.contains(&worker) && l.contains(&part) && l.contains("dp_rank=\"0\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    }
+
     fn metric(&self, name_and_labels: &str) -> f64 {
         let (status, text) = self.call("GET", "/metrics", None);
         assert_eq!(status, 200);
@@ -785,6 +799,10 @@ fn a_routing_decision_predicts_its_blocks_until_events_confirm_them() {
         if together {
             assert_eq!(second["overlap"]["gpu_blocks"], 16, "{second}");
             assert!(router.metric("kv_router_predicted_blocks") >= 16.0);
+            // Both prompts were routed to it; only the first was expected to be computed.
+            let id = first["worker_id"].as_u64().unwrap();
+            assert_eq!(router.worker_tokens(id, "routed"), Some(128.0));
+            assert_eq!(router.worker_tokens(id, "uncached"), Some(64.0));
             // The chosen worker's own store confirms the blocks (the prediction ends there), so
             // its later eviction is not masked by a guess.
             let mut chosen = if first["worker_id"] == 1 { w1 } else { w2 };
@@ -821,9 +839,15 @@ fn workers_come_and_go_with_the_workers_file() {
             .collect()
     };
     wait_until("worker 1 from the file", || ids(&router) == vec![1]);
-    // Edited: worker 2 in, worker 1 out.
+    let prompt: Vec<u32> = (0..8).collect();
+    router.ok("POST", "/route", Some(json!({ "token_ids": prompt })));
+    assert_eq!(router.worker_tokens(1, "routed"), Some(8.0));
+    assert_eq!(router.worker_tokens(1, "uncached"), Some(8.0));
+    // Edited: worker 2 in, worker 1 out, and its series with it.
     std::fs::write(&file, format!("{}\n", w2.spec().replace(';', "\n"))).unwrap();
     wait_until("worker 2 instead of 1", || ids(&router) == vec![2]);
+    assert_eq!(router.worker_tokens(1, "routed"), None);
+    assert_eq!(router.worker_tokens(1, "uncached"), None);
     // Its HTTP server named: the same registration, now with a URL for the OpenAI front end.
     std::fs::write(
         &file,

@@ -499,11 +499,18 @@ async fn run_one(
     if let Err(e) = mocker.check_alive() {
         metrics_errors.push(format!("{e:#}"));
     }
-    // What the front end's tokenizer did with the prompt text (tokenized, cached, skipped).
-    let prompt_bytes = get_text(&client, &format!("{base}/metrics"))
-        .await
-        .ok()
-        .map(|text| report::PromptBytes::from_metrics(&text));
+    // What the front end's tokenizer did with the prompt text (tokenized, cached, skipped), and
+    // the work it expected each worker to compute.
+    let router_metrics = get_text(&client, &format!("{base}/metrics")).await.ok();
+    let prompt_bytes = router_metrics
+        .as_deref()
+        .map(report::PromptBytes::from_metrics);
+    if let (Some(text), true) = (&router_metrics, workers.len() == lines.len()) {
+        for (w, line) in workers.iter_mut().zip(&lines) {
+            let id = line.split_once('=').map_or("", |(id, _)| id);
+            w.router_uncached = report::router_uncached(text, id);
+        }
+    }
     let debug_cost = if spec.mode == "tuned" {
         match get_json(&client, &format!("{base}/debug/cost")).await {
             Ok(j) => Some(j),

@@ -64,6 +64,19 @@ impl Summary {
     }
 }
 
+/// The prompt tokens the router's metrics say it expected worker `worker_id` (rank 0) to
+/// compute; None when it has no such series.
+pub fn router_uncached(router_metrics: &str, worker_id: &str) -> Option<f64> {
+    let label = format!("worker_id=\"{worker_id}\"");
+    let name = "kv_router_worker_prompt_tokens_total";
+    let lines: String = router_metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(&label) && l.contains("dp_rank=\"0\""))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    (!lines.is_empty()).then(|| prom_sum(&lines, name, Some(("part", "uncached"))))
+}
+
 /// Prompt text by what the router's tokenizer did with it (bytes).
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
 pub struct PromptBytes {
@@ -105,6 +118,9 @@ pub struct WorkerCounts {
     pub generation_tokens: f64,
     /// Requests the worker preempted (their computed tokens are computed again on resuming).
     pub preemptions: f64,
+    /// Prompt tokens the router expected it to compute: past its cached prefix in every tier
+    /// when the router chose it (`kv_router_worker_prompt_tokens_total{part="uncached"}`).
+    pub router_uncached: Option<f64>,
     pub sim_seconds: f64,
 }
 
@@ -120,6 +136,7 @@ impl WorkerCounts {
             requests: prom_sum(text, "kvbm_mocker_requests_total", None),
             generation_tokens: prom_sum(text, "kvbm_mocker_generation_tokens_total", None),
             preemptions: prom_sum(text, "kvbm_mocker_preemptions_total", None),
+            router_uncached: None,
             sim_seconds: prom_sum(text, "kvbm_mocker_sim_seconds", None),
         }
     }
@@ -825,6 +842,18 @@ mod tests {
         assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9); // 0.18 s / 3
         assert!((r.cpu.front_end_kernel_ms_per_request.unwrap() - 20.0).abs() < 1e-9);
         // 0.06 / 3
+    }
+
+    #[test]
+    fn the_work_the_router_expected_is_read_per_worker() {
+        let text = "# TYPE kv_router_worker_prompt_tokens_total counter\n\
+                    kv_router_worker_prompt_tokens_total{worker_id=\"1\",dp_rank=\"0\",part=\"routed\"} 900\n\
+                    kv_router_worker_prompt_tokens_total{worker_id=\"1\",dp_rank=\"0\",part=\"uncached\"} 400\n\
+                    kv_router_worker_prompt_tokens_total{worker_id=\"12\",dp_rank=\"0\",part=\"uncached\"} 70\n\
+                    kv_router_worker_prompt_tokens_total{worker_id=\"1\",dp_rank=\"1\",part=\"uncached\"} 5\n";
+        assert_eq!(router_uncached(text, "1"), Some(400.0));
+        assert_eq!(router_uncached(text, "12"), Some(70.0));
+        assert_eq!(router_uncached(text, "2"), None);
     }
 
     #[test]
