@@ -1191,11 +1191,11 @@ impl Router {
             .with_label_values(&[selector.mode.name()])
             .inc();
         let chosen = selection.chosen;
+        let overlap = overlaps
+            .iter()
+            .find(|(w, _)| *w == chosen)
+            .map_or(Overlap::default(), |(_, o)| *o);
         {
-            let overlap = overlaps
-                .iter()
-                .find(|(w, _)| *w == chosen)
-                .map_or(Overlap::default(), |(_, o)| *o);
             let cached = (overlap.gpu + overlap.host + overlap.disk + overlap.shared)
                 .saturating_mul(block_size);
             let (id, rank) = (chosen.0.to_string(), chosen.1.to_string());
@@ -1213,10 +1213,6 @@ impl Router {
                 predictions.predict(chosen, &hashes, now);
             }
         }
-        let overlap = overlaps
-            .iter()
-            .find(|(w, _)| *w == chosen)
-            .map_or(Overlap::default(), |(_, o)| *o);
         let cost = selection
             .costs
             .iter()

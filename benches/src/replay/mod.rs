@@ -454,11 +454,10 @@ async fn run_one(
     wait_router(&client, &mut router, &base, args.workers, timeout).await?;
 
     let cpu_before = (
-        router.cpu_s(),
+        router.cpu_split_s(),
         mocker.cpu_s(),
         fleet::cpu_seconds("/proc/self/stat"),
         router.threads_cpu_split_s(ROUTER_EVENT_THREADS),
-        router.cpu_split_s(),
     );
     let records = drive(
         &client,
@@ -471,11 +470,10 @@ async fn run_one(
     )
     .await;
     let cpu_after = (
-        router.cpu_s(),
+        router.cpu_split_s(),
         mocker.cpu_s(),
         fleet::cpu_seconds("/proc/self/stat"),
         router.threads_cpu_split_s(ROUTER_EVENT_THREADS),
-        router.cpu_split_s(),
     );
     let delta = |a: Option<f64>, b: Option<f64>| Some(b? - a?);
 
@@ -532,16 +530,16 @@ async fn run_one(
     result.prompt_bytes = prompt_bytes;
     result.metrics_errors = metrics_errors;
     result.mocker_lag_max_s = lag_max;
+    let total = |c: Option<fleet::CpuSplit>| c.map(|c| c.total());
+    let system = |c: Option<fleet::CpuSplit>| c.map(|c| c.system);
     result.set_cpu(
-        delta(cpu_before.0, cpu_after.0),
+        delta(total(cpu_before.0), total(cpu_after.0)),
         delta(cpu_before.1, cpu_after.1),
         delta(cpu_before.2, cpu_after.2),
     );
-    let events = |c: Option<fleet::CpuSplit>| c.map(|c| c.total());
-    let system = |c: Option<fleet::CpuSplit>| c.map(|c| c.system);
     result.set_router_events_cpu(
-        delta(events(cpu_before.3), events(cpu_after.3)),
-        delta(system(cpu_before.4), system(cpu_after.4))
+        delta(total(cpu_before.3), total(cpu_after.3)),
+        delta(system(cpu_before.0), system(cpu_after.0))
             .zip(delta(system(cpu_before.3), system(cpu_after.3))),
     );
     Ok(result)

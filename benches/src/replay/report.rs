@@ -816,9 +816,10 @@ mod tests {
         let mut r = RunResult::from_records(&spec, &records, 10.0, workers);
         assert_eq!((r.answered, r.errors, r.dropped, r.requests), (2, 1, 1, 4));
         assert_eq!(r.error_samples, vec!["HTTP 500".to_owned()]);
-        assert_eq!(r.stream_events_per_request, 1.0); // one chunk each, errors not counted
-                                                      // Simulated: wall × 10.
-                                                      // Nearest rank of two: index round(0.5) = 1.
+        // One chunk each; the error's not counted.
+        assert_eq!(r.stream_events_per_request, 1.0);
+        // Simulated: wall × 10.
+        // Nearest rank of two: index round(0.5) = 1.
         assert_eq!(r.ttft_s.p50, 2.0);
         assert_eq!(r.ttft_s.mean, 1.5);
         assert_eq!(r.itl_s.n, 1);
@@ -840,8 +841,8 @@ mod tests {
                                                                        // 0.1 s of the router's in the kernel, 0.04 s of it its event threads'.
         r.set_router_events_cpu(Some(0.12), Some((0.1, 0.04)));
         assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9); // 0.18 s / 3
+                                                                                // (0.1 - 0.04) s / 3
         assert!((r.cpu.front_end_kernel_ms_per_request.unwrap() - 20.0).abs() < 1e-9);
-        // 0.06 / 3
     }
 
     #[test]
