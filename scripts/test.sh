@@ -42,10 +42,11 @@ else
   cargo test --workspace --no-fail-fast
 fi
 
-echo "== kvbm-bench replay: 300 requests of the Mooncake trace (shrunk to 64 tokens a block) through kvbm-router against 4 kvbm-mocker workers, per routing mode; functional checks only (every request answered whole, no errors, the JSON complete)"
+echo "== kvbm-bench replay: 300 requests of the Mooncake trace (shrunk to 64 tokens a block) through kvbm-router against 4 kvbm-mocker workers, per routing mode and with kv's balance term; functional checks only (every request answered whole, no errors, the JSON complete)"
 cargo build --quiet -p kvbm-bench -p kvbm-mocker -p kvbm-router
 target/debug/kvbm-bench replay --trace benches/data/mooncake-conversation.jsonl --requests 300 --workers 4 \
-  --modes round-robin,kv,tuned --speedup 50 --block-tokens 64 --max-output-tokens 32 --out target/replay-check.json --check >/dev/null
+  --modes round-robin,kv,tuned --sweep balance_weight=0.5 --speedup 50 --block-tokens 64 --max-output-tokens 32 \
+  --out target/replay-check.json --check >/dev/null
 
 echo "== kvbm-bench offload on both engines (leader and worker as the connector runs them; block manager), with and without a disk tier, every byte verified"
 for engine in manager split; do

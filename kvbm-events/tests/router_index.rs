@@ -163,6 +163,18 @@ fn run(mut index: KvIndex, ops: Vec<Op>, mut queries: Vec<Vec<u64>>) {
                     .count();
                 assert_eq!(index.blocks_in(k, t), n, "{k:?} {t}");
             }
+            // Of each query's blocks, those the worker holds in host memory or on disk.
+            for q in &queries {
+                let below = q
+                    .iter()
+                    .filter(|&&x| {
+                        [Tier::Host, Tier::Disk]
+                            .iter()
+                            .any(|&t| model.counts.get(&(k, t, x)).is_some_and(|c| *c > 0))
+                    })
+                    .count();
+                assert_eq!(index.held_below_gpu(k, q), below, "{k:?} {q:?}");
+            }
         }
     }
 }

@@ -50,6 +50,29 @@ fn costs_follow_dynamos_formula() {
             cand(8, 2, 4, 4, idle),
             0.0,
         ),
+        // kvbm's balance term, outside the clamp: 10 * 0.5 * 64 / 16 = 20 blocks on top of a
+        // prefill term of 0 (credit past the prompt) ...
+        (
+            SelectorConfig {
+                prefill_load_scale: 10.0,
+                balance_weight: 0.5,
+                ..dynamo()
+            },
+            Candidate {
+                excess_work: 64.0,
+                ..cand(9, 30, 0, 0, idle)
+            },
+            20.0,
+        ),
+        // ... and nothing when the weight is 0, whatever the excess.
+        (
+            dynamo(),
+            Candidate {
+                excess_work: 1e9,
+                ..cand(10, 6, 0, 0, idle)
+            },
+            4.0,
+        ),
     ];
     for (config, candidate, expected) in cases {
         assert_eq!(

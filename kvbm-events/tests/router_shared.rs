@@ -256,6 +256,7 @@ fn a_shared_block_is_credited_at_its_weight_below_a_disk_hit() {
         worker: A,
         overlap,
         load: WorkerLoad::default(),
+        excess_work: 0.0,
     };
     let (none, shared, disk) = (o(0, 0, 0, 0), o(0, 0, 0, 10), o(0, 0, 10, 0));
     let cost = |ov| kv.cost(&candidate(ov), 16 * BS, BS);

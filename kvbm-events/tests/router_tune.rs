@@ -144,6 +144,7 @@ fn adversarial_observations_never_make_it_nan_or_break_its_bounds() {
                     decode_blocks: f.decode_blocks,
                     requests: f.requests,
                 },
+                excess_work: 0.0,
             };
             if let Some(cost) = tuner.cost(&candidate, 100_000) {
                 assert!(!cost.is_nan(), "{cost}");
@@ -163,6 +164,7 @@ fn until_warm_it_has_no_cost_and_a_worker_that_left_is_forgotten() {
         worker: (id, 0),
         overlap: Overlap::default(),
         load: WorkerLoad::default(),
+        excess_work: 0.0,
     };
     for i in 0..WARMUP_OBSERVATIONS {
         assert!(!tuner.ready());
@@ -222,6 +224,7 @@ fn tuned_routing_beats_kv_when_one_worker_is_three_times_slower() {
                         decode_blocks: 0,
                         requests: usize::from(pending[i] > 0.0),
                     },
+                    excess_work: 0.0,
                 })
                 .collect();
             let cost = |c: &Candidate| tuner.cost(c, 1000).unwrap_or(f64::MAX);
@@ -289,11 +292,13 @@ fn the_externality_charges_a_request_its_own_service_time() {
             decode_blocks: 0,
             requests: 1,
         },
+        excess_work: 0.0,
     };
     let idle = Candidate {
         worker: (2, 0),
         overlap: Overlap::default(),
         load: WorkerLoad::default(),
+        excess_work: 0.0,
     };
     let pick = |t: &Tuner| {
         if t.cost(&holder, 2000).unwrap() < t.cost(&idle, 2000).unwrap() {
@@ -324,6 +329,7 @@ fn the_load_cap_is_a_bounded_multiple_of_an_even_share() {
             decode_blocks: 0,
             requests,
         },
+        excess_work: 0.0,
     };
     let fleet = [with(10), with(2), with(2), with(3)];
     let bounded = Tuner::new(16).with_load_bound(0.25);

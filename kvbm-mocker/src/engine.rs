@@ -614,6 +614,7 @@ impl Engine {
                 shape.prefill_attn_pairs += n as f64 * (s.computed as f64 + n as f64 / 2.0);
             }
         }
+        self.metrics.prefill_tokens.inc_by(shape.prefill_tokens);
         let duration = if sched.is_empty() {
             0.0
         } else {
@@ -1245,6 +1246,15 @@ mod tests {
         let ub = run_to_end(&mut e, &mut rb);
         assert_eq!((ua.completion_tokens, ub.completion_tokens), (8, 8));
         assert!(m.preemptions.get() >= 1);
+        // Each prompt counts once as computed; the prefill counter also counts what the
+        // preempted request computed again on resuming.
+        let computed = m.prompt_tokens.with_label_values(&["computed"]).get();
+        assert_eq!(computed, 16);
+        assert!(
+            m.prefill_tokens.get() > computed,
+            "{}",
+            m.prefill_tokens.get()
+        );
         let c = e.gpu().counts();
         assert_eq!(c.capacity - c.free - c.idle, 0, "every block released");
     }

@@ -11,6 +11,10 @@ pub struct WorkerMetrics {
     /// Prompt tokens of finished prefills by where they came from
     /// (`computed`, `gpu`, `host`, `disk`).
     pub prompt_tokens: IntCounterVec,
+    /// Tokens run through prefill, every time: a preempted request's tokens computed again on
+    /// resuming count again (`prompt_tokens{source="computed"}` counts each prompt once, at its
+    /// first admission, as vLLM reports `num_cached_tokens`).
+    pub prefill_tokens: IntCounter,
     /// Tokens generated.
     pub generation_tokens: IntCounter,
     /// Requests by outcome (`finished`, `aborted`).
@@ -68,6 +72,14 @@ impl WorkerMetrics {
                 "kvbm_mocker_prompt_tokens_total",
                 "Prompt tokens of finished prefills, by where they came from",
                 "source",
+            ),
+            prefill_tokens: reg(
+                &r,
+                IntCounter::new(
+                    "kvbm_mocker_prefill_tokens_total",
+                    "Tokens run through prefill, recomputed ones (after a preemption) included",
+                )
+                .expect("valid metric"),
             ),
             generation_tokens: reg(
                 &r,

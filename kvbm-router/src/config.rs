@@ -145,6 +145,18 @@ pub struct Args {
     #[arg(long, default_value_t = 0.0)]
     pub router_decode_active_request_weight: f64,
 
+    /// Fixed-weight cost modes (`kv-gpu`, `kv`, `dynamo`): each token a worker computed into its GPU
+    /// cache lately (its own KV events, decayed with --router-balance-half-life-secs) above the
+    /// least of the candidates counts as this many tokens of queued prefill, so that new
+    /// conversations go where less work was done lately (at most 100; 0 turns it off).
+    #[arg(long)]
+    pub router_balance_weight: Option<f64>,
+
+    /// Half-life, in seconds, of the recent work the balance term weighs (above 0, at most a
+    /// day).
+    #[arg(long, default_value_t = kvbm_events::router::BALANCE_HALF_LIFE_DEFAULT.as_secs_f64())]
+    pub router_balance_half_life_secs: f64,
+
     /// `tuned` only: weight of a request's own predicted service time (its computed tokens and
     /// loads) in its cost, for the delay it brings to the requests queued after it on that
     /// worker; 0 minimizes each request's own predicted TTFT (at most 100).
@@ -367,6 +379,8 @@ pub struct RouterConfig {
     pub tuned_externality: f64,
     /// `tuned`: bound on a worker's requests in flight over an even share (0: none).
     pub tuned_load_bound: f64,
+    /// Half-life of the recent work the balance term weighs.
+    pub balance_half_life: Duration,
     /// How long an unreported request counts toward load.
     pub request_ttl: Duration,
     /// Per-worker index limit.
@@ -468,6 +482,7 @@ impl Default for RouterConfig {
             selector: SelectorConfig::default(),
             tuned_externality: kvbm_events::router::tune::EXTERNALITY_DEFAULT,
             tuned_load_bound: kvbm_events::router::tune::LOAD_BOUND_DEFAULT,
+            balance_half_life: kvbm_events::router::BALANCE_HALF_LIFE_DEFAULT,
             request_ttl: Duration::from_secs(600),
             max_blocks_per_worker: BLOCKS_PER_WORKER_MAX_DEFAULT,
             index_capacity_blocks: 0,
@@ -569,6 +584,12 @@ pub fn bootstrap_max_blocks_default(index_capacity: usize, memory: Option<u64>) 
         .min(BOOTSTRAP_MAX_BLOCKS_MAX)
 }
 
+/// The largest `--router-balance-weight`.
+const BALANCE_WEIGHT_MAX: f64 = 100.0;
+
+/// The longest `--router-balance-half-life-secs` (a day).
+const BALANCE_HALF_LIFE_SECS_MAX: f64 = 86_400.0;
+
 fn weight(flag: &'static str, value: f64) -> Result<f64, ConfigError> {
     if value.is_finite() && value >= 0.0 {
         Ok(value)
@@ -638,6 +659,12 @@ impl Args {
             temperature: weight("router-temperature", self.router_temperature)?,
             ..SelectorConfig::for_mode(mode).with_weights(w)
         };
+        if let Some(v) = self.router_balance_weight {
+            let v = weight_at_most("router-balance-weight", v, BALANCE_WEIGHT_MAX)?;
+            if mode.takes_weights() {
+                config.balance_weight = v;
+            }
+        }
         if let Some(v) = self.router_shared_cache_hit_weight {
             let v = weight("router-shared-cache-hit-weight", v)?;
             if mode.takes_weights() && mode != RouterMode::KvGpu {
@@ -683,6 +710,15 @@ impl Args {
                 why: "must be a number of seconds from 0 to a week",
             });
         }
+        let half_life = self.router_balance_half_life_secs;
+        if !(half_life.is_finite() && half_life > 0.0 && half_life <= BALANCE_HALF_LIFE_SECS_MAX) {
+            return Err(ConfigError::Flag {
+                flag: "router-balance-half-life-secs",
+                value: half_life.to_string(),
+                why: "must be a number of seconds above 0, at most a day",
+            });
+        }
+        let balance_half_life = Duration::from_secs_f64(half_life);
         let idle = bounded(
             "http-idle-timeout-secs",
             self.http_idle_timeout_secs,
@@ -714,6 +750,7 @@ impl Args {
                 self.router_tuned_load_bound,
                 kvbm_events::router::tune::LOAD_BOUND_MAX,
             )?,
+            balance_half_life,
             request_ttl: Duration::from_secs(request_ttl),
             max_blocks_per_worker: self.max_blocks_per_worker,
             index_capacity_blocks: index_capacity(self.index_capacity_blocks, physical_memory())?,
@@ -1323,6 +1360,31 @@ mod tests {
             args.router_config().unwrap().predicted_ttl,
             Duration::from_millis(2500)
         );
+        // The balance term: a weight from 0 to 100 (kept only by the modes with weights), a
+        // half-life above 0 and at most a day.
+        for bad in [f64::NAN, -0.5, 100.5] {
+            args.router_balance_weight = Some(bad);
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--router-balance-weight="), "{e}");
+        }
+        for bad in [f64::NAN, 0.0, -1.0, 86_401.0] {
+            args.router_balance_weight = None;
+            args.router_balance_half_life_secs = bad;
+            let e = args.router_config().unwrap_err().to_string();
+            assert!(e.contains("--router-balance-half-life-secs="), "{e}");
+        }
+        args.router_balance_half_life_secs = 30.0;
+        args.router_balance_weight = Some(0.25);
+        let c = args.router_config().unwrap();
+        assert_eq!(
+            (c.selector.balance_weight, c.balance_half_life),
+            (0.25, Duration::from_secs(30))
+        );
+        args.router_mode = RouterMode::RoundRobin;
+        assert_eq!(args.router_config().unwrap().selector.balance_weight, 0.0);
+        args.router_mode = RouterMode::Kv;
+        args.router_balance_weight = None;
+        assert_eq!(args.router_config().unwrap().selector.balance_weight, 0.0);
         // An index capacity past what the index can number or the machine can map: a flag error,
         // not a panic when the index maps it.
         for bad in [10_000_000_000usize, usize::MAX, (1 << 32) - 1] {

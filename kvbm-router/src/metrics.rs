@@ -54,7 +54,9 @@
 //!   mode in force), `kv_router_routed_total{mode}`,
 //!   `kv_router_worker_prompt_tokens_total{worker_id, dp_rank, part}` (`routed`: whole prompts;
 //!   `uncached`: past the chosen worker's overlap in every tier, what it was expected to compute;
-//!   a worker's series go when it is unregistered), `kv_router_tuned_active` (1 once the learned
+//!   a worker's series go when it is unregistered), `kv_router_worker_recent_work_tokens{worker_id,
+//!   dp_rank}` (tokens each registered worker computed into its GPU cache lately, by its own KV
+//!   events, decayed: the balance term's input), `kv_router_tuned_active` (1 once the learned
 //!   cost is in use), `kv_router_tuned_prefill_load_scale`,
 //!   `kv_router_tuned_host_cache_hit_weight`, `kv_router_tuned_disk_cache_hit_weight` (the
 //!   learned cost in Dynamo's weights), `kv_router_tuned_compute_seconds_per_token{worker_id,
@@ -166,6 +168,10 @@ pub struct ModeMetrics {
     /// to each worker, `routed` (whole prompts) and `uncached` (past the worker's overlap in
     /// every tier when it was chosen: what the router expected it to compute).
     pub worker_prompt_tokens: IntCounterVec,
+    /// `kv_router_worker_recent_work_tokens{worker_id, dp_rank}`: tokens each worker computed into
+    /// its GPU cache lately (its KV events, decayed by --router-balance-half-life-secs), the
+    /// balance term's input; refreshed at each scrape.
+    pub worker_recent_work: GaugeVec,
     /// `kv_router_tuned_active`: 1 once the learned cost is in use.
     pub tuned_active: IntGauge,
     /// `kv_router_tuned_prefill_load_scale`.
@@ -257,6 +263,18 @@ impl ModeMetrics {
                          (past the worker's cached prefix in every tier when it was chosen)",
                     ),
                     &["worker_id", "dp_rank", "part"],
+                )
+                .expect("valid metric"),
+            ),
+            worker_recent_work: register(
+                registry,
+                GaugeVec::new(
+                    Opts::new(
+                        "kv_router_worker_recent_work_tokens",
+                        "Tokens each worker computed into its GPU cache lately, by its KV events, \
+                         decayed by --router-balance-half-life-secs (the balance term's input)",
+                    ),
+                    &["worker_id", "dp_rank"],
                 )
                 .expect("valid metric"),
             ),

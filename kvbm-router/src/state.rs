@@ -41,7 +41,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 use kvbm_events::router::{
     select_mode, with_prediction, Candidate, KvIndex, LoadTracker, Overlap, Predictions,
-    RoundRobin, RouteFeatures, RouterMode, Tuner, WorkerKey, WorkerLoad, PREDICTIONS_MAX_DEFAULT,
+    RecentWork, RoundRobin, RouteFeatures, RouterMode, Tuner, WorkerKey, WorkerLoad,
+    PREDICTIONS_MAX_DEFAULT,
 };
 use kvbm_events::{
     BlockHasher, LinkState, LinkStatus, SubscriberEvent, Tier, TransportError, WireEvent,
@@ -377,6 +378,9 @@ struct Shared {
     index: RwLock<KvIndex>,
     predictions: Mutex<Predictions>,
     load: Mutex<LoadTrack>,
+    /// Each worker's recent work, the blocks it computed into its GPU cache (the balance term's
+    /// input).
+    work: Mutex<RecentWork>,
     workers: Mutex<BTreeMap<WorkerKey, WorkerInfo>>,
     /// Workers left out of routing until the instant, after a failed request.
     cooldown: Mutex<BTreeMap<WorkerKey, Instant>>,
@@ -435,6 +439,10 @@ impl Drop for DumpGuard {
     }
 }
 
+/// The balance term weighs in only while no candidate holds more of the prompt than another by
+/// 1/this of it ([`Router::balance_applies`]).
+const BALANCE_SPREAD_DIVISOR: usize = 4;
+
 /// How often, at most, routed requests past their time-to-live are expired.
 const EXPIRY_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -486,6 +494,7 @@ impl Router {
                 tracker: LoadTracker::new(config.request_ttl),
                 last_expiry: Instant::now(),
             }),
+            work: Mutex::new(RecentWork::new(config.balance_half_life)),
             workers: Mutex::new(BTreeMap::new()),
             cooldown: Mutex::new(BTreeMap::new()),
             metrics: RouterMetrics::new(),
@@ -782,6 +791,7 @@ impl Router {
             let _ = dropped.recv();
         }
         self.shared.load.lock().tracker.drop_worker(key);
+        self.shared.work.lock().drop_worker(key);
         self.shared.predictions.lock().forget(key);
         self.shared.cooldown.lock().remove(&key);
         self.shared.tuner.lock().forget(key);
@@ -957,8 +967,9 @@ impl Router {
     /// registered worker's) for a prompt of `input_tokens`, without routing anything; None
     /// unless the pick is certain: a fixed-weight cost mode (`kv-gpu`, `kv`, `dynamo`) without
     /// a temperature, credit weights at most 1 (so that an overlap never credits more than the
-    /// prompt's length and the length cancels out between workers), and one lowest cost. The
-    /// workers are filtered as the front end's first attempt filters them.
+    /// prompt's length and the length cancels out between workers), and one lowest cost, the
+    /// same with and without the balance term when it has a weight. The workers are filtered as
+    /// the front end's first attempt filters them.
     fn sure_pick(
         &self,
         overlaps: &[(WorkerKey, Overlap)],
@@ -986,25 +997,77 @@ impl Router {
             .copied()
             .collect();
         self.pass_over_down_and_cooling(&mut eligible, true);
+        // The balance term weighs in or not depending on how far the holder's overlap and the
+        // prompt reach, which the rest of the prompt may change: the pick is sure only if the
+        // same worker wins either way.
+        let excess: Vec<f64> = if s.balance_weight > 0.0 {
+            let work = self.shared.work.lock();
+            work.excess(eligible.iter().map(|(k, _)| *k), Instant::now())
+        } else {
+            vec![0.0; eligible.len()]
+        };
         let load = self.shared.load.lock();
-        let mut costs: Vec<(WorkerKey, f64)> = eligible
-            .iter()
-            .map(|&(worker, overlap)| {
-                let c = Candidate {
-                    worker,
-                    overlap,
-                    load: load.tracker.load(worker),
-                };
-                (worker, s.cost(&c, input_tokens, config.block_size))
-            })
-            .collect();
-        drop(load);
-        costs.sort_by(|a, b| a.1.total_cmp(&b.1));
-        match costs[..] {
-            [(only, _)] => Some(only),
-            [(best, c0), (_, c1), ..] if c0 < c1 => Some(best),
-            _ => None,
+        let best = |with_balance: bool| {
+            let mut costs: Vec<(WorkerKey, f64)> = eligible
+                .iter()
+                .zip(&excess)
+                .map(|(&(worker, overlap), &excess_work)| {
+                    let c = Candidate {
+                        worker,
+                        overlap,
+                        load: load.tracker.load(worker),
+                        excess_work: if with_balance { excess_work } else { 0.0 },
+                    };
+                    (worker, s.cost(&c, input_tokens, config.block_size))
+                })
+                .collect();
+            costs.sort_by(|a, b| a.1.total_cmp(&b.1));
+            match costs[..] {
+                [(only, _)] => Some(only),
+                [(best, c0), (_, c1), ..] if c0 < c1 => Some(best),
+                _ => None,
+            }
+        };
+        let without = best(false);
+        if s.balance_weight > 0.0 && best(true) != without {
+            return None;
         }
+        without
+    }
+
+    /// Whether the balance term weighs in for a prompt of `input_tokens` with `overlaps`: its
+    /// weight is above 0 and no candidate holds more of the prompt than another by a quarter of
+    /// it or more (a new conversation, or one whose cache is gone everywhere). Where one does,
+    /// the conversation stays with its cache: moving it would compute its history again, and
+    /// the load terms alone decide whether that pays.
+    fn balance_applies(&self, overlaps: &[(WorkerKey, Overlap)], input_tokens: usize) -> bool {
+        if self.shared.config.selector.balance_weight <= 0.0 {
+            return false;
+        }
+        let held = |o: &Overlap| o.gpu + o.host + o.disk + o.shared;
+        let most = overlaps.iter().map(|(_, o)| held(o)).max().unwrap_or(0);
+        let least = overlaps.iter().map(|(_, o)| held(o)).min().unwrap_or(0);
+        let spread_tokens = (most - least).saturating_mul(self.shared.config.block_size);
+        spread_tokens.saturating_mul(BALANCE_SPREAD_DIVISOR) < input_tokens
+    }
+
+    /// Each of `overlaps`' workers' recent work above the least of them, in tokens; all 0 where
+    /// the balance term does not weigh in ([`Self::balance_applies`]; the lock is not taken).
+    fn excess_work(&self, overlaps: &[(WorkerKey, Overlap)], input_tokens: usize) -> Vec<f64> {
+        if self.balance_applies(overlaps, input_tokens) {
+            self.shared
+                .work
+                .lock()
+                .excess(overlaps.iter().map(|(k, _)| *k), Instant::now())
+        } else {
+            vec![0.0; overlaps.len()]
+        }
+    }
+
+    /// Each worker's recent work (blocks computed into its GPU cache, decayed), in tokens, in key
+    /// order.
+    pub fn recent_work(&self) -> Vec<(WorkerKey, f64)> {
+        self.shared.work.lock().all(Instant::now())
     }
 
     /// Leaves out of `overlaps` the workers whose event stream is down (unless
@@ -1106,6 +1169,7 @@ impl Router {
         let config = &self.shared.config;
         let input_tokens = request.token_ids.len() + request.untokenized_tokens;
         let now = Instant::now();
+        let excess = self.excess_work(&overlaps, input_tokens);
         let mut load = self.shared.load.lock();
         if now.duration_since(load.last_expiry) >= EXPIRY_INTERVAL {
             load.tracker.expire(now);
@@ -1113,10 +1177,12 @@ impl Router {
         }
         let candidates: Vec<Candidate> = overlaps
             .iter()
-            .map(|&(worker, overlap)| Candidate {
+            .zip(excess)
+            .map(|(&(worker, overlap), excess_work)| Candidate {
                 worker,
                 overlap,
                 load: load.tracker.load(worker),
+                excess_work,
             })
             .collect();
         let selector = &config.selector;
@@ -1471,6 +1537,16 @@ impl Router {
                 }
             }
         }
+        mm.worker_recent_work.reset();
+        let registered: Vec<WorkerKey> = self.shared.workers.lock().keys().copied().collect();
+        let work = self.shared.work.lock();
+        let now = Instant::now();
+        for k in registered {
+            mm.worker_recent_work
+                .with_label_values(&[&k.0.to_string(), &k.1.to_string()])
+                .set(work.value(k, now));
+        }
+        drop(work);
         if let Some(cpu) = process_cpu_seconds() {
             let mut seen = self.shared.cpu_seen.lock();
             if cpu > *seen {
@@ -1570,16 +1646,28 @@ fn pump_loop(
         };
         match event {
             SubscriberEvent::Batch { seq, batch, .. } => {
+                // Blocks newly stored in the worker's GPU cache that it computed (not loaded
+                // from its host or disk tier): the work it reports.
+                let mut computed = 0usize;
                 {
                     let mut index = shared.index.write();
                     let mut predictions = shared.predictions.lock();
                     let predicting = !predictions.is_empty();
+                    let mut gpu_stored: Vec<u64> = Vec::new();
                     for e in &batch.events {
+                        gpu_stored.clear();
                         let status = index.apply_and(worker, e, |tier, ours| {
-                            if predicting && tier == Tier::Gpu {
-                                predictions.confirm(worker, ours);
+                            if tier == Tier::Gpu {
+                                gpu_stored.extend_from_slice(ours);
+                                if predicting {
+                                    predictions.confirm(worker, ours);
+                                }
                             }
                         });
+                        if !gpu_stored.is_empty() {
+                            computed +=
+                                gpu_stored.len() - index.held_below_gpu(worker, &gpu_stored);
+                        }
                         if matches!(e, WireEvent::Cleared) {
                             predictions.forget(worker);
                         }
@@ -1590,6 +1678,10 @@ fn pump_loop(
                                 .inc();
                         }
                     }
+                }
+                if computed > 0 {
+                    let tokens = computed.saturating_mul(shared.config.block_size) as u64;
+                    shared.work.lock().add(worker, tokens, Instant::now());
                 }
                 m.applied(
                     "stored",

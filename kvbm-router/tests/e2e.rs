@@ -1644,3 +1644,78 @@ fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
     }
     assert!(router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]));
 }
+
+#[test]
+fn the_balance_term_sends_new_prompts_where_less_work_was_stored_lately() {
+    // Worker 1 reports 16 blocks (64 tokens) stored on its GPU, 8 in pinned host memory (not
+    // work the GPU did), then those 8 on its GPU (loaded from host, not computed); worker 2
+    // reports nothing. Its recent work, 64 tokens, shows on the metrics page.
+    // With --router-balance-weight 0.5, each token of it above worker 2's counts as half a
+    // queued prefill token: 10 * 0.5 * 64 / 4 = 80 on worker 1's cost, for prompts no worker
+    // holds a quarter of the prompt more of than the other. A 16-block prompt no worker holds
+    // goes to worker 2 (160 against 160 + 80); one sharing 2 blocks with worker 1's too
+    // (160 against 140 + 80); one sharing 4 blocks, a quarter, stays with its cache (120 against
+    // 160: the term is left out) as does the prompt worker 1 holds whole (0 against 160).
+    // Without the term, worker 1 gets both shared prompts and the new ones' ties are broken at
+    // random, both workers getting some.
+    let ctx = zmq::Context::new();
+    let held: Vec<u32> = (0..64).collect();
+    let other: Vec<u32> = (1000..1032).collect();
+    let sharing = |blocks: usize| -> Vec<u32> {
+        let mut p = held[..blocks * BLOCK].to_vec();
+        p.extend((0..(64 - blocks * BLOCK) as u32).map(|t| 50_000 + t));
+        p
+    };
+    for weight in ["0.5", "0"] {
+        let mut w1 = Worker::new(&ctx, 1, 0, false);
+        let w2 = Worker::new(&ctx, 2, 0, false);
+        let router = RouterProcess::start_with(
+            &format!("{};{}", w1.spec(), w2.spec()),
+            &["--router-balance-weight", weight],
+        );
+        w1.wait_for_subscriber();
+        let mut expected = KvIndex::new(
+            kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+            BLOCK as u32,
+        );
+        w1.batch(&[stored(&held, 0, 16, Tier::Gpu)], false, &mut expected);
+        w1.batch(&[stored(&other, 0, 8, Tier::Host)], false, &mut expected);
+        let seq = w1.batch(&[stored(&other, 0, 8, Tier::Gpu)], false, &mut expected);
+        router.wait_applied(&w1, seq);
+        // 64 tokens, decayed for well under a half-life (60 s).
+        let work =
+            router.metric("kv_router_worker_recent_work_tokens{dp_rank=\"0\",worker_id=\"1\"}");
+        assert!(work > 32.0 && work <= 64.0, "{work}");
+        assert_eq!(
+            router.metric("kv_router_worker_recent_work_tokens{dp_rank=\"0\",worker_id=\"2\"}"),
+            0.0
+        );
+        // Routes a prompt and reports it finished, so that every prompt meets the same loads.
+        let route = |prompt: &[u32]| -> u64 {
+            let answer = router.ok("POST", "/route", Some(json!({ "token_ids": prompt })));
+            router.ok(
+                "POST",
+                "/finished",
+                Some(json!({ "request_id": answer["request_id"] })),
+            );
+            answer["worker_id"].as_u64().unwrap()
+        };
+        let new_prompts_to: std::collections::BTreeSet<u64> = (0..20u32)
+            .map(|i| route(&(0..64).map(|t| 10_000 + i * 100 + t).collect::<Vec<u32>>()))
+            .collect();
+        let balanced = weight != "0";
+        assert_eq!(
+            route(&sharing(2)),
+            if balanced { 2 } else { 1 },
+            "2 blocks shared"
+        );
+        assert_eq!(route(&sharing(4)), 1, "4 blocks shared");
+        assert_eq!(route(&held), 1);
+        if balanced {
+            assert_eq!(new_prompts_to, [2].into(), "{new_prompts_to:?}");
+        } else {
+            // Two workers chosen at random 20 times: one alone is a 1 in 500,000 chance.
+            assert_eq!(new_prompts_to.len(), 2, "{new_prompts_to:?}");
+        }
+    }
+}

@@ -69,8 +69,8 @@ pub struct ReplayArgs {
     )]
     pub modes: Vec<String>,
     /// Extra runs: KEY=V1,V2,... with KEY one of `kv`'s weights (prefill_load_scale,
-    /// kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight) or `tuned`'s
-    /// (tuned_externality, tuned_load_bound) (repeatable).
+    /// kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, balance_weight,
+    /// balance_half_life_secs) or `tuned`'s (tuned_externality, tuned_load_bound) (repeatable).
     #[arg(long)]
     pub sweep: Vec<String>,
     /// Offered prompt tokens as a fraction of the fleet's no-cache prefill throughput.
@@ -136,10 +136,12 @@ fn sweep_flag(key: &str) -> anyhow::Result<(&'static str, &'static str)> {
         "kv_overlap_score_credit" => ("kv", "--router-kv-overlap-score-credit"),
         "host_cache_hit_weight" => ("kv", "--router-host-cache-hit-weight"),
         "disk_cache_hit_weight" => ("kv", "--router-disk-cache-hit-weight"),
+        "balance_weight" => ("kv", "--router-balance-weight"),
+        "balance_half_life_secs" => ("kv", "--router-balance-half-life-secs"),
         "tuned_externality" => ("tuned", "--router-tuned-externality"),
         "tuned_load_bound" => ("tuned", "--router-tuned-load-bound"),
         _ => bail!(
-            "--sweep {key:?}: not one of prefill_load_scale, kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, tuned_externality, tuned_load_bound"
+            "--sweep {key:?}: not one of prefill_load_scale, kv_overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight, balance_weight, balance_half_life_secs, tuned_externality, tuned_load_bound"
         ),
     })
 }
@@ -507,6 +509,7 @@ async fn run_one(
         for (w, line) in workers.iter_mut().zip(&lines) {
             let id = line.split_once('=').map_or("", |(id, _)| id);
             w.router_uncached = report::router_uncached(text, id);
+            w.router_recent_work = report::router_recent_work(text, id);
         }
     }
     let debug_cost = if spec.mode == "tuned" {
@@ -691,6 +694,7 @@ mod tests {
                 "prefill_load_scale=1,2.5".into(),
                 "host_cache_hit_weight=0.5".into(),
                 "tuned_externality=0".into(),
+                "balance_weight=0.2".into(),
             ],
         )
         .unwrap();
@@ -703,9 +707,11 @@ mod tests {
                 "kv prefill_load_scale=1",
                 "kv prefill_load_scale=2.5",
                 "kv host_cache_hit_weight=0.5",
-                "tuned tuned_externality=0"
+                "tuned tuned_externality=0",
+                "kv balance_weight=0.2"
             ]
         );
+        assert_eq!(specs[6].router_flags, ["--router-balance-weight", "0.2"]);
         assert_eq!(specs[5].mode, "tuned");
         assert_eq!(specs[5].router_flags, ["--router-tuned-externality", "0"]);
         assert_eq!(specs[3].mode, "kv");

@@ -77,6 +77,18 @@ pub fn router_uncached(router_metrics: &str, worker_id: &str) -> Option<f64> {
     (!lines.is_empty()).then(|| prom_sum(&lines, name, Some(("part", "uncached"))))
 }
 
+/// The tokens worker `worker_id` (rank 0) computed into its GPU cache lately, as the router's
+/// metrics say at the end of a run (`kv_router_worker_recent_work_tokens`, the balance term's
+/// input); None when it has no such series.
+pub fn router_recent_work(router_metrics: &str, worker_id: &str) -> Option<f64> {
+    let label = format!("worker_id=\"{worker_id}\"");
+    let name = "kv_router_worker_recent_work_tokens{";
+    router_metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(&label) && l.contains("dp_rank=\"0\""))
+        .find_map(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
 /// Prompt text by what the router's tokenizer did with it (bytes).
 #[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
 pub struct PromptBytes {
@@ -115,12 +127,17 @@ pub struct WorkerCounts {
     /// From the fleet's shared pool (the mocker's `--shared-blocks`).
     pub shared: f64,
     pub requests: f64,
+    /// Tokens it ran through prefill, recomputed ones included.
+    pub prefill_tokens: f64,
     pub generation_tokens: f64,
     /// Requests the worker preempted (their computed tokens are computed again on resuming).
     pub preemptions: f64,
     /// Prompt tokens the router expected it to compute: past its cached prefix in every tier
     /// when the router chose it (`kv_router_worker_prompt_tokens_total{part="uncached"}`).
     pub router_uncached: Option<f64>,
+    /// Tokens it computed into its GPU cache lately by the router's count at the end of the run
+    /// (`kv_router_worker_recent_work_tokens`, decayed by the router's half-life).
+    pub router_recent_work: Option<f64>,
     pub sim_seconds: f64,
 }
 
@@ -134,9 +151,11 @@ impl WorkerCounts {
             disk: prom_sum(text, p, Some(("source", "disk"))),
             shared: prom_sum(text, p, Some(("source", "shared"))),
             requests: prom_sum(text, "kvbm_mocker_requests_total", None),
+            prefill_tokens: prom_sum(text, "kvbm_mocker_prefill_tokens_total", None),
             generation_tokens: prom_sum(text, "kvbm_mocker_generation_tokens_total", None),
             preemptions: prom_sum(text, "kvbm_mocker_preemptions_total", None),
             router_uncached: None,
+            router_recent_work: None,
             sim_seconds: prom_sum(text, "kvbm_mocker_sim_seconds", None),
         }
     }
@@ -161,7 +180,11 @@ pub struct Reuse {
 /// max / mean over workers.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Imbalance {
+    /// Of each prompt's tokens computed at its first admission (vLLM's count).
     pub computed_prompt_tokens: f64,
+    /// Of the tokens each worker ran through prefill, recomputed ones (after a preemption)
+    /// included: the prefill work it did.
+    pub prefill_tokens: f64,
     pub requests: f64,
 }
 
@@ -307,6 +330,7 @@ impl RunResult {
         };
         let imbalance = Imbalance {
             computed_prompt_tokens: max_over_mean(workers.iter().map(|w| w.computed)),
+            prefill_tokens: max_over_mean(workers.iter().map(|w| w.prefill_tokens)),
             requests: max_over_mean(workers.iter().map(|w| w.requests)),
         };
         Self {
@@ -412,6 +436,8 @@ pub struct Medians {
     pub ttft_p90_min_s: f64,
     pub ttft_p90_max_s: f64,
     pub imbalance: f64,
+    /// Of the prefill work, recomputed tokens included.
+    pub imbalance_prefill: f64,
     pub front_end_ms_per_request: f64,
     pub front_end_kernel_ms_per_request: f64,
 }
@@ -461,6 +487,7 @@ pub fn medians(runs: &[RunResult]) -> Vec<Medians> {
                 ttft_p90_min_s: p90s.clone().fold(f64::NAN, f64::min),
                 ttft_p90_max_s: p90s.fold(f64::NAN, f64::max),
                 imbalance: of(&|r| r.imbalance.computed_prompt_tokens),
+                imbalance_prefill: of(&|r| r.imbalance.prefill_tokens),
                 front_end_ms_per_request: of(&|r| {
                     r.cpu.front_end_ms_per_request.unwrap_or(f64::NAN)
                 }),
@@ -540,8 +567,8 @@ pub fn table(doc: &Json) -> String {
     let rr = find("round-robin");
     let best = doc["best_fixed"].as_str().and_then(find);
     let mut out = String::from(
-        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | shared hit | imbalance (tok) | router ms/req | front end ms/req | of which kernel | events/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
-         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+        "| run | TTFT p50 | TTFT p90 | TTFT p99 | TTFT mean | ITL p50 (ms) | ITL p90 (ms) | E2E p50 | req/s | out tok/s | GPU hit | host hit | disk hit | shared hit | imbalance (tok) | imbalance (prefill) | router ms/req | front end ms/req | of which kernel | events/req | err | drop | p50 vs RR | p90 vs RR | p50 vs best fixed | p90 vs best fixed |\n\
+         |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
     );
     for r in &runs {
         let label = r["label"].as_str().unwrap_or("?");
@@ -557,7 +584,7 @@ pub fn table(doc: &Json) -> String {
             other.map_or("-".into(), |o| ratio(num(r, p), num(o, p)))
         };
         out.push_str(&format!(
-            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {label} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             fmt(num(r, "/ttft_s/p50"), 3),
             fmt(num(r, "/ttft_s/p90"), 3),
             fmt(num(r, "/ttft_s/p99"), 3),
@@ -572,6 +599,7 @@ pub fn table(doc: &Json) -> String {
             pct("/reuse/disk"),
             pct("/reuse/shared"),
             fmt(num(r, "/imbalance/computed_prompt_tokens"), 2),
+            fmt(num(r, "/imbalance/prefill_tokens"), 2),
             fmt(num(r, "/cpu/router_ms_per_request"), 3),
             fmt(num(r, "/cpu/front_end_ms_per_request"), 3),
             fmt(num(r, "/cpu/front_end_kernel_ms_per_request"), 3),
@@ -591,8 +619,8 @@ pub fn table(doc: &Json) -> String {
         let best = doc["best_fixed"].as_str().and_then(find);
         out.push_str(
             "\nMedians over the repeated runs:\n\n\
-             | setting | runs | TTFT p50 | TTFT p90 | p90 min-max | TTFT p99 | TTFT mean | imbalance (tok) | front end ms/req | of which kernel | p90 vs RR | p90 vs best fixed |\n\
-             |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
+             | setting | runs | TTFT p50 | TTFT p90 | p90 min-max | TTFT p99 | TTFT mean | imbalance (tok) | imbalance (prefill) | front end ms/req | of which kernel | p90 vs RR | p90 vs best fixed |\n\
+             |---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|\n",
         );
         for m in &medians {
             let vs = |other: Option<&Json>| {
@@ -601,7 +629,7 @@ pub fn table(doc: &Json) -> String {
                 })
             };
             out.push_str(&format!(
-                "| {} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {}-{} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 m["label"].as_str().unwrap_or("?"),
                 m["runs"],
                 fmt(num(m, "/ttft_p50_s"), 3),
@@ -611,6 +639,7 @@ pub fn table(doc: &Json) -> String {
                 fmt(num(m, "/ttft_p99_s"), 3),
                 fmt(num(m, "/ttft_mean_s"), 3),
                 fmt(num(m, "/imbalance"), 2),
+                fmt(num(m, "/imbalance_prefill"), 2),
                 fmt(num(m, "/front_end_ms_per_request"), 3),
                 fmt(num(m, "/front_end_kernel_ms_per_request"), 3),
                 vs(rr),
@@ -643,6 +672,7 @@ const RUN_FIELDS: &[&str] = &[
     "/reuse/disk",
     "/reuse/shared",
     "/imbalance/computed_prompt_tokens",
+    "/imbalance/prefill_tokens",
     "/imbalance/requests",
     "/cpu/router_ms_per_request",
     "/cpu/front_end_ms_per_request",
@@ -803,10 +833,13 @@ mod tests {
                 computed: 300.0,
                 gpu: 100.0,
                 requests: 1.0,
+                // A preempted request's 100 tokens computed again.
+                prefill_tokens: 400.0,
                 ..Default::default()
             },
             WorkerCounts {
                 computed: 100.0,
+                prefill_tokens: 100.0,
                 host: 100.0,
                 disk: 0.0,
                 requests: 3.0,
@@ -834,14 +867,17 @@ mod tests {
         assert!((r.reuse.gpu - 100.0 / 600.0).abs() < 1e-12);
         assert_eq!(r.reuse.disk, 0.0);
         assert_eq!(r.imbalance.computed_prompt_tokens, 1.5); // 300 / 200
+        assert_eq!(r.imbalance.prefill_tokens, 1.6); // 400 / 250
         assert_eq!(r.imbalance.requests, 1.5); // 3 / 2
         r.set_cpu(Some(0.3), None, None);
         assert_eq!(r.cpu.router_ms_per_request, Some(100.0)); // 0.3 s over 3 routed
         assert_eq!(r.cpu.router_ms_per_1k_prompt_tokens, Some(750.0)); // 0.3 s / 0.4K
-                                                                       // 0.1 s of the router's in the kernel, 0.04 s of it its event threads'.
+
+        // 0.1 s of the router's in the kernel, 0.04 s of it its event threads'.
         r.set_router_events_cpu(Some(0.12), Some((0.1, 0.04)));
-        assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9); // 0.18 s / 3
-                                                                                // (0.1 - 0.04) s / 3
+        // 0.18 s / 3
+        assert!((r.cpu.front_end_ms_per_request.unwrap() - 60.0).abs() < 1e-9);
+        // (0.1 - 0.04) s / 3
         assert!((r.cpu.front_end_kernel_ms_per_request.unwrap() - 20.0).abs() < 1e-9);
     }
 
@@ -853,6 +889,11 @@ mod tests {
                     kv_router_worker_prompt_tokens_total{worker_id=\"12\",dp_rank=\"0\",part=\"uncached\"} 70\n\
                     kv_router_worker_prompt_tokens_total{worker_id=\"1\",dp_rank=\"1\",part=\"uncached\"} 5\n";
         assert_eq!(router_uncached(text, "1"), Some(400.0));
+        let work = "kv_router_worker_recent_work_tokens{dp_rank=\"0\",worker_id=\"1\"} 1234.5\n\
+                    kv_router_worker_recent_work_tokens{dp_rank=\"0\",worker_id=\"12\"} 9\n";
+        assert_eq!(router_recent_work(work, "1"), Some(1234.5));
+        assert_eq!(router_recent_work(work, "12"), Some(9.0));
+        assert_eq!(router_recent_work(work, "2"), None);
         assert_eq!(router_uncached(text, "12"), Some(70.0));
         assert_eq!(router_uncached(text, "2"), None);
     }
@@ -930,6 +971,7 @@ mod tests {
         }];
         let workers = vec![WorkerCounts {
             computed: 10.0,
+            prefill_tokens: 10.0,
             requests: 1.0,
             ..Default::default()
         }];

@@ -1186,6 +1186,23 @@ impl KvIndex {
         self.pages[w as usize].clear();
     }
 
+    /// How many of `hashes` (the router's) `worker` holds in pinned host memory or on disk: for
+    /// blocks it has just stored on its GPU, those it loaded rather than computed (a worker loads
+    /// a block its lower tiers hold instead of computing it again).
+    pub fn held_below_gpu(&self, worker: WorkerKey, hashes: &[u64]) -> usize {
+        let Some(&w) = self.by_key.get(&worker) else {
+            return 0;
+        };
+        let below = (1u8 << Tier::Host.index()) | (1u8 << Tier::Disk.index());
+        hashes
+            .iter()
+            .filter(|&&h| {
+                self.lookup(h)
+                    .is_some_and(|n| self.sets.mask(self.node_sets[n as usize], w) & below != 0)
+            })
+            .count()
+    }
+
     /// Blocks `worker` holds in `tier`.
     pub fn blocks_in(&self, worker: WorkerKey, tier: Tier) -> usize {
         self.by_key

@@ -5,7 +5,8 @@
 //! to block identity ([`translate`]), a hybrid worker's KV cache groups (`groups`: sliding-window
 //! and Mamba groups cut a match where vLLM would cut the hit), pages smaller than a block
 //! regrouped into blocks (`regroup`: SGLang's page size 1), the selector (the routing modes,
-//! Dynamo's default cost reproduced: [`selector`]), the self-tuning cost ([`tune`]), the tracking of routed requests' load ([`load`]) and the blocks a
+//! Dynamo's default cost reproduced: [`selector`]), the self-tuning cost ([`tune`]), the tracking of routed requests' load ([`load`]) and of each worker's recent work
+//! ([`work`]), and the blocks a
 //! routing decision predicts on its worker ([`predict`]). The
 //! service around them is the `kvbm-router` crate.
 
@@ -19,6 +20,7 @@ pub mod selector;
 mod table;
 pub mod translate;
 pub mod tune;
+pub mod work;
 
 pub use index::{
     ApplyStatus, GroupEntry, GroupHolding, Holding, KvIndex, NameEntry, PageEntry, WorkerSnapshot,
@@ -34,3 +36,4 @@ pub use selector::{
 };
 pub use translate::Refusal;
 pub use tune::{Coefficients, DynamoEquivalent, RouteFeatures, Tuner, TunerCounts, WorkerView};
+pub use work::{RecentWork, BALANCE_HALF_LIFE_DEFAULT};

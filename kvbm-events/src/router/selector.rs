@@ -10,7 +10,10 @@
 //! cached part is taken off by the credit) and, for requests already routed, only the part of
 //! their prompt not cached (`PrefillLoadHint::initial_effective_prefill_tokens`, from
 //! `prefill_load::effective_prefill_tokens(isl, cached)` in `lib/kv-router/src/scheduling`);
-//! [`crate::router::load::LoadTracker::routed_uncached`] counts the same. The lowest cost wins,
+//! [`crate::router::load::LoadTracker::routed_uncached`] counts the same. kvbm adds a balance
+//! term, off by default: `prefill_load_scale * balance_weight * excess_work / block_size`, a
+//! worker's recent work above the least of the candidates' ([`crate::router::work`]) counted as
+//! queued prefill. The lowest cost wins,
 //! ties broken at random; with a temperature `T > 0` a worker is drawn with weight
 //! `exp(-(c - c_min) / ((c_max - c_min) * T))`.
 //!
@@ -189,6 +192,12 @@ pub struct SelectorConfig {
     pub shared_weight: f64,
     /// `--router-temperature`: 0 picks the lowest cost. Default 0.
     pub temperature: f64,
+    /// `--router-balance-weight` (kvbm's; Dynamo has no such term): each token of a worker's
+    /// recent work ([`crate::router::work`]) above the least of the candidates' counts as this
+    /// many tokens of queued prefill, so that new conversations go where less work has been
+    /// done lately and computed work evens out over a run (a conversation stays where its
+    /// prefix is while its credit outweighs the term). 0 leaves the term out.
+    pub balance_weight: f64,
 }
 
 impl Default for SelectorConfig {
@@ -219,6 +228,9 @@ pub struct Candidate {
     pub overlap: Overlap,
     /// Its current load.
     pub load: WorkerLoad,
+    /// Its recent work above the least of the candidates', in tokens (the balance term's input;
+    /// 0 when the term is off).
+    pub excess_work: f64,
 }
 
 /// The outcome: the chosen worker and every candidate's cost, lowest first.
@@ -237,6 +249,7 @@ impl SelectorConfig {
             mode,
             decode_active_request_weight: 0.0,
             temperature: 0.0,
+            balance_weight: 0.0,
             ..Self::default_weights(mode)
         }
     }
@@ -256,6 +269,7 @@ impl SelectorConfig {
                 0.0
             },
             temperature: 0.0,
+            balance_weight: 0.0,
         }
     }
 
@@ -307,10 +321,17 @@ impl SelectorConfig {
     /// A candidate's cost for a request of `input_tokens` with blocks of `block_size` tokens.
     pub fn cost(&self, candidate: &Candidate, input_tokens: usize, block_size: usize) -> f64 {
         let load = candidate.load;
-        let prefill_blocks = (load.prefill_tokens + input_tokens) as f64 / block_size.max(1) as f64;
+        let bs = block_size.max(1) as f64;
+        let prefill_blocks = (load.prefill_tokens + input_tokens) as f64 / bs;
+        let balance = if self.balance_weight > 0.0 {
+            self.prefill_load_scale * self.balance_weight * candidate.excess_work.max(0.0) / bs
+        } else {
+            0.0
+        };
         self.prefill_load_scale * (prefill_blocks - self.credit(candidate.overlap)).max(0.0)
             + load.decode_blocks as f64
             + self.decode_active_request_weight * load.requests as f64
+            + balance
     }
 }
 

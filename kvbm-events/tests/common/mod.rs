@@ -13,6 +13,7 @@ pub fn cand(id: u64, gpu: usize, host: usize, disk: usize, load: WorkerLoad) -> 
             shared: 0,
         },
         load,
+        excess_work: 0.0,
     }
 }
 
