@@ -264,3 +264,37 @@ fn a_shared_block_is_credited_at_its_weight_below_a_disk_hit() {
     assert!(cost(disk) < cost(shared), "less than a disk hit");
     assert_eq!(kv.credit(shared), 10.0 * SHARED_WEIGHT_DEFAULT);
 }
+
+#[test]
+fn blocks_a_member_stores_on_its_gpu_from_its_pool_are_loads_not_work() {
+    // A and B publish into pool p; C reaches no pool. Blocks 0..4 are in the pool. A storing
+    // 0..6 on its GPU loaded 4 of them (computed 2); C storing the same computed all 6, the pool
+    // being out of its reach; a worker the index does not know holds nothing.
+    let mut index = KvIndex::new(1 << 16, BS as u32);
+    let tokens: Vec<u32> = (0..6 * BS as u32).collect();
+    let hashes = ours(&tokens);
+    assert_eq!(
+        index.apply(B, &stored(pool("p"), &tokens, 0..4)),
+        ApplyStatus::Ok
+    );
+    assert_eq!(
+        index.apply(A, &stored(pool("p"), &tokens, 3..4)),
+        ApplyStatus::Ok
+    );
+    for w in [A, C] {
+        assert_eq!(
+            index.apply(w, &stored(Location::Local(Tier::Gpu), &tokens, 0..6)),
+            ApplyStatus::Ok
+        );
+    }
+    assert_eq!(index.held_below_gpu(A, &hashes), 4);
+    assert_eq!(index.held_below_gpu(C, &hashes), 0);
+    assert_eq!(index.held_below_gpu((9, 0), &hashes), 0);
+    // C's own host copies count for C alone.
+    assert_eq!(
+        index.apply(C, &stored(Location::Local(Tier::Host), &tokens, 0..6)),
+        ApplyStatus::Ok
+    );
+    assert_eq!(index.held_below_gpu(C, &hashes[5..]), 1);
+    assert_eq!(index.held_below_gpu(A, &hashes[5..]), 0);
+}

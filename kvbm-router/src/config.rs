@@ -661,7 +661,8 @@ impl Args {
         };
         if let Some(v) = self.router_balance_weight {
             let v = weight_at_most("router-balance-weight", v, BALANCE_WEIGHT_MAX)?;
-            if mode.takes_weights() {
+            // `tuned` has its own cost (and kv's weights, without the term, until it has one).
+            if mode.takes_weights() && mode != RouterMode::Tuned {
                 config.balance_weight = v;
             }
         }
@@ -1380,8 +1381,10 @@ mod tests {
             (c.selector.balance_weight, c.balance_half_life),
             (0.25, Duration::from_secs(30))
         );
-        args.router_mode = RouterMode::RoundRobin;
-        assert_eq!(args.router_config().unwrap().selector.balance_weight, 0.0);
+        for mode in [RouterMode::RoundRobin, RouterMode::Tuned] {
+            args.router_mode = mode;
+            assert_eq!(args.router_config().unwrap().selector.balance_weight, 0.0);
+        }
         args.router_mode = RouterMode::Kv;
         args.router_balance_weight = None;
         assert_eq!(args.router_config().unwrap().selector.balance_weight, 0.0);

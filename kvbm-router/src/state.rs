@@ -674,9 +674,14 @@ impl Router {
         let count = |workers: &BTreeMap<WorkerKey, WorkerInfo>| {
             self.shared.metrics.workers.set(workers.len() as i64);
         };
-        {
+        let others: Vec<WorkerKey> = {
             let mut workers = self.shared.workers.lock();
             self.room(&workers, key)?;
+            let others = if workers.contains_key(&key) {
+                None
+            } else {
+                Some(workers.keys().copied().collect())
+            };
             workers.insert(
                 key,
                 WorkerInfo {
@@ -695,6 +700,15 @@ impl Router {
                 },
             );
             count(&workers);
+            others.unwrap_or_default()
+        };
+        if !others.is_empty() {
+            // A worker that joins a running fleet starts level with the least worked, not at 0:
+            // the balance term would otherwise send it every new conversation for a half-life.
+            self.shared
+                .work
+                .lock()
+                .start_level(key, others.into_iter(), Instant::now());
         }
         let subscribed = match last_seq {
             Some(seq) => self.subscriber().add_from(worker, seq + 1),
@@ -1062,12 +1076,6 @@ impl Router {
         } else {
             vec![0.0; overlaps.len()]
         }
-    }
-
-    /// Each worker's recent work (blocks computed into its GPU cache, decayed), in tokens, in key
-    /// order.
-    pub fn recent_work(&self) -> Vec<(WorkerKey, f64)> {
-        self.shared.work.lock().all(Instant::now())
     }
 
     /// Leaves out of `overlaps` the workers whose event stream is down (unless

@@ -1719,3 +1719,91 @@ fn the_balance_term_sends_new_prompts_where_less_work_was_stored_lately() {
         }
     }
 }
+
+#[test]
+fn with_the_balance_term_a_pick_is_sure_only_if_it_wins_with_and_without_it() {
+    use kvbm_events::router::{RouterMode, SelectorConfig};
+    use kvbm_events::WorkerEndpoint;
+    use kvbm_router::config::WorkerSpec;
+    use kvbm_router::state::RequestTokens;
+    use kvbm_router::{Router, RouterConfig};
+
+    // Worker 1 holds all 16 blocks of `a` and computed 64 blocks of another prompt (320 tokens
+    // of work in all); worker 2 holds the first 4 blocks of `a` (16 tokens). Probing 8 blocks:
+    // without the term worker 1 wins (0 against 10 * 4 = 40); with weight 0.5 it would lose
+    // (10 * 0.5 * 304 / 4 = 380 against 40), and whether the term weighs in depends on how far
+    // the rest of the prompt reaches, so the pick is not sure and tokenizing goes on. Without
+    // the weight it stops there.
+    let ctx = zmq::Context::new();
+    let a: Vec<u32> = (0..16 * BLOCK as u32).collect();
+    let c: Vec<u32> = (7000..7000 + 64 * BLOCK as u32).collect();
+    for weight in [0.5, 0.0] {
+        let mut expected = KvIndex::new(
+            kvbm_events::router::BLOCKS_PER_WORKER_MAX_DEFAULT,
+            BLOCK as u32,
+        );
+        let mut w1 = Worker::new(&ctx, 1, 0, false);
+        let mut w2 = Worker::new(&ctx, 2, 0, false);
+        let specs = [&w1, &w2]
+            .iter()
+            .map(|w| WorkerSpec {
+                events: WorkerEndpoint {
+                    worker_id: w.id,
+                    dp_rank: 0,
+                    endpoint: w.endpoint.clone(),
+                    replay: None,
+                },
+                // Never called: the probe only asks which worker has one.
+                http: Some("http://127.0.0.1:9".into()),
+            })
+            .collect();
+        let config = RouterConfig {
+            block_size: BLOCK,
+            selector: SelectorConfig {
+                balance_weight: weight,
+                ..SelectorConfig::for_mode(RouterMode::Kv)
+            },
+            ..RouterConfig::default()
+        };
+        let router = Router::start(config, specs).unwrap();
+        w1.wait_for_subscriber();
+        w2.wait_for_subscriber();
+        w1.batch(&[stored(&a, 0, 16, Tier::Gpu)], false, &mut expected);
+        w1.batch(&[stored(&c, 0, 64, Tier::Gpu)], false, &mut expected);
+        w2.batch(&[stored(&a, 0, 4, Tier::Gpu)], false, &mut expected);
+        let gpu = |tokens: &[u32], id: u64| {
+            router
+                .query(&RequestTokens {
+                    token_ids: tokens,
+                    untokenized_tokens: 0,
+                    lora_name: None,
+                    cache_salt: None,
+                })
+                .workers
+                .iter()
+                .find(|w| w.worker_id == id)
+                .map_or(0, |w| w.overlap.gpu_blocks)
+        };
+        let deadline = Instant::now() + WAIT;
+        while (gpu(&a, 1), gpu(&a, 2), gpu(&c, 1)) != (16, 4, 64) {
+            assert!(Instant::now() < deadline, "events not applied");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let more = router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]);
+        let answers = |answer: &str| {
+            let line = format!("kv_router_frontend_probe_answers_total{{answer=\"{answer}\"}} ");
+            router
+                .render_metrics()
+                .lines()
+                .find_map(|l| l.strip_prefix(line.as_str())?.trim().parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        if weight > 0.0 {
+            assert!(more);
+            assert_eq!(answers("pick_uncertain"), 1);
+        } else {
+            assert!(!more);
+            assert_eq!(answers("sure_pick"), 1);
+        }
+    }
+}

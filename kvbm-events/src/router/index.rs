@@ -1186,19 +1186,28 @@ impl KvIndex {
         self.pages[w as usize].clear();
     }
 
-    /// How many of `hashes` (the router's) `worker` holds in pinned host memory or on disk: for
-    /// blocks it has just stored on its GPU, those it loaded rather than computed (a worker loads
-    /// a block its lower tiers hold instead of computing it again).
+    /// How many of `hashes` (the router's) `worker` holds in pinned host memory or on disk, or
+    /// a shared pool it reaches holds: for blocks it has just stored on its GPU, those it loaded
+    /// rather than computed (a worker loads a block its lower tiers or its pools hold instead of
+    /// computing it again).
     pub fn held_below_gpu(&self, worker: WorkerKey, hashes: &[u64]) -> usize {
         let Some(&w) = self.by_key.get(&worker) else {
             return 0;
         };
         let below = (1u8 << Tier::Host.index()) | (1u8 << Tier::Disk.index());
+        let mask = self.members.get(&worker).copied().unwrap_or(0);
+        let pools: Vec<u32> = (0..self.pools.len())
+            .filter(|i| mask & (1 << i) != 0)
+            .filter_map(|i| self.by_key.get(&pool_key(i)).copied())
+            .collect();
         hashes
             .iter()
             .filter(|&&h| {
-                self.lookup(h)
-                    .is_some_and(|n| self.sets.mask(self.node_sets[n as usize], w) & below != 0)
+                self.lookup(h).is_some_and(|n| {
+                    let set = self.node_sets[n as usize];
+                    self.sets.mask(set, w) & below != 0
+                        || pools.iter().any(|&p| self.sets.mask(set, p) != 0)
+                })
             })
             .count()
     }

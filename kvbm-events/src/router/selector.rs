@@ -195,8 +195,10 @@ pub struct SelectorConfig {
     /// `--router-balance-weight` (kvbm's; Dynamo has no such term): each token of a worker's
     /// recent work ([`crate::router::work`]) above the least of the candidates' counts as this
     /// many tokens of queued prefill, so that new conversations go where less work has been
-    /// done lately and computed work evens out over a run (a conversation stays where its
-    /// prefix is while its credit outweighs the term). 0 leaves the term out.
+    /// done lately and computed work evens out over a run. The cost adds whatever
+    /// [`Candidate::excess_work`] the caller gives; kvbm-router gives none for a prompt one
+    /// worker holds a quarter more of than another, so that a conversation stays with its
+    /// cache. 0 leaves the term out.
     pub balance_weight: f64,
 }
 

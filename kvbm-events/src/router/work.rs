@@ -92,7 +92,35 @@ impl RecentWork {
         values.iter().map(|v| v - least).collect()
     }
 
-    /// Forgets `worker` (it left, restarted or cleared its cache).
+    /// Starts `worker`, if not seen yet, level with the least of `others` (0 when none has
+    /// any): a worker joining a running fleet would otherwise look idle next to every other and
+    /// draw the balance term's new conversations until it caught up.
+    pub fn start_level(
+        &mut self,
+        worker: WorkerKey,
+        others: impl Iterator<Item = WorkerKey>,
+        now: Instant,
+    ) {
+        if self.workers.contains_key(&worker) {
+            return;
+        }
+        let least = others
+            .filter(|&o| o != worker)
+            .map(|o| self.value(o, now))
+            .fold(f64::INFINITY, f64::min);
+        if least.is_finite() && least > 0.0 {
+            self.workers.insert(
+                worker,
+                Decaying {
+                    value: least,
+                    at: now,
+                },
+            );
+        }
+    }
+
+    /// Forgets `worker` (it was unregistered; a restart or a cleared cache keeps its work, which
+    /// it did).
     pub fn drop_worker(&mut self, worker: WorkerKey) {
         self.workers.remove(&worker);
     }
@@ -148,6 +176,26 @@ mod tests {
         w.drop_worker(A);
         assert_eq!(w.excess([A, B], t0), vec![0.0, 100.0]);
         assert_eq!(w.all(t0), vec![(B, 100.0)]);
+    }
+
+    #[test]
+    fn a_worker_joining_starts_level_with_the_least_worked() {
+        let t0 = Instant::now();
+        let mut w = RecentWork::new(Duration::from_secs(60));
+        w.add(A, 300, t0);
+        w.add(B, 100, t0);
+        let c = (3, 0);
+        w.start_level(c, [A, B, c].into_iter(), t0);
+        assert_eq!(w.value(c, t0), 100.0);
+        assert_eq!(w.excess([A, B, c], t0), vec![200.0, 0.0, 0.0]);
+        // One already seen keeps its own; with a worker at 0 among the others, it starts at 0.
+        w.start_level(A, [B].into_iter(), t0);
+        assert_eq!(w.value(A, t0), 300.0);
+        let d = (4, 0);
+        w.start_level(d, [A, (5, 0)].into_iter(), t0);
+        assert_eq!(w.value(d, t0), 0.0);
+        w.start_level((6, 0), std::iter::empty(), t0);
+        assert_eq!(w.value((6, 0), t0), 0.0);
     }
 
     #[test]
