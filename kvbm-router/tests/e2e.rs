@@ -1525,13 +1525,37 @@ fn max_workers_is_lowered_to_what_the_open_files_limit_holds() {
 /// the prompt can only add to its overlap); it goes on while two hold the blocks, while the one
 /// that does is loaded enough to lose at the overlap seen so far, and in a mode whose pick is
 /// not a cost (round robin).
+/// An in-process router following `workers` (rank 0) with `selector`, for prefix-probe tests.
+fn probe_router(
+    selector: kvbm_events::router::SelectorConfig,
+    workers: &[&Worker],
+) -> kvbm_router::Router {
+    let specs = workers
+        .iter()
+        .map(|w| kvbm_router::config::WorkerSpec {
+            events: kvbm_events::WorkerEndpoint {
+                worker_id: w.id,
+                dp_rank: 0,
+                endpoint: w.endpoint.clone(),
+                replay: None,
+            },
+            // Never called: the probe only asks which worker has one.
+            http: Some("http://127.0.0.1:9".into()),
+        })
+        .collect();
+    let config = kvbm_router::RouterConfig {
+        block_size: BLOCK,
+        selector,
+        ..kvbm_router::RouterConfig::default()
+    };
+    kvbm_router::Router::start(config, specs).unwrap()
+}
+
 #[test]
 fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
     use kvbm_events::router::{RouterMode, SelectorConfig};
-    use kvbm_events::WorkerEndpoint;
-    use kvbm_router::config::WorkerSpec;
     use kvbm_router::state::RequestTokens;
-    use kvbm_router::{Router, RouterConfig};
+    use kvbm_router::Router;
 
     let ctx = zmq::Context::new();
     let mut expected = KvIndex::new(
@@ -1540,25 +1564,7 @@ fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
     );
     let a: Vec<u32> = (0..16 * BLOCK as u32).collect();
     let start = |mode: RouterMode, workers: &[&Worker]| {
-        let specs = workers
-            .iter()
-            .map(|w| WorkerSpec {
-                events: WorkerEndpoint {
-                    worker_id: w.id,
-                    dp_rank: 0,
-                    endpoint: w.endpoint.clone(),
-                    replay: None,
-                },
-                // Never called: the probe only asks which worker has one.
-                http: Some("http://127.0.0.1:9".into()),
-            })
-            .collect();
-        let config = RouterConfig {
-            block_size: BLOCK,
-            selector: SelectorConfig::for_mode(mode),
-            ..RouterConfig::default()
-        };
-        Router::start(config, specs).unwrap()
+        probe_router(SelectorConfig::for_mode(mode), workers)
     };
     let mut w1 = Worker::new(&ctx, 1, 0, false);
     let mut w2 = Worker::new(&ctx, 2, 0, false);
@@ -1723,10 +1729,7 @@ fn the_balance_term_sends_new_prompts_where_less_work_was_stored_lately() {
 #[test]
 fn with_the_balance_term_a_pick_is_sure_only_if_it_wins_with_and_without_it() {
     use kvbm_events::router::{RouterMode, SelectorConfig};
-    use kvbm_events::WorkerEndpoint;
-    use kvbm_router::config::WorkerSpec;
     use kvbm_router::state::RequestTokens;
-    use kvbm_router::{Router, RouterConfig};
 
     // Worker 1 holds all 16 blocks of `a` and computed 64 blocks of another prompt (320 tokens
     // of work in all); worker 2 holds the first 4 blocks of `a` (16 tokens). Probing 8 blocks:
@@ -1744,28 +1747,11 @@ fn with_the_balance_term_a_pick_is_sure_only_if_it_wins_with_and_without_it() {
         );
         let mut w1 = Worker::new(&ctx, 1, 0, false);
         let mut w2 = Worker::new(&ctx, 2, 0, false);
-        let specs = [&w1, &w2]
-            .iter()
-            .map(|w| WorkerSpec {
-                events: WorkerEndpoint {
-                    worker_id: w.id,
-                    dp_rank: 0,
-                    endpoint: w.endpoint.clone(),
-                    replay: None,
-                },
-                // Never called: the probe only asks which worker has one.
-                http: Some("http://127.0.0.1:9".into()),
-            })
-            .collect();
-        let config = RouterConfig {
-            block_size: BLOCK,
-            selector: SelectorConfig {
-                balance_weight: weight,
-                ..SelectorConfig::for_mode(RouterMode::Kv)
-            },
-            ..RouterConfig::default()
+        let selector = SelectorConfig {
+            balance_weight: weight,
+            ..SelectorConfig::for_mode(RouterMode::Kv)
         };
-        let router = Router::start(config, specs).unwrap();
+        let router = probe_router(selector, &[&w1, &w2]);
         w1.wait_for_subscriber();
         w2.wait_for_subscriber();
         w1.batch(&[stored(&a, 0, 16, Tier::Gpu)], false, &mut expected);
