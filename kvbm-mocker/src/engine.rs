@@ -659,12 +659,14 @@ impl Engine {
                     self.metrics.requests.with_label_values(&["aborted"]).inc();
                 } else if seq.generated >= seq.max_tokens {
                     keep[idx] = false;
+                    // Counted before the answer goes, so that a client that has its answer
+                    // reads the count with it.
+                    self.metrics.requests.with_label_values(&["finished"]).inc();
                     let _ = seq.out.send(Output::Finished(Usage {
                         prompt_tokens: seq.prompt_len as u32,
                         completion_tokens: seq.generated,
                         cached_tokens: seq.cached.iter().sum::<usize>() as u32,
                     }));
-                    self.metrics.requests.with_label_values(&["finished"]).inc();
                 }
             }
             running[idx] = seq;
