@@ -622,6 +622,17 @@ impl BlockManager {
             .take_while(|(stage, _)| !missed.contains(&stage.id().0))
             .map(|(stage, source)| (stage, source.identity()))
             .collect();
+        // A host block already registered under one of these identities is returned instead of
+        // its staged copy: wait for the offloads still filling such blocks first (a failed
+        // one's callback takes its block out of the tier, so the staged copy joins instead).
+        let filling: HashSet<u32> = staged
+            .iter()
+            .filter_map(|(_, identity)| self.host.lookup(identity.sequence_hash))
+            .map(|b| b.id().0)
+            .collect();
+        if !filling.is_empty() {
+            h.worker.wait_offloads_touching(&filling);
+        }
         let onboarded = h.leader.register_staged(staged);
         // A block that failed verification leaves the disk tier now.
         h.settle();

@@ -349,3 +349,86 @@ fn concurrent_callers_with_faults_are_served_only_exact_bytes() {
         assert_eq!(resident, m.residency());
     }
 }
+
+/// The race the stress test above hit once in a full CI run, made deterministic: a block is
+/// onboarded from disk while another caller's offload of the same block into the host tier is
+/// queued and then fails. The disk read's staged copy must not give way to the failing host copy
+/// (registering the staged block used to de-duplicate onto it, and its memory held an older
+/// block's bytes): the loaded block holds exactly the bytes it was stored with.
+#[test]
+fn a_disk_read_does_not_give_way_to_a_failing_offload_of_the_same_block() {
+    use kvbm_cuda::Direction;
+    let dir = tempfile::tempdir().unwrap();
+    let m = BlockManager::with_publisher(
+        Device::emulated(),
+        ManagerOptions {
+            kv: kv(2),
+            gpu_blocks: 16,
+            gpu_layout: LayerShape::BlockFirst.into(),
+            host_blocks: 4,
+            limits: TransferLimits {
+                batch_blocks_max: 2,
+                inflight_max: 2,
+                pending_max: 8,
+                ..Default::default()
+            },
+            pin_threads: 1,
+            disk: Some(DiskOptions {
+                dir: dir.path().to_owned(),
+                file_name: "race.cache".into(),
+                blocks: 32,
+                disable_o_direct: false,
+                filter_disabled: true,
+                queue_depth: 4,
+                engine: Default::default(),
+                layout_salt: 0,
+            }),
+            kv_events: None,
+        },
+        GpuMemory::Allocate,
+        EventPublisher::new(),
+    )
+    .unwrap();
+    assert!(m
+        .host_region()
+        .wait_ready(usize::MAX, Duration::from_secs(60)));
+    m.refresh_host_available();
+    let bpb = m.kv().bytes_per_block();
+    let write_through_and_drop_host = |prompt: u32, blocks: usize| {
+        let ids = identities(&prompt_tokens(prompt, blocks));
+        let gpu = m.allocate_gpu(blocks).unwrap();
+        let (held, ticket) = m.register_gpu_write_through(fill(&m, gpu, &ids)).unwrap();
+        assert!(ticket.wait().error.is_none());
+        m.wait_idle();
+        m.host_pool().evict_idle(usize::MAX);
+        m.wait_idle();
+        held
+    };
+    // Block P on disk only; every host block then holds other blocks' bytes.
+    let ids = identities(&prompt_tokens(0, 1));
+    let hashes: Vec<SequenceHash> = ids.iter().map(|i| i.sequence_hash).collect();
+    let p_on_gpu = write_through_and_drop_host(0, 1);
+    for prompt in 4..12 {
+        drop(write_through_and_drop_host(prompt, 2));
+    }
+    let matched = m.match_lower(&hashes);
+    assert_eq!(matched.count_in(Tier::Disk), 1);
+    // Another caller offloads P again: its copy waits behind a held stream, then fails.
+    let hold = m.hold_stream(Direction::DeviceToHost).unwrap();
+    m.fail_next_copies(Direction::DeviceToHost, 1).unwrap();
+    let failing = m.offload(&p_on_gpu).unwrap();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(200));
+        drop(hold);
+    });
+    let loaded = m.onboard_from_disk(matched.blocks).unwrap();
+    release.join().unwrap();
+    assert_eq!(loaded.len(), 1);
+    let mut buf = vec![0u8; bpb];
+    m.read_host_block(loaded[0].id(), &mut buf).unwrap();
+    assert!(
+        buf == block_bytes(hashes[0], bpb),
+        "the disk block's bytes in the host tier"
+    );
+    assert!(failing.wait().error.is_some(), "the injected fault");
+}
