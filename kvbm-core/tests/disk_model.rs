@@ -191,6 +191,46 @@ proptest! {
     }
 }
 
+/// A manager on the emulated device with 4 host blocks and small copy batches (2 blocks, 2 in
+/// flight), its disk tier in `dir` with `disk_blocks` blocks, written without admission filter.
+fn small_manager(
+    dir: &std::path::Path,
+    gpu_blocks: usize,
+    disk_blocks: usize,
+    events: EventPublisher,
+) -> BlockManager {
+    BlockManager::with_publisher(
+        Device::emulated(),
+        ManagerOptions {
+            kv: kv(2),
+            gpu_blocks,
+            gpu_layout: LayerShape::BlockFirst.into(),
+            host_blocks: 4,
+            limits: TransferLimits {
+                batch_blocks_max: 2,
+                inflight_max: 2,
+                pending_max: 8,
+                ..Default::default()
+            },
+            pin_threads: 1,
+            disk: Some(DiskOptions {
+                dir: dir.to_owned(),
+                file_name: "small.cache".into(),
+                blocks: disk_blocks,
+                disable_o_direct: false,
+                filter_disabled: true,
+                queue_depth: 4,
+                engine: Default::default(),
+                layout_salt: 0,
+            }),
+            kv_events: None,
+        },
+        GpuMemory::Allocate,
+        events,
+    )
+    .unwrap()
+}
+
 /// Several threads at once on a small three-tier manager, blocks evicted and reused while their
 /// copies and disk writes are still queued (the leader holds nothing between calls), with copy
 /// faults injected now and then: every block served from the host tier, from disk or onboarded
@@ -209,36 +249,7 @@ fn concurrent_callers_with_faults_are_served_only_exact_bytes() {
         let dir = tempfile::tempdir().unwrap();
         let events = EventPublisher::new();
         let mut sub = events.subscribe(1_000_000);
-        let m = BlockManager::with_publisher(
-            Device::emulated(),
-            ManagerOptions {
-                kv: kv(2),
-                gpu_blocks: 64,
-                gpu_layout: LayerShape::BlockFirst.into(),
-                host_blocks: 4,
-                limits: TransferLimits {
-                    batch_blocks_max: 2,
-                    inflight_max: 2,
-                    pending_max: 8,
-                    ..Default::default()
-                },
-                pin_threads: 1,
-                disk: Some(DiskOptions {
-                    dir: dir.path().to_owned(),
-                    file_name: "stress.cache".into(),
-                    blocks: 3,
-                    disable_o_direct: false,
-                    filter_disabled: true,
-                    queue_depth: 4,
-                    engine: Default::default(),
-                    layout_salt: 0,
-                }),
-                kv_events: None,
-            },
-            GpuMemory::Allocate,
-            events,
-        )
-        .unwrap();
+        let m = small_manager(dir.path(), 64, 3, events);
         std::thread::scope(|s| {
             for t in 0..4u64 {
                 let m = &m;
@@ -359,36 +370,7 @@ fn concurrent_callers_with_faults_are_served_only_exact_bytes() {
 fn a_disk_read_does_not_give_way_to_a_failing_offload_of_the_same_block() {
     use kvbm_cuda::Direction;
     let dir = tempfile::tempdir().unwrap();
-    let m = BlockManager::with_publisher(
-        Device::emulated(),
-        ManagerOptions {
-            kv: kv(2),
-            gpu_blocks: 16,
-            gpu_layout: LayerShape::BlockFirst.into(),
-            host_blocks: 4,
-            limits: TransferLimits {
-                batch_blocks_max: 2,
-                inflight_max: 2,
-                pending_max: 8,
-                ..Default::default()
-            },
-            pin_threads: 1,
-            disk: Some(DiskOptions {
-                dir: dir.path().to_owned(),
-                file_name: "race.cache".into(),
-                blocks: 32,
-                disable_o_direct: false,
-                filter_disabled: true,
-                queue_depth: 4,
-                engine: Default::default(),
-                layout_salt: 0,
-            }),
-            kv_events: None,
-        },
-        GpuMemory::Allocate,
-        EventPublisher::new(),
-    )
-    .unwrap();
+    let m = small_manager(dir.path(), 16, 32, EventPublisher::new());
     assert!(m
         .host_region()
         .wait_ready(usize::MAX, Duration::from_secs(60)));

@@ -43,11 +43,6 @@ impl RecentWork {
         }
     }
 
-    /// The half-life.
-    pub fn half_life(&self) -> Duration {
-        self.half_life
-    }
-
     fn decay(&self, d: Decaying, now: Instant) -> f64 {
         let hl = self.half_life.as_secs_f64();
         if hl <= 0.0 {
@@ -124,17 +119,6 @@ impl RecentWork {
     pub fn drop_worker(&mut self, worker: WorkerKey) {
         self.workers.remove(&worker);
     }
-
-    /// Every worker seen, with its recent work at `now`, in key order.
-    pub fn all(&self, now: Instant) -> Vec<(WorkerKey, f64)> {
-        let mut out: Vec<(WorkerKey, f64)> = self
-            .workers
-            .iter()
-            .map(|(k, &d)| (*k, self.decay(d, now)))
-            .collect();
-        out.sort_by_key(|(k, _)| *k);
-        out
-    }
 }
 
 #[cfg(test)]
@@ -175,7 +159,7 @@ mod tests {
         assert_eq!(w.excess([A, (3, 0)], t0), vec![300.0, 0.0]);
         w.drop_worker(A);
         assert_eq!(w.excess([A, B], t0), vec![0.0, 100.0]);
-        assert_eq!(w.all(t0), vec![(B, 100.0)]);
+        assert_eq!((w.value(A, t0), w.value(B, t0)), (0.0, 100.0));
     }
 
     #[test]
