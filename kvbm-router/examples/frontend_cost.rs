@@ -780,7 +780,8 @@ fn measure(
 /// on), route, finish.
 fn front_end(tokenizer: &ModelTokenizer, router: &Router, text: &str) -> anyhow::Result<usize> {
     let mut probe = router.prefix_probe(None, None);
-    let encoded = tokenizer.encode_prompt_until(text, true, &mut |ids| probe.worth_more(ids))?;
+    let encoded =
+        tokenizer.encode_prompt_until(text, true, &mut |ids, rest| probe.worth_more(ids, rest))?;
     let request = RequestTokens {
         token_ids: &encoded.ids,
         untokenized_tokens: encoded.estimated_tokens() - encoded.ids.len(),

@@ -305,16 +305,18 @@ pub struct Args {
     pub max_sse_event_bytes: usize,
 
     /// Tokenize every prompt whole. By default the front end stops at the first window of text
-    /// (4 KiB) whose blocks no worker holds: no overlap can reach past it, and the rest's length
+    /// (2 KiB) whose blocks no worker holds: no overlap can reach past it, and the rest's length
     /// is estimated from its bytes (kv_router_frontend_prompt_bytes_total{how="skipped"}).
     #[arg(long)]
     pub tokenize_whole_prompts: bool,
 
-    /// Go on tokenizing while exactly one worker holds every block so far and would already be
-    /// picked. By default the front end stops there too (in the fixed-weight cost modes): the
-    /// rest can only add to that worker's overlap, so the pick is the same, but the rest counts
-    /// as uncached in its queued prefill until its first token
-    /// (kv_router_frontend_probe_answers_total{answer="sure_pick"}).
+    /// Go on tokenizing while some worker holds every block so far, even where the pick is
+    /// already sure. By default the front end stops there too (in the fixed-weight cost modes):
+    /// where exactly one worker holds every block and would be picked (the rest can only add to
+    /// its overlap; kv_router_frontend_probe_answers_total{answer="sure_pick"}), and where the
+    /// pick would stay even if every such worker held all of the rest, counted at one token a
+    /// byte (answer="holders_outweighed"). The rest counts as uncached in the chosen worker's
+    /// queued prefill until its first token.
     #[arg(long)]
     pub tokenize_past_sure_pick: bool,
 
@@ -448,7 +450,7 @@ pub struct FrontendConfig {
     pub max_sse_event_bytes: usize,
     /// Tokenize prompts whole, not only as far as an overlap can reach.
     pub tokenize_whole_prompts: bool,
-    /// Tokenize on past a window where one worker holds all blocks and would be picked.
+    /// Tokenize on past a window where the pick is sure (`--tokenize-past-sure-pick`).
     pub tokenize_past_sure_pick: bool,
     /// Bytes of the tokenizer's prefix cache (0: none).
     pub tokenizer_cache_bytes: usize,

@@ -641,7 +641,7 @@ fn request_tokens(
     tokenizer: &ModelTokenizer,
     endpoint: Endpoint,
     body: &Value,
-    more: &mut dyn FnMut(&[u32]) -> bool,
+    more: &mut dyn FnMut(&[u32], usize) -> bool,
 ) -> Result<Encoded, TokenizeError> {
     match endpoint {
         Endpoint::Completions => {
@@ -836,12 +836,12 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
     let tokens = tokio::task::spawn_blocking(move || {
         let cpu = crate::metrics::thread_cpu_seconds();
         let mut probe = router.prefix_probe(probe_lora.as_deref(), probe_salt.as_deref());
-        let mut more = |ids: &[u32]| {
+        let mut more = |ids: &[u32], rest_tokens: usize| {
             whole
                 || if past_sure_pick {
                     probe.holds_all(ids)
                 } else {
-                    probe.worth_more(ids)
+                    probe.worth_more(ids, rest_tokens)
                 }
         };
         let tokens = request_tokens(&tokenizer, endpoint, &body_value, &mut more);

@@ -47,7 +47,8 @@
 //!   sure pick),
 //!   `kv_router_frontend_tokenizer_cache_bytes`, `kv_router_frontend_probe_answers_total{answer}`
 //!   (before each window it would tokenize, whether the prefix probe stopped it: `no_holder`,
-//!   `sure_pick`, or went on: `several_holders`, `holder_not_picked`, `pick_uncertain`),
+//!   `sure_pick`, `holders_outweighed`, or went on: `several_holders`, `holder_not_picked`,
+//!   `pick_uncertain`),
 //!   `kv_router_frontend_routing_seconds`, and
 //!   `kv_router_worker_failures_total`.
 //! - Routing modes and the tuned cost ([`ModeMetrics`]): `kv_router_mode_info{mode}` (1 for the
@@ -194,11 +195,12 @@ pub struct ModeMetrics {
     pub stage_cpu: CounterVec,
 }
 
-/// The prefix probe's answers (`kv_router_frontend_probe_answers_total{answer}`): the first two
+/// The prefix probe's answers (`kv_router_frontend_probe_answers_total{answer}`): the first three
 /// stop tokenizing.
-pub const PROBE_ANSWERS: [&str; 5] = [
+pub const PROBE_ANSWERS: [&str; 6] = [
     "no_holder",
     "sure_pick",
+    "holders_outweighed",
     "several_holders",
     "holder_not_picked",
     "pick_uncertain",
@@ -764,8 +766,10 @@ impl FrontendMetrics {
                             "kv_router_frontend_probe_answers_total",
                             "Before each window of a prompt it would tokenize, the prefix \
                              probe's answer: stop (no_holder: no worker holds all blocks so far; \
-                             sure_pick: one does and would be picked already) or go on \
-                             (several_holders, holder_not_picked, pick_uncertain)",
+                             sure_pick: one does and would be picked already; \
+                             holders_outweighed: the pick would stay even if those that do held \
+                             all of the rest) or go on (several_holders, holder_not_picked, \
+                             pick_uncertain)",
                         ),
                         &["answer"],
                     )

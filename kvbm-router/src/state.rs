@@ -292,16 +292,22 @@ impl PrefixProbe<'_> {
         overlaps.iter().any(|(_, o)| o.gpu + o.host + o.disk >= n)
     }
 
-    /// Whether tokenizing past `ids` could still change where the front end routes the prompt.
-    /// False where [`Self::holds_all`] is; false too when exactly one worker holds every full
-    /// block of `ids` and a routing now would already pick it ([`Router::sure_pick`]): the rest
-    /// of the prompt can only add to that worker's overlap (the others' overlaps, prefixes that
-    /// stopped short, cannot grow), and in the fixed-weight cost modes more overlap never raises
-    /// a worker's cost, so the full prompt would go to the same worker (given the loads now:
-    /// requests routed before this one's routing may still change them). The untokenized rest
-    /// then counts, as with `holds_all`, in the request's length and not in its overlap: the
-    /// chosen worker's queued prefill is over-counted until its first token, never under.
-    pub fn worth_more(&mut self, ids: &[u32]) -> bool {
+    /// Whether tokenizing past `ids` could still change where the front end routes the prompt,
+    /// when at most `rest_tokens` tokens follow them (the tokenizer's bound for the text not
+    /// tokenized yet, [`crate::tokenize::Encoded`]). False where [`Self::holds_all`] is. False
+    /// too where a routing now would pick a worker that no growth of the overlaps can overtake
+    /// ([`Router::sure_pick`]): only a worker holding every full block of `ids` can reach further
+    /// (the others' overlaps are prefixes that stopped short), by at most the blocks of
+    /// `rest_tokens`, and in the fixed-weight cost modes more overlap never raises a worker's
+    /// cost. Two cases stop: exactly one worker holds every block and would be picked already
+    /// (`sure_pick`: the rest can only add to its overlap), or the pick would stay the same even
+    /// if each worker holding every block so far held the whole rest in its best tier
+    /// (`holders_outweighed`: a holder too loaded to win with all of it). The full prompt goes to
+    /// the same worker (given the loads now: requests routed before this one's routing may still
+    /// change them). The untokenized rest then counts, as with `holds_all`, in the request's
+    /// length and not in its overlap: the chosen worker's queued prefill is over-counted until
+    /// its first token, never under.
+    pub fn worth_more(&mut self, ids: &[u32], rest_tokens: usize) -> bool {
         self.hash(ids);
         let n = self.hashes.len();
         if n == 0 {
@@ -311,17 +317,24 @@ impl PrefixProbe<'_> {
         let (answer, more) = if !Self::any_holds(&overlaps, n) {
             ("no_holder", false)
         } else {
-            let mut holders = overlaps
+            let holders: Vec<WorkerKey> = overlaps
                 .iter()
                 .filter(|(_, o)| o.gpu + o.host + o.disk + o.shared >= n)
-                .map(|(k, _)| *k);
-            match (holders.next(), holders.next()) {
-                (Some(holder), None) => match self.router.sure_pick(&overlaps, ids.len()) {
-                    Some(pick) if pick == holder => ("sure_pick", false),
-                    Some(_) => ("holder_not_picked", true),
-                    None => ("pick_uncertain", true),
-                },
-                _ => ("several_holders", true),
+                .map(|(k, _)| *k)
+                .collect();
+            // Blocks the rest can add to a holder's overlap: the tokens past the last full
+            // block and the rest's, in whole blocks.
+            let bs = self.hasher.block_size_tokens();
+            let growth = (ids.len() - n * bs).saturating_add(rest_tokens) / bs;
+            match self
+                .router
+                .sure_pick(&overlaps, ids.len(), &holders, growth)
+            {
+                Pick::Sure(pick) if holders == [pick] => ("sure_pick", false),
+                Pick::Sure(_) => ("holders_outweighed", false),
+                Pick::Unsure(_) if holders.len() > 1 => ("several_holders", true),
+                Pick::Unsure(Some(pick)) if pick != holders[0] => ("holder_not_picked", true),
+                Pick::Unsure(_) => ("pick_uncertain", true),
             }
         };
         self.router
@@ -333,6 +346,15 @@ impl PrefixProbe<'_> {
             .inc();
         more
     }
+}
+
+/// What [`Router::sure_pick`] says of a routing now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pick {
+    /// This worker, whatever the rest of the prompt holds.
+    Sure(WorkerKey),
+    /// The pick now, if one worker costs least (else None), which the rest may change.
+    Unsure(Option<WorkerKey>),
 }
 
 /// Why a routing call failed.
@@ -978,17 +1000,23 @@ impl Router {
     }
 
     /// The worker the OpenAI front end's routing would pick now among `overlaps` (every
-    /// registered worker's) for a prompt of `input_tokens`, without routing anything; None
-    /// unless the pick is certain: a fixed-weight cost mode (`kv-gpu`, `kv`, `dynamo`) without
-    /// a temperature, credit weights at most 1 (so that an overlap never credits more than the
-    /// prompt's length and the length cancels out between workers), and one lowest cost, the
-    /// same with and without the balance term when it has a weight. The workers are filtered as
-    /// the front end's first attempt filters them.
+    /// registered worker's) for a prompt of `input_tokens`, without routing anything, and whether
+    /// that pick is sure when each of `growable` may yet add `growth` blocks to its overlap (the
+    /// rest of the prompt, untokenized) and no other worker's overlap can change: the pick must
+    /// cost less than every other worker even with the growth credited at the highest weight.
+    /// Never sure outside a fixed-weight cost mode (`kv-gpu`, `kv`, `dynamo`) without a
+    /// temperature, or with a credit weight above 1 (so that an overlap never credits more than
+    /// the prompt's length and the rest's length cancels out between workers), or without one
+    /// lowest cost, or (when the balance term has a weight) unless it is the same worker with
+    /// and without the term. The workers are filtered as the front end's first attempt filters
+    /// them.
     fn sure_pick(
         &self,
         overlaps: &[(WorkerKey, Overlap)],
         input_tokens: usize,
-    ) -> Option<WorkerKey> {
+        growable: &[WorkerKey],
+        growth: usize,
+    ) -> Pick {
         let config = &self.shared.config;
         let s = &config.selector;
         let fixed = matches!(
@@ -1002,8 +1030,11 @@ impl Router {
             s.shared_weight,
         ];
         if !fixed || s.temperature > 0.0 || weights.iter().any(|w| !(0.0..=1.0).contains(w)) {
-            return None;
+            return Pick::Unsure(None);
         }
+        // What `growth` blocks take off a holder's cost at most.
+        let weight_max = weights.iter().copied().fold(0.0, f64::max);
+        let growth_credit = s.prefill_load_scale * weight_max * growth as f64;
         let urls = self.http_urls();
         let mut eligible: Vec<(WorkerKey, Overlap)> = overlaps
             .iter()
@@ -1022,7 +1053,7 @@ impl Router {
         };
         let load = self.shared.load.lock();
         let best = |with_balance: bool| {
-            let mut costs: Vec<(WorkerKey, f64)> = eligible
+            let costs: Vec<(WorkerKey, f64)> = eligible
                 .iter()
                 .zip(&excess)
                 .map(|(&(worker, overlap), &excess_work)| {
@@ -1035,16 +1066,29 @@ impl Router {
                     (worker, s.cost(&c, input_tokens, config.block_size))
                 })
                 .collect();
-            costs.sort_by(|a, b| a.1.total_cmp(&b.1));
-            match costs[..] {
-                [(only, _)] => Some(only),
-                [(best, c0), (_, c1), ..] if c0 < c1 => Some(best),
-                _ => None,
+            let Some(&(pick, least)) = costs.iter().min_by(|a, b| a.1.total_cmp(&b.1)) else {
+                return Pick::Unsure(None);
+            };
+            if costs.iter().any(|&(w, c)| w != pick && c <= least) {
+                return Pick::Unsure(None);
+            }
+            // The others at the least they could cost once the whole prompt is known (the
+            // rest's length, the same for every worker, cancels out).
+            let overtaken = costs
+                .iter()
+                .any(|&(w, c)| w != pick && growable.contains(&w) && c - growth_credit <= least);
+            if overtaken {
+                Pick::Unsure(Some(pick))
+            } else {
+                Pick::Sure(pick)
             }
         };
         let without = best(false);
         if s.balance_weight > 0.0 && best(true) != without {
-            return None;
+            return match without {
+                Pick::Sure(pick) => Pick::Unsure(Some(pick)),
+                unsure => unsure,
+            };
         }
         without
     }

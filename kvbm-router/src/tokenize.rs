@@ -146,6 +146,8 @@ pub struct ModelTokenizer {
     special_wrap: [Option<(Vec<u32>, Vec<u32>)>; 2],
     /// Windows already tokenized, by the prefix that ends them (see [`Self::with_prefix_cache`]).
     prefix_cache: Option<PrefixCache>,
+    /// Tokens a byte of text gives at most ([`Self::rest_tokens_max`]).
+    tokens_per_byte_max: usize,
 }
 
 /// What [`ModelTokenizer::encode_prompt_until`] made of a text.
@@ -348,8 +350,19 @@ impl ModelTokenizer {
                 compile_error: compile_error.map(|e| e.to_string()),
             });
         }
+        // A model's token covers at least one byte of the text it was split from, or one
+        // character where the model works on characters (SentencePiece's byte fallback gives
+        // one token per byte). A normalizer may lengthen the text (NFKC, NFC's few expansions,
+        // lowercasing some letters): three tokens a byte then, the most those give for all but
+        // a handful of characters.
+        let tokens_per_byte_max = if tokenizer.get_normalizer().is_some() {
+            3
+        } else {
+            1
+        };
         Ok(Self {
             special_wrap: [false, true].map(|add| special_wrap(&tokenizer, add)),
+            tokens_per_byte_max,
             tokenizer,
             special_tokens,
             templates,
@@ -389,18 +402,19 @@ impl ModelTokenizer {
         add_special_tokens: bool,
     ) -> Result<Vec<u32>, TokenizeError> {
         Ok(self
-            .encode_prompt_until(prompt, add_special_tokens, &mut |_| true)?
+            .encode_prompt_until(prompt, add_special_tokens, &mut |_, _| true)?
             .ids)
     }
 
     /// As [`Self::encode_prompt`], asking `more` before each window it has to tokenize (from the
-    /// second on) whether to go on, with the ids so far; stopped, the ids are a prefix of the
-    /// prompt's and the rest is counted in [`Encoded::untokenized_bytes`].
+    /// second on) whether to go on, with the ids so far and at most how many tokens the rest can
+    /// add ([`Self::rest_tokens_max`]); stopped, the ids are a prefix of the prompt's and the rest
+    /// is counted in [`Encoded::untokenized_bytes`].
     pub fn encode_prompt_until(
         &self,
         prompt: &str,
         add_special_tokens: bool,
-        more: &mut dyn FnMut(&[u32]) -> bool,
+        more: &mut dyn FnMut(&[u32], usize) -> bool,
     ) -> Result<Encoded, TokenizeError> {
         if prompt.len() > PROMPT_BYTES_MAX {
             return Err(TokenizeError::BadRequest(format!(
@@ -415,7 +429,7 @@ impl ModelTokenizer {
     pub fn encode_chat_until(
         &self,
         chat: &ChatRequest,
-        more: &mut dyn FnMut(&[u32]) -> bool,
+        more: &mut dyn FnMut(&[u32], usize) -> bool,
     ) -> Result<Encoded, TokenizeError> {
         let rendered = self.prepare_chat(chat)?;
         self.encode_until(&rendered.text, rendered.add_special_tokens, more)
@@ -447,6 +461,18 @@ impl ModelTokenizer {
             .map_err(|e| TokenizeError::Encode(e.to_string()))
     }
 
+    /// At most how many tokens `bytes` of text not tokenized yet add to a prompt's ids, special
+    /// tokens at its end included: a bound for the router's prefix probe, which stops
+    /// tokenizing where even that many could not change the pick. Far above what text gives
+    /// (prose runs at three to six bytes a token), never below it but for text of the rare
+    /// characters a normalizer expands the most.
+    pub fn rest_tokens_max(&self, bytes: usize, add_special_tokens: bool) -> usize {
+        let suffix = self.special_wrap[usize::from(add_special_tokens)]
+            .as_ref()
+            .map_or(0, |(_, suffix)| suffix.len());
+        bytes.saturating_mul(self.tokens_per_byte_max) + suffix
+    }
+
     /// Whether the model ships a chat template.
     pub fn has_chat_template(&self) -> bool {
         !self.templates.is_empty()
@@ -459,7 +485,7 @@ impl ModelTokenizer {
 
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         Ok(self
-            .encode_until(text, add_special_tokens, &mut |_| true)?
+            .encode_until(text, add_special_tokens, &mut |_, _| true)?
             .ids)
     }
 
@@ -467,7 +493,7 @@ impl ModelTokenizer {
         &self,
         text: &str,
         add_special_tokens: bool,
-        more: &mut dyn FnMut(&[u32]) -> bool,
+        more: &mut dyn FnMut(&[u32], usize) -> bool,
     ) -> Result<Encoded, TokenizeError> {
         catch_unwind(AssertUnwindSafe(|| {
             self.encode_ids(text, add_special_tokens, more)
@@ -493,7 +519,7 @@ impl ModelTokenizer {
         &self,
         text: &str,
         add_special_tokens: bool,
-        more: &mut dyn FnMut(&[u32]) -> bool,
+        more: &mut dyn FnMut(&[u32], usize) -> bool,
     ) -> tokenizers::Result<Encoded> {
         let t = &self.tokenizer;
         let whole = || -> tokenizers::Result<Encoded> {
@@ -553,7 +579,10 @@ impl ModelTokenizer {
             }
             if start > 0 && asked_at != ids.len() {
                 asked_at = ids.len();
-                if !more(&ids) {
+                if !more(
+                    &ids,
+                    self.rest_tokens_max(text.len() - start, add_special_tokens),
+                ) {
                     return Ok(Encoded {
                         ids,
                         untokenized_bytes: text.len() - start,

@@ -1594,18 +1594,23 @@ fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
         assert!(Instant::now() < deadline, "events not applied");
         std::thread::sleep(Duration::from_millis(10));
     }
+    // At most this many tokens follow the probed ones (the tokenizer's bound for the rest).
+    let rest = 8 * BLOCK;
     let mut probe = router.prefix_probe(None, None);
-    // Both hold the first 4 blocks: tokenizing goes on.
-    assert!(probe.worth_more(&a[..4 * BLOCK]));
+    // Both hold the first 4 blocks, idle: a tie, tokenizing goes on.
+    assert!(probe.worth_more(&a[..4 * BLOCK], rest));
     // Past them only worker 1 does, idle: it would be picked, tokenizing stops.
-    assert!(!probe.worth_more(&a[..8 * BLOCK]));
+    assert!(!probe.worth_more(&a[..8 * BLOCK], rest));
     // Where only the overlap's reach counts, it would have gone on.
     assert!(router.prefix_probe(None, None).holds_all(&a[..8 * BLOCK]));
     // Blocks nobody holds: stop.
     let b: Vec<u32> = (1000..1000 + 8 * BLOCK as u32).collect();
-    assert!(!router.prefix_probe(None, None).worth_more(&b));
-    // Worker 1 queued with a long prefill: at 8 blocks of overlap it loses to worker 2, so the
-    // rest must be tokenized to see whether its overlap makes up for it.
+    assert!(!router.prefix_probe(None, None).worth_more(&b, rest));
+    // Worker 1 queued with a long prefill (over 100,000 tokens): at 8 blocks of overlap it
+    // loses to worker 2. If up to 200,000 tokens may follow, its overlap could make up for it,
+    // so the rest must be tokenized; if at most 8 blocks do, it cannot, and tokenizing stops.
+    // Where both hold every block so far (4), worker 2 wins and worker 1 cannot catch up with
+    // the rest either: stop.
     let long: Vec<u32> = (5000..5000 + 4 * BLOCK as u32).collect();
     router
         .route_among(
@@ -1620,13 +1625,23 @@ fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
             false,
         )
         .unwrap();
-    assert!(router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]));
+    assert!(router
+        .prefix_probe(None, None)
+        .worth_more(&a[..8 * BLOCK], 200_000));
+    assert!(!router
+        .prefix_probe(None, None)
+        .worth_more(&a[..8 * BLOCK], rest));
+    assert!(!router
+        .prefix_probe(None, None)
+        .worth_more(&a[..4 * BLOCK], rest));
     let metrics = router.render_metrics();
     for (answer, n) in [
         ("several_holders", 1),
         ("sure_pick", 1),
         ("no_holder", 1),
         ("holder_not_picked", 1),
+        ("holders_outweighed", 2),
+        ("pick_uncertain", 0),
     ] {
         let line = format!("kv_router_frontend_probe_answers_total{{answer=\"{answer}\"}} {n}");
         assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
@@ -1648,7 +1663,9 @@ fn the_prefix_probe_stops_where_the_pick_is_already_sure() {
         assert!(Instant::now() < deadline, "events not applied");
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert!(router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]));
+    assert!(router
+        .prefix_probe(None, None)
+        .worth_more(&a[..8 * BLOCK], 8 * BLOCK));
 }
 
 #[test]
@@ -1775,7 +1792,9 @@ fn with_the_balance_term_a_pick_is_sure_only_if_it_wins_with_and_without_it() {
             assert!(Instant::now() < deadline, "events not applied");
             std::thread::sleep(Duration::from_millis(10));
         }
-        let more = router.prefix_probe(None, None).worth_more(&a[..8 * BLOCK]);
+        let more = router
+            .prefix_probe(None, None)
+            .worth_more(&a[..8 * BLOCK], 8 * BLOCK);
         let answers = |answer: &str| {
             let line = format!("kv_router_frontend_probe_answers_total{{answer=\"{answer}\"}} ");
             router

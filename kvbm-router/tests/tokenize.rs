@@ -566,7 +566,7 @@ fn windows_from_the_prefix_cache_give_the_ids_of_a_whole_encode() {
     use kvbm_router::tokenize::ENCODE_CELL_BYTES;
     let tok = load("chatml").with_prefix_cache(64 << 20);
     let base = mixed_text(24_000, 0);
-    let go_on = &mut |_: &[u32]| true;
+    let go_on = &mut |_: &[u32], _: usize| true;
     let first = tok.encode_prompt_until(&base, true, go_on).unwrap();
     assert_eq!(first.cached_bytes, 0, "an empty cache");
     assert!(first.ids == tok.encode_whole(&base, true).unwrap());
@@ -614,7 +614,7 @@ fn the_prefix_cache_keeps_to_its_budget_and_stays_exact() {
         let text = mixed_text(12_000, seed * 1000);
         for _ in 0..2 {
             let e = tok
-                .encode_prompt_until(&text, false, &mut |_| true)
+                .encode_prompt_until(&text, false, &mut |_, _| true)
                 .unwrap();
             assert!(
                 e.ids == tok.encode_whole(&text, false).unwrap(),
@@ -627,12 +627,12 @@ fn the_prefix_cache_keeps_to_its_budget_and_stays_exact() {
     // The newest text's windows are still there (least recently used go first), the oldest's not.
     let newest = mixed_text(12_000, 5000);
     let e = tok
-        .encode_prompt_until(&newest, false, &mut |_| true)
+        .encode_prompt_until(&newest, false, &mut |_, _| true)
         .unwrap();
     assert_eq!(e.cached_bytes, newest.len());
     let oldest = mixed_text(12_000, 0);
     let e = tok
-        .encode_prompt_until(&oldest, false, &mut |_| true)
+        .encode_prompt_until(&oldest, false, &mut |_, _| true)
         .unwrap();
     assert_eq!(e.cached_bytes, 0);
 }
@@ -642,19 +642,31 @@ fn a_stopped_encode_gives_a_prefix_of_the_ids_and_estimates_the_rest() {
     let tok = load("chatml");
     let text = mixed_text(20_000, 7);
     let whole = tok.encode_whole(&text, true).unwrap();
-    // `more` sees growing prefixes of the ids; the third time it says stop.
-    let mut seen: Vec<Vec<u32>> = Vec::new();
+    // `more` sees growing prefixes of the ids, and a bound for the tokens after them that the
+    // whole encode keeps to; the third time it says stop.
+    let mut seen: Vec<(Vec<u32>, usize)> = Vec::new();
     let e = tok
-        .encode_prompt_until(&text, true, &mut |ids| {
-            seen.push(ids.to_vec());
+        .encode_prompt_until(&text, true, &mut |ids, rest| {
+            seen.push((ids.to_vec(), rest));
             seen.len() < 3
         })
         .unwrap();
     assert_eq!(seen.len(), 3);
-    for (i, ids) in seen.iter().enumerate() {
+    for (i, (ids, rest)) in seen.iter().enumerate() {
         assert!(!ids.is_empty() && whole.starts_with(ids), "call {i}");
-        assert!(i == 0 || ids.len() > seen[i - 1].len(), "call {i}");
+        assert!(i == 0 || ids.len() > seen[i - 1].0.len(), "call {i}");
+        assert!(
+            ids.len() + rest >= whole.len(),
+            "call {i}: {} ids then at most {rest} of {}",
+            ids.len(),
+            whole.len()
+        );
+        assert!(
+            i == 0 || *rest < seen[i - 1].1,
+            "call {i}: the bound shrinks"
+        );
     }
+    let seen: Vec<Vec<u32>> = seen.into_iter().map(|(ids, _)| ids).collect();
     assert!(e.ids == seen[2], "stopped where it was told");
     assert!(e.untokenized_bytes > 0 && e.untokenized_bytes < text.len());
     let estimate = e.estimated_tokens() as f64;
@@ -664,7 +676,9 @@ fn a_stopped_encode_gives_a_prefix_of_the_ids_and_estimates_the_rest() {
         "estimated {estimate} tokens of {exact}"
     );
     // A caller that never stops gets the whole encode, and an exact count.
-    let all = tok.encode_prompt_until(&text, true, &mut |_| true).unwrap();
+    let all = tok
+        .encode_prompt_until(&text, true, &mut |_, _| true)
+        .unwrap();
     assert!(all.ids == whole);
     assert_eq!(all.estimated_tokens(), whole.len());
 }
