@@ -1014,6 +1014,11 @@ impl Leader {
             return false;
         };
         if !staged.is_empty() {
+            // Unlike `BlockManager::onboard_from_disk`, nothing reads the registered blocks
+            // returned here (the GPU already loaded from the staging blocks): where one of these
+            // identities is already registered on a host block an offload is still filling, the
+            // staged copy is dropped for it, and if that offload fails its callback takes the
+            // block out of the tier. A cache entry lost, never wrong bytes served, so no wait.
             let complete = staged.into_iter().map(|(b, id)| b.complete(id)).collect();
             if let Err(r) = self.host.register_all(complete) {
                 tracing::warn!(
