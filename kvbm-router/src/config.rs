@@ -315,8 +315,9 @@ pub struct Args {
     /// where exactly one worker holds every block and would be picked (the rest can only add to
     /// its overlap; kv_router_frontend_probe_answers_total{answer="sure_pick"}), and where the
     /// pick would stay even if every such worker held all of the rest, counted at one token a
-    /// byte (answer="holders_outweighed"). The rest counts as uncached in the chosen worker's
-    /// queued prefill until its first token.
+    /// byte, more where the model's normalizer may lengthen the text
+    /// (answer="holders_outweighed"). The rest counts as uncached in the chosen worker's queued
+    /// prefill until its first token.
     #[arg(long)]
     pub tokenize_past_sure_pick: bool,
 

@@ -294,7 +294,8 @@ impl PrefixProbe<'_> {
 
     /// Whether tokenizing past `ids` could still change where the front end routes the prompt,
     /// when at most `rest_tokens` tokens follow them (the tokenizer's bound for the text not
-    /// tokenized yet, [`crate::tokenize::Encoded`]). False where [`Self::holds_all`] is. False
+    /// tokenized yet, [`crate::tokenize::ModelTokenizer::rest_tokens_max`]; `ids` only grow from
+    /// one call to the next). False where [`Self::holds_all`] is. False
     /// too where a routing now would pick a worker that no growth of the overlaps can overtake
     /// ([`Router::sure_pick`]): only a worker holding every full block of `ids` can reach further
     /// (the others' overlaps are prefixes that stopped short), by at most the blocks of
@@ -302,7 +303,8 @@ impl PrefixProbe<'_> {
     /// cost. Two cases stop: exactly one worker holds every block and would be picked already
     /// (`sure_pick`: the rest can only add to its overlap), or the pick would stay the same even
     /// if each worker holding every block so far held the whole rest in its best tier
-    /// (`holders_outweighed`: a holder too loaded to win with all of it). The full prompt goes to
+    /// (`holders_outweighed`: a holder too loaded to win with all of it, or one that cannot be
+    /// routed to now). The full prompt goes to
     /// the same worker (given the loads now: requests routed before this one's routing may still
     /// change them). The untokenized rest then counts, as with `holds_all`, in the request's
     /// length and not in its overlap: the chosen worker's queued prefill is over-counted until
@@ -317,15 +319,16 @@ impl PrefixProbe<'_> {
         let (answer, more) = if !Self::any_holds(&overlaps, n) {
             ("no_holder", false)
         } else {
-            let holders: Vec<WorkerKey> = overlaps
+            let mut holders: Vec<WorkerKey> = overlaps
                 .iter()
                 .filter(|(_, o)| o.gpu + o.host + o.disk + o.shared >= n)
                 .map(|(k, _)| *k)
                 .collect();
+            holders.sort_unstable();
             // Blocks the rest can add to a holder's overlap: the tokens past the last full
             // block and the rest's, in whole blocks.
             let bs = self.hasher.block_size_tokens();
-            let growth = (ids.len() - n * bs).saturating_add(rest_tokens) / bs;
+            let growth = ids.len().saturating_sub(n * bs).saturating_add(rest_tokens) / bs;
             match self
                 .router
                 .sure_pick(&overlaps, ids.len(), &holders, growth)
@@ -1001,7 +1004,7 @@ impl Router {
 
     /// The worker the OpenAI front end's routing would pick now among `overlaps` (every
     /// registered worker's) for a prompt of `input_tokens`, without routing anything, and whether
-    /// that pick is sure when each of `growable` may yet add `growth` blocks to its overlap (the
+    /// that pick is sure when each of `growable` (sorted) may yet add `growth` blocks to its overlap (the
     /// rest of the prompt, untokenized) and no other worker's overlap can change: the pick must
     /// cost less than every other worker even with the growth credited at the highest weight.
     /// Never sure outside a fixed-weight cost mode (`kv-gpu`, `kv`, `dynamo`) without a
@@ -1074,9 +1077,9 @@ impl Router {
             }
             // The others at the least they could cost once the whole prompt is known (the
             // rest's length, the same for every worker, cancels out).
-            let overtaken = costs
-                .iter()
-                .any(|&(w, c)| w != pick && growable.contains(&w) && c - growth_credit <= least);
+            let overtaken = costs.iter().any(|&(w, c)| {
+                w != pick && growable.binary_search(&w).is_ok() && c - growth_credit <= least
+            });
             if overtaken {
                 Pick::Unsure(Some(pick))
             } else {
@@ -1084,11 +1087,18 @@ impl Router {
             }
         };
         let without = best(false);
-        if s.balance_weight > 0.0 && best(true) != without {
-            return match without {
-                Pick::Sure(pick) => Pick::Unsure(Some(pick)),
-                unsure => unsure,
+        if s.balance_weight > 0.0 {
+            let with = best(true);
+            let pick = |p: Pick| match p {
+                Pick::Sure(w) | Pick::Unsure(Some(w)) => Some(w),
+                Pick::Unsure(None) => None,
             };
+            if pick(with) != pick(without) {
+                return Pick::Unsure(None);
+            }
+            if with != without {
+                return Pick::Unsure(pick(without));
+            }
         }
         without
     }

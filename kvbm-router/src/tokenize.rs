@@ -80,6 +80,46 @@ pub const ENCODE_CELL_BYTES: usize = 2 << 10;
 /// the next such stretch are tokenized again by the next window and must come out the same.
 const ENCODE_WINDOW_MARGIN: usize = 128;
 
+/// [`normalized_bytes_per_byte`] for a normalizer it does not know.
+const NORMALIZED_BYTES_PER_BYTE_UNKNOWN: usize = 11;
+/// The most [`normalized_bytes_per_byte`] answers (a chain of expanding normalizers).
+const NORMALIZED_BYTES_PER_BYTE_MAX: usize = 64;
+
+/// How many bytes of normalized text one byte of input can become at most, for the
+/// `normalizer` entry of a `tokenizer.json`: 1 for none; Unicode's bounds on UTF-8 growth for
+/// the normalization forms (3 for NFC and NFD, 11 for NFKC and NFKD; SentencePiece's compiled
+/// NFKC maps are taken as NFKC), 3 for case and accent folding and BERT's (a CJK character gets
+/// a space on each side), a replacement's length per byte matched, a prefix's length added to
+/// each byte (a prefix per split, and a split is at least a byte), the product for a sequence.
+fn normalized_bytes_per_byte(normalizer: &Json) -> usize {
+    let factor = match normalizer.get("type").and_then(Json::as_str) {
+        None if normalizer.is_null() => 1,
+        None => NORMALIZED_BYTES_PER_BYTE_UNKNOWN,
+        Some("Sequence") => normalizer
+            .get("normalizers")
+            .and_then(Json::as_array)
+            .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |all| {
+                all.iter().fold(1usize, |f, n| {
+                    f.saturating_mul(normalized_bytes_per_byte(n))
+                })
+            }),
+        Some("NFC" | "NFD" | "Lowercase" | "StripAccents" | "BertNormalizer") => 3,
+        Some("NFKC" | "NFKD" | "Precompiled") => 11,
+        Some("Strip" | "Nmt") => 1,
+        Some("ByteLevel") => 2,
+        Some("Replace") => normalizer
+            .get("content")
+            .and_then(Json::as_str)
+            .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |c| c.len().max(1)),
+        Some("Prepend") => normalizer
+            .get("prepend")
+            .and_then(Json::as_str)
+            .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |p| 1 + p.len()),
+        Some(_) => NORMALIZED_BYTES_PER_BYTE_UNKNOWN,
+    };
+    factor.clamp(1, NORMALIZED_BYTES_PER_BYTE_MAX)
+}
+
 /// The ids of `words`, in order.
 fn concat_ids(words: Vec<WordIds>) -> Vec<u32> {
     let mut ids = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
@@ -146,7 +186,9 @@ pub struct ModelTokenizer {
     special_wrap: [Option<(Vec<u32>, Vec<u32>)>; 2],
     /// Windows already tokenized, by the prefix that ends them (see [`Self::with_prefix_cache`]).
     prefix_cache: Option<PrefixCache>,
-    /// Tokens a byte of text gives at most ([`Self::rest_tokens_max`]).
+    /// Tokens a byte of text gives at most ([`Self::rest_tokens_max`]): a token covers at least
+    /// one byte of the normalized text (one character where the model works on characters),
+    /// so this is how many bytes the normalizer may make of one ([`normalized_bytes_per_byte`]).
     tokens_per_byte_max: usize,
 }
 
@@ -350,16 +392,10 @@ impl ModelTokenizer {
                 compile_error: compile_error.map(|e| e.to_string()),
             });
         }
-        // A model's token covers at least one byte of the text it was split from, or one
-        // character where the model works on characters (SentencePiece's byte fallback gives
-        // one token per byte). A normalizer may lengthen the text (NFKC, NFC's few expansions,
-        // lowercasing some letters): three tokens a byte then, the most those give for all but
-        // a handful of characters.
-        let tokens_per_byte_max = if tokenizer.get_normalizer().is_some() {
-            3
-        } else {
-            1
-        };
+        let tokens_per_byte_max = serde_json::from_slice::<Json>(&bytes)
+            .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |j| {
+                j.get("normalizer").map_or(1, normalized_bytes_per_byte)
+            });
         Ok(Self {
             special_wrap: [false, true].map(|add| special_wrap(&tokenizer, add)),
             tokens_per_byte_max,
@@ -464,8 +500,8 @@ impl ModelTokenizer {
     /// At most how many tokens `bytes` of text not tokenized yet add to a prompt's ids, special
     /// tokens at its end included: a bound for the router's prefix probe, which stops
     /// tokenizing where even that many could not change the pick. Far above what text gives
-    /// (prose runs at three to six bytes a token), never below it but for text of the rare
-    /// characters a normalizer expands the most.
+    /// (prose runs at three to six bytes a token, and the bound is one token a byte without a
+    /// normalizer).
     pub fn rest_tokens_max(&self, bytes: usize, add_special_tokens: bool) -> usize {
         let suffix = self.special_wrap[usize::from(add_special_tokens)]
             .as_ref()
@@ -1759,6 +1795,35 @@ fn normalize_tools(tools: &Json) -> Result<Json, TokenizeError> {
 #[cfg(test)]
 mod tests {
     use super::jinja::{py_float_repr, strftime};
+
+    #[test]
+    fn how_many_bytes_a_normalizer_may_make_of_one() {
+        use super::normalized_bytes_per_byte as f;
+        use serde_json::json;
+        assert_eq!(f(&serde_json::Value::Null), 1);
+        assert_eq!(f(&json!({"type": "NFC"})), 3);
+        assert_eq!(f(&json!({"type": "NFKC"})), 11);
+        assert_eq!(
+            f(&json!({"type": "Precompiled", "precompiled_charsmap": "AA"})),
+            11
+        );
+        // Llama 2's: a prefix and spaces replaced by a three-byte character.
+        let llama2 = json!({"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u{2581}"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"},
+        ]});
+        assert_eq!(f(&llama2), 4 * 3);
+        assert_eq!(
+            f(&json!({"type": "Replace", "pattern": {"String": "ab"}, "content": ""})),
+            1
+        );
+        assert_eq!(f(&json!({"type": "SomethingNew"})), 11);
+        assert_eq!(f(&json!({"type": "Sequence"})), 11);
+        let deep = json!({"type": "Sequence", "normalizers": [
+            {"type": "NFKC"}, {"type": "NFKC"}, {"type": "NFKC"},
+        ]});
+        assert_eq!(f(&deep), 64, "capped");
+    }
 
     #[test]
     fn python_float_repr() {

@@ -682,3 +682,47 @@ fn a_stopped_encode_gives_a_prefix_of_the_ids_and_estimates_the_rest() {
     assert!(all.ids == whole);
     assert_eq!(all.estimated_tokens(), whole.len());
 }
+
+#[test]
+fn the_rest_bound_holds_for_text_the_normalizer_lengthens() {
+    // chatml normalizes to NFC: U+0344 (2 bytes) becomes U+0308 U+0301 (4), U+1F82 (3 bytes) a
+    // letter and three accents (8); llama3 has no normalizer and byte-level tokens. Whatever the
+    // cut, the tokens after it stay within the bound the probe is given for the bytes after it.
+    let odd = "\u{344}\u{1F82}\u{FB2C}\u{2126}";
+    for (model, texts) in [
+        (
+            "chatml",
+            vec![
+                odd.repeat(300),
+                format!("{}{}", mixed_text(3_000, 3), odd.repeat(200)),
+            ],
+        ),
+        (
+            "llama3",
+            vec![mixed_text(6_000, 5), "\u{1F600}\u{7}\u{0}x".repeat(400)],
+        ),
+    ] {
+        let tok = load(model);
+        for text in texts {
+            let whole = tok.encode_whole(&text, true).unwrap();
+            for at in (0..text.len())
+                .step_by(97)
+                .filter(|&at| text.is_char_boundary(at))
+            {
+                let before = tok.encode_whole(&text[..at], true).unwrap();
+                // Tokens past the cut: the whole encode less the ids the prefix shares with it.
+                let shared = whole
+                    .iter()
+                    .zip(&before)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                let after = whole.len() - shared;
+                let bound = tok.rest_tokens_max(text.len() - at, true);
+                assert!(
+                    after <= bound,
+                    "{model}, cut at {at}: {after} tokens, bound {bound}"
+                );
+            }
+        }
+    }
+}
