@@ -53,30 +53,7 @@ fn run(ops: Vec<Op>, filter_disabled: bool) {
     let mut sub = events.subscribe(100_000);
     let m = BlockManager::with_publisher(
         device(),
-        ManagerOptions {
-            kv: kv(2),
-            gpu_blocks: 10,
-            gpu_layout: LayerShape::BlockFirst.into(),
-            host_blocks: 6,
-            limits: TransferLimits {
-                batch_blocks_max: 2,
-                inflight_max: 2,
-                pending_max: 8,
-                ..Default::default()
-            },
-            pin_threads: 1,
-            disk: Some(DiskOptions {
-                dir: dir.path().to_owned(),
-                file_name: "model.cache".into(),
-                blocks: 5,
-                disable_o_direct: false,
-                filter_disabled,
-                queue_depth: 4,
-                engine: Default::default(),
-                layout_salt: 0,
-            }),
-            kv_events: None,
-        },
+        three_tier_options(dir.path(), 10, 6, 5, filter_disabled),
         GpuMemory::Allocate,
         events,
     )
@@ -191,8 +168,43 @@ proptest! {
     }
 }
 
-/// A manager on the emulated device with 4 host blocks and small copy batches (2 blocks, 2 in
-/// flight), its disk tier in `dir` with `disk_blocks` blocks, written without admission filter.
+/// Options of a three-tier manager with small copy batches (2 blocks, 2 in flight), its disk
+/// tier in `dir`.
+fn three_tier_options(
+    dir: &std::path::Path,
+    gpu_blocks: usize,
+    host_blocks: usize,
+    disk_blocks: usize,
+    filter_disabled: bool,
+) -> ManagerOptions {
+    ManagerOptions {
+        kv: kv(2),
+        gpu_blocks,
+        gpu_layout: LayerShape::BlockFirst.into(),
+        host_blocks,
+        limits: TransferLimits {
+            batch_blocks_max: 2,
+            inflight_max: 2,
+            pending_max: 8,
+            ..Default::default()
+        },
+        pin_threads: 1,
+        disk: Some(DiskOptions {
+            dir: dir.to_owned(),
+            file_name: "model.cache".into(),
+            blocks: disk_blocks,
+            disable_o_direct: false,
+            filter_disabled,
+            queue_depth: 4,
+            engine: Default::default(),
+            layout_salt: 0,
+        }),
+        kv_events: None,
+    }
+}
+
+/// A manager on the emulated device with 4 host blocks and small copy batches, its disk tier in
+/// `dir` with `disk_blocks` blocks, written without admission filter.
 fn small_manager(
     dir: &std::path::Path,
     gpu_blocks: usize,
@@ -201,30 +213,7 @@ fn small_manager(
 ) -> BlockManager {
     BlockManager::with_publisher(
         Device::emulated(),
-        ManagerOptions {
-            kv: kv(2),
-            gpu_blocks,
-            gpu_layout: LayerShape::BlockFirst.into(),
-            host_blocks: 4,
-            limits: TransferLimits {
-                batch_blocks_max: 2,
-                inflight_max: 2,
-                pending_max: 8,
-                ..Default::default()
-            },
-            pin_threads: 1,
-            disk: Some(DiskOptions {
-                dir: dir.to_owned(),
-                file_name: "small.cache".into(),
-                blocks: disk_blocks,
-                disable_o_direct: false,
-                filter_disabled: true,
-                queue_depth: 4,
-                engine: Default::default(),
-                layout_salt: 0,
-            }),
-            kv_events: None,
-        },
+        three_tier_options(dir, gpu_blocks, 4, disk_blocks, true),
         GpuMemory::Allocate,
         events,
     )

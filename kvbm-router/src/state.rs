@@ -295,20 +295,19 @@ impl PrefixProbe<'_> {
     /// Whether tokenizing past `ids` could still change where the front end routes the prompt,
     /// when at most `rest_tokens` tokens follow them (the tokenizer's bound for the text not
     /// tokenized yet, [`crate::tokenize::ModelTokenizer::rest_tokens_max`]; `ids` only grow from
-    /// one call to the next). False where [`Self::holds_all`] is. False
-    /// too where a routing now would pick a worker that no growth of the overlaps can overtake
-    /// ([`Router::sure_pick`]): only a worker holding every full block of `ids` can reach further
-    /// (the others' overlaps are prefixes that stopped short), by at most the blocks of
-    /// `rest_tokens`, and in the fixed-weight cost modes more overlap never raises a worker's
-    /// cost. Two cases stop: exactly one worker holds every block and would be picked already
-    /// (`sure_pick`: the rest can only add to its overlap), or the pick would stay the same even
-    /// if each worker holding every block so far held the whole rest in its best tier
-    /// (`holders_outweighed`: a holder too loaded to win with all of it, or one that cannot be
-    /// routed to now). The full prompt goes to
-    /// the same worker (given the loads now: requests routed before this one's routing may still
-    /// change them). The untokenized rest then counts, as with `holds_all`, in the request's
-    /// length and not in its overlap: the chosen worker's queued prefill is over-counted until
-    /// its first token, never under.
+    /// one call to the next). False where [`Self::holds_all`] is. False too where a routing now
+    /// would pick a worker that no growth of the overlaps can overtake ([`Router::sure_pick`]):
+    /// only a worker holding every full block of `ids` can reach further (the others' overlaps
+    /// are prefixes that stopped short), by at most the blocks of `rest_tokens`, and in the
+    /// fixed-weight cost modes more overlap never raises a worker's cost. Two cases stop: exactly
+    /// one worker holds every block and would be picked already (`sure_pick`: the rest can only
+    /// add to its overlap), or the pick would stay the same even if each worker holding every
+    /// block so far held the whole rest in its best tier (`holders_outweighed`: a holder too
+    /// loaded to win with all of it, or one that cannot be routed to now). The full prompt goes
+    /// to the same worker (given the loads now: requests routed before this one's routing may
+    /// still change them). The untokenized rest then counts, as with `holds_all`, in the
+    /// request's length and not in its overlap: the chosen worker's queued prefill is
+    /// over-counted until its first token, never under.
     pub fn worth_more(&mut self, ids: &[u32], rest_tokens: usize) -> bool {
         self.hash(ids);
         let n = self.hashes.len();
@@ -1004,9 +1003,10 @@ impl Router {
 
     /// The worker the OpenAI front end's routing would pick now among `overlaps` (every
     /// registered worker's) for a prompt of `input_tokens`, without routing anything, and whether
-    /// that pick is sure when each of `growable` (sorted) may yet add `growth` blocks to its overlap (the
-    /// rest of the prompt, untokenized) and no other worker's overlap can change: the pick must
-    /// cost less than every other worker even with the growth credited at the highest weight.
+    /// that pick is sure when each of `growable` (sorted) may yet add `growth` blocks to its
+    /// overlap (the rest of the prompt, untokenized) and no other worker's overlap can change:
+    /// the pick must cost less than every other worker even with the growth credited at the
+    /// highest weight.
     /// Never sure outside a fixed-weight cost mode (`kv-gpu`, `kv`, `dynamo`) without a
     /// temperature, or with a credit weight above 1 (so that an overlap never credits more than
     /// the prompt's length and the rest's length cancels out between workers), or without one
