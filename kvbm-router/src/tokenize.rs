@@ -80,6 +80,13 @@ pub const ENCODE_CELL_BYTES: usize = 2 << 10;
 /// the next such stretch are tokenized again by the next window and must come out the same.
 const ENCODE_WINDOW_MARGIN: usize = 128;
 
+/// Words the word cache holds by default before it starts over (see [`WordCache`]); it holds
+/// at most 4 ids a word on average. At this size, about 5 MiB (a 32-byte slot per word in a
+/// table at most seven eighths full, and the ids).
+pub const WORD_CACHE_WORDS_DEFAULT: usize = 1 << 16;
+/// The longest split the word cache keeps: longer ones are rarely seen twice.
+const WORD_CACHE_WORD_BYTES_MAX: usize = 64;
+
 /// [`normalized_bytes_per_byte`] for a normalizer it does not know.
 const NORMALIZED_BYTES_PER_BYTE_UNKNOWN: usize = 11;
 /// The most [`normalized_bytes_per_byte`] answers (a chain of expanding normalizers).
@@ -120,13 +127,55 @@ fn normalized_bytes_per_byte(normalizer: &Json) -> usize {
     factor.clamp(1, NORMALIZED_BYTES_PER_BYTE_MAX)
 }
 
-/// The ids of `words`, in order.
-fn concat_ids(words: Vec<WordIds>) -> Vec<u32> {
-    let mut ids = Vec::with_capacity(words.iter().map(|w| w.ids.len()).sum());
-    for w in words {
-        ids.extend_from_slice(&w.ids);
+/// The words of one window, flat: word `i` lies at `spans[i].0..spans[i].1` in the text and its
+/// ids end at `spans[i].2` in `ids` (they start where word `i - 1`'s end).
+#[derive(Debug, Default)]
+struct WindowWords {
+    spans: Vec<(usize, usize, usize)>,
+    ids: Vec<u32>,
+}
+
+impl WindowWords {
+    fn len(&self) -> usize {
+        self.spans.len()
     }
-    ids
+
+    fn end(&self, i: usize) -> usize {
+        self.spans[i].1
+    }
+
+    fn ids_of(&self, i: usize) -> &[u32] {
+        let from = if i == 0 { 0 } else { self.spans[i - 1].2 };
+        &self.ids[from..self.spans[i].2]
+    }
+
+    /// Whether its first words are `check`, position and ids.
+    fn starts_with(&self, check: &[WordIds]) -> bool {
+        self.len() >= check.len()
+            && check.iter().enumerate().all(|(i, w)| {
+                let (start, end, _) = self.spans[i];
+                w.start == start && w.end == end && w.ids == self.ids_of(i)
+            })
+    }
+
+    /// The ids of its first `n` words.
+    fn ids_before(&self, n: usize) -> &[u32] {
+        match n {
+            0 => &[],
+            n => &self.ids[..self.spans[n - 1].2],
+        }
+    }
+
+    /// Words `range`, each with its own ids.
+    fn owned(&self, range: std::ops::Range<usize>) -> Vec<WordIds> {
+        range
+            .map(|i| WordIds {
+                start: self.spans[i].0,
+                end: self.spans[i].1,
+                ids: self.ids_of(i).to_vec(),
+            })
+            .collect()
+    }
 }
 
 /// One word of a window (a split of the pre-tokenizer): where it lies in the text, its ids.
@@ -135,6 +184,88 @@ struct WordIds {
     start: usize,
     end: usize,
     ids: Vec<u32>,
+}
+
+/// The model's ids for one split of the pre-tokenizer, by its text: `Model::tokenize` is a
+/// function of that text alone (for every model but BPE with dropout, which gets no cache), and
+/// words repeat (Zipf), so most words of a prompt skip the model, its per-token `String`s and its
+/// vocabulary's cold hash map. Keyed by XXH3-128 of the split under a seed drawn at start (a
+/// client cannot aim a collision at a word; the table's own hash is the key's low half), held to
+/// a number of words and 4 ids a word, then emptied and filled again (the words of the current
+/// traffic come back first).
+#[derive(Debug)]
+struct WordCache {
+    seed: u64,
+    words_max: usize,
+    inner: parking_lot::RwLock<WordCacheInner>,
+}
+
+#[derive(Debug, Default)]
+struct WordCacheInner {
+    /// Key → where its ids lie in `ids` (offset, count).
+    words: std::collections::HashMap<u128, (u32, u32), std::hash::BuildHasherDefault<KeyHash>>,
+    ids: Vec<u32>,
+}
+
+/// The table hash of a key that is already a keyed hash: its low 64 bits.
+#[derive(Debug, Default)]
+struct KeyHash(u64);
+
+impl std::hash::Hasher for KeyHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u128 keys are hashed; anything else still gets a usable (if slow) hash.
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_u128(&mut self, key: u128) {
+        self.0 = key as u64;
+    }
+}
+
+impl WordCache {
+    fn new(words_max: usize) -> Self {
+        Self {
+            seed: rand::random(),
+            words_max,
+            inner: parking_lot::RwLock::new(WordCacheInner::default()),
+        }
+    }
+
+    fn key(&self, word: &str) -> Option<u128> {
+        (word.len() <= WORD_CACHE_WORD_BYTES_MAX)
+            .then(|| xxhash_rust::xxh3::xxh3_128_with_seed(word.as_bytes(), self.seed))
+    }
+
+    /// Stores the words of one window that missed.
+    fn insert(&self, fresh: &[(u128, std::ops::Range<usize>)], ids: &[u32]) {
+        if fresh.is_empty() {
+            return;
+        }
+        let mut inner = self.inner.write();
+        for (key, range) in fresh {
+            if inner.words.len() >= self.words_max
+                || inner.ids.len() + range.len() > 4 * self.words_max
+            {
+                inner.words.clear();
+                inner.ids.clear();
+            }
+            let at = inner.ids.len() as u32;
+            inner.ids.extend_from_slice(&ids[range.clone()]);
+            inner.words.insert(*key, (at, range.len() as u32));
+        }
+    }
+
+    /// Words and ids held.
+    fn usage(&self) -> (usize, usize) {
+        let inner = self.inner.read();
+        (inner.words.len(), inner.ids.len())
+    }
 }
 
 /// The named special tokens transformers passes to every template (`special_tokens_map`).
@@ -186,6 +317,11 @@ pub struct ModelTokenizer {
     special_wrap: [Option<(Vec<u32>, Vec<u32>)>; 2],
     /// Windows already tokenized, by the prefix that ends them (see [`Self::with_prefix_cache`]).
     prefix_cache: Option<PrefixCache>,
+    /// The model's ids by split ([`WordCache`]); None for a model whose `tokenize` is not a
+    /// function of the split (BPE with dropout).
+    word_cache: Option<WordCache>,
+    /// Whether the model's `tokenize` is a function of the split (all but BPE with dropout).
+    deterministic_model: bool,
     /// Tokens a byte of text gives at most ([`Self::rest_tokens_max`]): a token covers at least
     /// one byte of the normalized text (one character where the model works on characters),
     /// so this is how many bytes the normalizer may make of one ([`normalized_bytes_per_byte`]).
@@ -392,10 +528,18 @@ impl ModelTokenizer {
                 compile_error: compile_error.map(|e| e.to_string()),
             });
         }
-        let tokens_per_byte_max = serde_json::from_slice::<Json>(&bytes)
+        let pipeline = serde_json::from_slice::<Json>(&bytes).ok();
+        let tokens_per_byte_max = pipeline
+            .as_ref()
             .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |j| {
                 j.get("normalizer").map_or(1, normalized_bytes_per_byte)
             });
+        // BPE's dropout makes `tokenize` random (the crate's own cache is off then too).
+        let random_model = pipeline.as_ref().is_none_or(|j| {
+            j.pointer("/model/dropout")
+                .and_then(Json::as_f64)
+                .is_some_and(|p| p > 0.0)
+        });
         Ok(Self {
             special_wrap: [false, true].map(|add| special_wrap(&tokenizer, add)),
             tokens_per_byte_max,
@@ -405,6 +549,8 @@ impl ModelTokenizer {
             named_templates,
             env,
             prefix_cache: None,
+            word_cache: (!random_model).then(|| WordCache::new(WORD_CACHE_WORDS_DEFAULT)),
+            deterministic_model: !random_model,
         })
     }
 
@@ -420,6 +566,14 @@ impl ModelTokenizer {
                 bytes: 0,
             }),
         });
+        self
+    }
+
+    /// With a cache of the model's ids for up to `words` distinct words (none if 0, or if the
+    /// model's `tokenize` is random: BPE with dropout); [`Self::from_dir`] gives one of
+    /// [`WORD_CACHE_WORDS_DEFAULT`]. See [`WordCache`].
+    pub fn with_word_cache(mut self, words: usize) -> Self {
+        self.word_cache = (words > 0 && self.deterministic_model).then(|| WordCache::new(words));
         self
     }
 
@@ -628,7 +782,7 @@ impl ModelTokenizer {
                 }
             }
             let words = self.window_ids(text, start, end, last)?;
-            if words.len() < check.len() || words[..check.len()] != check[..] {
+            if !words.starts_with(&check) {
                 tracing::debug!(
                     at = start,
                     "tokenizer windows do not join exactly; encoding the prompt whole"
@@ -636,34 +790,35 @@ impl ModelTokenizer {
                 return whole();
             }
             let (delta, commit_at, next_check) = if last {
-                (concat_ids(words), end, Vec::new())
+                (words.ids, end, Vec::new())
             } else {
                 // Commit up to the last word ending a margin before the window's end; the words
                 // of the next margin are checked when the next window starts at the commit point.
                 let commit_limit = end - 2 * ENCODE_WINDOW_MARGIN;
                 let check_limit = end - ENCODE_WINDOW_MARGIN;
-                let committed = words.iter().take_while(|w| w.end <= commit_limit).count();
-                let checked = words[committed..]
-                    .iter()
-                    .take_while(|w| w.end <= check_limit)
+                let n = words.len();
+                let committed = (0..n).take_while(|&i| words.end(i) <= commit_limit).count();
+                let checked = (committed..n)
+                    .take_while(|&i| words.end(i) <= check_limit)
                     .count();
-                if committed == 0 || checked == 0 || words[committed - 1].end <= start {
+                if committed == 0 || checked == 0 || words.end(committed - 1) <= start {
                     // A word longer than the margins: a wider window.
                     // The same start again, checked against the same words.
                     window = window.saturating_mul(2);
                     continue;
                 }
-                let commit_at = words[committed - 1].end;
-                let mut words = words;
-                let rest = words.split_off(committed);
-                (
-                    concat_ids(words),
-                    commit_at,
-                    rest.into_iter().take(checked).collect(),
-                )
+                let next_check = words.owned(committed..committed + checked);
+                let commit_at = words.end(committed - 1);
+                let cut = words.ids_before(committed).len();
+                let mut ids = words.ids;
+                ids.truncate(cut);
+                (ids, commit_at, next_check)
             };
             ids.extend_from_slice(&delta);
             if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
+                // The window's ids were collected with room to spare; the cache holds them tight.
+                let mut delta = delta;
+                delta.shrink_to_fit();
                 // A last window serves the same prompt again (a retry, n > 1, a system prompt
                 // alone).
                 cache.insert(
@@ -704,7 +859,7 @@ impl ModelTokenizer {
         start: usize,
         end: usize,
         last: bool,
-    ) -> tokenizers::Result<Vec<WordIds>> {
+    ) -> tokenizers::Result<WindowWords> {
         use tokenizers::{Model, OffsetReferential, OffsetType, PreTokenizer};
         let t = &self.tokenizer;
         let mut pretokenized = t
@@ -718,30 +873,55 @@ impl ModelTokenizer {
         } else {
             end - start - ENCODE_WINDOW_MARGIN.min(end - start)
         };
-        let mut words = Vec::new();
-        for (piece, (from, to), tokens) in
-            pretokenized.get_splits(OffsetReferential::Original, OffsetType::None)
+        let mut words = WindowWords::default();
+        // The words that missed the word cache, by key and where their ids lie in `words.ids`;
+        // stored once the window is done.
+        let mut fresh = Vec::new();
         {
-            if to > limit {
-                break;
+            let cached = self.word_cache.as_ref().map(|c| (c, c.inner.read()));
+            for (piece, (from, to), tokens) in
+                pretokenized.get_splits(OffsetReferential::Original, OffsetType::None)
+            {
+                if to > limit {
+                    break;
+                }
+                match tokens {
+                    // An added token, matched before normalization.
+                    Some(tokens) => words.ids.extend(tokens.iter().map(|t| t.id)),
+                    None => {
+                        let key = cached.as_ref().and_then(|(c, _)| c.key(piece));
+                        let hit = key.and_then(|k| {
+                            let inner = &cached.as_ref()?.1;
+                            let &(at, n) = inner.words.get(&k)?;
+                            inner.ids.get(at as usize..(at + n) as usize)
+                        });
+                        match hit {
+                            Some(ids) => words.ids.extend_from_slice(ids),
+                            None => {
+                                let at = words.ids.len();
+                                let tokens = t.get_model().tokenize(piece)?;
+                                words.ids.extend(tokens.iter().map(|t| t.id));
+                                if let Some(key) = key {
+                                    fresh.push((key, at..words.ids.len()));
+                                }
+                            }
+                        }
+                    }
+                }
+                words
+                    .spans
+                    .push((start + from, start + to, words.ids.len()));
             }
-            let ids = match tokens {
-                // An added token, matched before normalization.
-                Some(tokens) => tokens.iter().map(|t| t.id).collect(),
-                None => t
-                    .get_model()
-                    .tokenize(piece)?
-                    .into_iter()
-                    .map(|t| t.id)
-                    .collect(),
-            };
-            words.push(WordIds {
-                start: start + from,
-                end: start + to,
-                ids,
-            });
+        }
+        if let Some(cache) = &self.word_cache {
+            cache.insert(&fresh, &words.ids);
         }
         Ok(words)
+    }
+
+    /// Words and ids the word cache holds ([`WordCache`]).
+    pub fn word_cache_usage(&self) -> (usize, usize) {
+        self.word_cache.as_ref().map_or((0, 0), WordCache::usage)
     }
 
     /// transformers' `get_chat_template(None, tools)`.

@@ -726,3 +726,76 @@ fn the_rest_bound_holds_for_text_the_normalizer_lengthens() {
         }
     }
 }
+
+/// The fixture `model` with its `tokenizer.json` changed by `edit`, in a temporary directory.
+fn edited_model(model: &str, edit: impl FnOnce(&mut Value)) -> (tempfile::TempDir, ModelTokenizer) {
+    let dir = tempfile::tempdir().unwrap();
+    let src = data_dir().join(model);
+    let mut json: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    edit(&mut json);
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    std::fs::copy(
+        src.join("tokenizer_config.json"),
+        dir.path().join("tokenizer_config.json"),
+    )
+    .unwrap();
+    let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+    (dir, tok)
+}
+
+#[test]
+fn the_word_cache_gives_the_models_ids_and_starts_over_when_full() {
+    // Every other windowed test runs with the default word cache; here its own paths: words
+    // served from it (a second pass, other texts sharing words), a cache far smaller than the
+    // texts' vocabulary (emptied again and again while a window is stored), and none at all.
+    for (model, add) in [("llama3", false), ("chatml", true), ("parts", true)] {
+        for words in [0, 7, 1 << 16] {
+            let tok = load(model).with_word_cache(words);
+            for seed in [0, 1, 2, 0] {
+                let text = mixed_text(9_000, seed * 3);
+                let e = tok
+                    .encode_prompt_until(&text, add, &mut |_, _| true)
+                    .unwrap();
+                assert!(
+                    e.ids == tok.encode_whole(&text, add).unwrap(),
+                    "{model}, {words} words, seed {seed}: the ids differ"
+                );
+                let (held, ids) = tok.word_cache_usage();
+                assert!(held <= words && ids <= 4 * words, "{held} words, {ids} ids");
+                if words > 0 {
+                    assert!(held > 0, "{model}: nothing cached");
+                }
+            }
+        }
+    }
+    // Splits longer than 64 bytes are not kept (llama3's pre-tokenizer makes one split of a
+    // space and a word of letters).
+    let tok = load("llama3");
+    let text = format!(" {}", "x".repeat(100)).repeat(50);
+    let e = tok
+        .encode_prompt_until(&text, false, &mut |_, _| true)
+        .unwrap();
+    assert!(e.ids == tok.encode_whole(&text, false).unwrap());
+    assert_eq!(tok.word_cache_usage(), (0, 0));
+}
+
+#[test]
+fn a_model_with_bpe_dropout_gets_no_word_cache() {
+    // With dropout, BPE's `tokenize` of a word differs from call to call: no cache may hold it.
+    let (_dir, tok) = edited_model("llama3", |json| json["model"]["dropout"] = json!(0.5));
+    let text = mixed_text(9_000, 1);
+    tok.encode_prompt_until(&text, false, &mut |_, _| true)
+        .unwrap();
+    assert_eq!(tok.word_cache_usage(), (0, 0));
+    let tok = tok.with_word_cache(1 << 10);
+    tok.encode_prompt_until(&text, false, &mut |_, _| true)
+        .unwrap();
+    assert_eq!(tok.word_cache_usage(), (0, 0));
+    // Without it, the same model keeps words.
+    let (_dir, tok) = edited_model("llama3", |json| json["model"]["dropout"] = Value::Null);
+    tok.encode_prompt_until(&text, false, &mut |_, _| true)
+        .unwrap();
+    assert!(tok.word_cache_usage().0 > 0);
+}
