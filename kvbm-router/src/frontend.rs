@@ -873,6 +873,13 @@ async fn serve_openai(fe: Fe, endpoint: Endpoint, request: Request) -> Response 
                 .inc_by((e.text_bytes - skipped - e.cached_bytes) as u64);
             m.tokenizer_cache_bytes
                 .set(fe.tokenizer.prefix_cache_usage().0 as i64);
+            let words = &m.tokenizer_words;
+            words
+                .with_label_values(&["cache"])
+                .inc_by(e.words_from_cache as u64);
+            words
+                .with_label_values(&["model"])
+                .inc_by(e.words_from_model as u64);
             m.input_tokens
                 .with_label_values(&[fe.model.as_str()])
                 .observe(e.estimated_tokens() as f64);

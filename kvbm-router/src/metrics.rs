@@ -45,7 +45,9 @@
 //!   `kv_router_frontend_prompt_bytes_total{how}` (`tokenized`, `cached`: taken from the
 //!   tokenizer's prefix cache, `skipped`: past the last block any worker could match, or past a
 //!   sure pick),
-//!   `kv_router_frontend_tokenizer_cache_bytes`, `kv_router_frontend_probe_answers_total{answer}`
+//!   `kv_router_frontend_tokenizer_cache_bytes`, `kv_router_frontend_tokenizer_words_total{from}`
+//!   (`cache`: ids from the tokenizer's word cache, `model`: tokenized by the model),
+//!   `kv_router_frontend_probe_answers_total{answer}`
 //!   (before each window it would tokenize, whether the prefix probe stopped it: `no_holder`,
 //!   `sure_pick`, `holders_outweighed`, or went on: `several_holders`, `holder_not_picked`,
 //!   `pick_uncertain`),
@@ -386,6 +388,9 @@ pub struct FrontendMetrics {
     pub prompt_bytes: IntCounterVec,
     /// `kv_router_frontend_tokenizer_cache_bytes`: bytes the tokenizer's prefix cache holds.
     pub tokenizer_cache_bytes: IntGauge,
+    /// `kv_router_frontend_tokenizer_words_total{from}`: words of the windows tokenized whose ids
+    /// came from the tokenizer's word cache (`cache`) or from its model (`model`).
+    pub tokenizer_words: IntCounterVec,
     /// `kv_router_frontend_probe_answers_total{answer}`: the prefix probe's answers, before each
     /// window the tokenizer would tokenize ([`crate::state::PrefixProbe::worth_more`]).
     pub probe_answers: IntCounterVec,
@@ -788,6 +793,24 @@ impl FrontendMetrics {
                 )
                 .expect("valid metric"),
             ),
+            tokenizer_words: {
+                let v = register(
+                    registry,
+                    IntCounterVec::new(
+                        Opts::new(
+                            "kv_router_frontend_tokenizer_words_total",
+                            "Words (splits of the pre-tokenizer) of the windows tokenized, by where \
+                             their ids came from: the word cache (cache) or the model (model)",
+                        ),
+                        &["from"],
+                    )
+                    .expect("valid metric"),
+                );
+                for from in ["cache", "model"] {
+                    v.with_label_values(&[from]);
+                }
+                v
+            },
             routing: register(
                 registry,
                 Histogram::with_opts(

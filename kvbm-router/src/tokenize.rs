@@ -79,11 +79,21 @@ pub const ENCODE_CELL_BYTES: usize = 2 << 10;
 /// Bytes at a window's end whose words are not trusted (its cut may change them); the words of
 /// the next such stretch are tokenized again by the next window and must come out the same.
 const ENCODE_WINDOW_MARGIN: usize = 128;
+/// The grid of a short window: the first window the walk tokenizes at the text's start or after
+/// windows from the prefix cache ends on a multiple of this (at least this far past its start),
+/// so that where a prompt parts from everything seen before, the probe can stop after a quarter
+/// of a window's tokenizing. The windows after it are of [`ENCODE_CELL_BYTES`].
+pub const ENCODE_SHORT_BYTES: usize = 512;
 
-/// Words the word cache holds by default before it starts over (see [`WordCache`]); it holds
-/// at most 4 ids a word on average. At this size, about 5 MiB (a 32-byte slot per word in a
-/// table at most seven eighths full, and the ids).
-pub const WORD_CACHE_WORDS_DEFAULT: usize = 1 << 16;
+/// Words the word cache holds by default before it starts over (see [`WordCache`]): seven eighths
+/// of 64K, the most a table of 65,536 slots takes (32 bytes a slot: 2 MiB), with up to 4 ids a
+/// word on average (0.9 MiB): about 3 MiB in all.
+pub const WORD_CACHE_WORDS_DEFAULT: usize = 57_344;
+/// The most words [`ModelTokenizer::with_word_cache`] takes (offsets into its ids stay in `u32`).
+const WORD_CACHE_WORDS_MAX: usize = 1 << 24;
+/// Ids a cached word may have at most (a word of [`WORD_CACHE_WORD_BYTES_MAX`] bytes a token
+/// each); a word with more is tokenized each time.
+const WORD_CACHE_WORD_IDS_MAX: usize = 64;
 /// The longest split the word cache keeps: longer ones are rarely seen twice.
 const WORD_CACHE_WORD_BYTES_MAX: usize = 64;
 
@@ -133,6 +143,9 @@ fn normalized_bytes_per_byte(normalizer: &Json) -> usize {
 struct WindowWords {
     spans: Vec<(usize, usize, usize)>,
     ids: Vec<u32>,
+    /// Its words whose ids came from the word cache, and those the model tokenized.
+    from_cache: usize,
+    from_model: usize,
 }
 
 impl WindowWords {
@@ -189,10 +202,13 @@ struct WordIds {
 /// The model's ids for one split of the pre-tokenizer, by its text: `Model::tokenize` is a
 /// function of that text alone (for every model but BPE with dropout, which gets no cache), and
 /// words repeat (Zipf), so most words of a prompt skip the model, its per-token `String`s and its
-/// vocabulary's cold hash map. Keyed by XXH3-128 of the split under a seed drawn at start (a
-/// client cannot aim a collision at a word; the table's own hash is the key's low half), held to
-/// a number of words and 4 ids a word, then emptied and filled again (the words of the current
-/// traffic come back first).
+/// vocabulary's cold hash map. That holds for the models as `tokenizer.json` loads them: BPE
+/// with dropout, and a Unigram model set to sample (`alpha`, which the file cannot set today),
+/// get no cache. Keyed by XXH3-128 of the split under a seed drawn at start (as the prefix cache
+/// is: a client that cannot see the seed cannot aim a collision at a word; the table's own hash
+/// is the key's low half), held to a number of words and 4 ids a word, then emptied and filled
+/// again (the words of the current traffic come back first). The model runs outside the lock,
+/// and a window's new words are stored only if the lock is free then (it is a cache).
 #[derive(Debug)]
 struct WordCache {
     seed: u64,
@@ -232,7 +248,7 @@ impl WordCache {
     fn new(words_max: usize) -> Self {
         Self {
             seed: rand::random(),
-            words_max,
+            words_max: words_max.min(WORD_CACHE_WORDS_MAX),
             inner: parking_lot::RwLock::new(WordCacheInner::default()),
         }
     }
@@ -242,19 +258,28 @@ impl WordCache {
             .then(|| xxhash_rust::xxh3::xxh3_128_with_seed(word.as_bytes(), self.seed))
     }
 
-    /// Stores the words of one window that missed.
+    /// Stores the words of one window that missed, unless another thread holds the lock.
     fn insert(&self, fresh: &[(u128, std::ops::Range<usize>)], ids: &[u32]) {
         if fresh.is_empty() {
             return;
         }
-        let mut inner = self.inner.write();
+        let Some(mut inner) = self.inner.try_write() else {
+            return;
+        };
+        let ids_max = 4 * self.words_max;
+        if inner.ids.capacity() == 0 {
+            inner.words.reserve(self.words_max);
+            inner.ids.reserve_exact(ids_max);
+        }
         for (key, range) in fresh {
-            if inner.words.len() >= self.words_max
-                || inner.ids.len() + range.len() > 4 * self.words_max
-            {
+            if range.len() > WORD_CACHE_WORD_IDS_MAX.min(ids_max) || inner.words.contains_key(key) {
+                continue;
+            }
+            if inner.words.len() >= self.words_max || inner.ids.len() + range.len() > ids_max {
                 inner.words.clear();
                 inner.ids.clear();
             }
+            // Below 4 * WORD_CACHE_WORDS_MAX ids: the offset and count fit in u32.
             let at = inner.ids.len() as u32;
             inner.ids.extend_from_slice(&ids[range.clone()]);
             inner.words.insert(*key, (at, range.len() as u32));
@@ -340,6 +365,10 @@ pub struct Encoded {
     pub cached_bytes: usize,
     /// The text's bytes.
     pub text_bytes: usize,
+    /// Words (splits of the pre-tokenizer) whose ids came from the word cache ([`WordCache`]),
+    /// and words the model tokenized, in the windows tokenized.
+    pub words_from_cache: usize,
+    pub words_from_model: usize,
 }
 
 impl Encoded {
@@ -534,12 +563,15 @@ impl ModelTokenizer {
             .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |j| {
                 j.get("normalizer").map_or(1, normalized_bytes_per_byte)
             });
-        // BPE's dropout makes `tokenize` random (the crate's own cache is off then too).
-        let random_model = pipeline.as_ref().is_none_or(|j| {
-            j.pointer("/model/dropout")
-                .and_then(Json::as_f64)
-                .is_some_and(|p| p > 0.0)
-        });
+        // BPE's dropout makes `tokenize` random (the crate's own cache is off then too), and so
+        // would a Unigram model's sampling.
+        let random_model = match tokenizer.get_model() {
+            tokenizers::ModelWrapper::BPE(bpe) => bpe.dropout.is_some_and(|p| p > 0.0),
+            tokenizers::ModelWrapper::Unigram(unigram) => {
+                unigram.alpha.is_some_and(|a| a != 0.0) || unigram.nbest_size.is_some()
+            }
+            _ => false,
+        };
         Ok(Self {
             special_wrap: [false, true].map(|add| special_wrap(&tokenizer, add)),
             tokens_per_byte_max,
@@ -724,6 +756,7 @@ impl ModelTokenizer {
         };
         let mut ids = prefix.clone();
         let mut cached_bytes = 0usize;
+        let (mut words_from_cache, mut words_from_model) = (0usize, 0usize);
         // Splits of the last window that the next window must reproduce before it is trusted.
         let mut check: Vec<WordIds> = Vec::new();
         let mut start = 0usize;
@@ -735,37 +768,78 @@ impl ModelTokenizer {
             .map(|c| xxhash_rust::xxh3::Xxh3::with_seed(c.seed));
         let mut hashed_to = 0usize;
         let mut asked_at = usize::MAX;
-        loop {
-            let want = start.saturating_add(window).max(hashed_to + 1);
-            let mut end = want
-                .div_ceil(ENCODE_CELL_BYTES)
-                .saturating_mul(ENCODE_CELL_BYTES)
-                .min(text.len());
+        // Whether the next window tokenized is a short one (see [`ENCODE_SHORT_BYTES`]).
+        let mut short_next = true;
+        let grid_end = |want: usize, grid: usize| {
+            let mut end = want.div_ceil(grid).saturating_mul(grid).min(text.len());
             while !text.is_char_boundary(end) {
                 end += 1;
             }
-            let last = end == text.len();
-            let key = hasher.as_mut().map(|h| {
+            end
+        };
+        loop {
+            let long_end = grid_end(
+                start.saturating_add(window).max(hashed_to + 1),
+                ENCODE_CELL_BYTES,
+            );
+            let short_end = short_next
+                .then(|| {
+                    grid_end(
+                        (start + ENCODE_SHORT_BYTES).max(hashed_to + 1),
+                        ENCODE_SHORT_BYTES,
+                    )
+                })
+                .filter(|&end| end < long_end);
+            // Both ends' keys, the hash state at the short end kept: the walk goes on from the
+            // window it takes, found in the cache (the long one first) or tokenized (the short
+            // one where there is one).
+            let short_key = short_end.and_then(|end| {
+                let h = hasher.as_mut()?;
                 h.update(&text.as_bytes()[hashed_to..end]);
+                hashed_to = end;
+                Some((h.digest128(), h.clone()))
+            });
+            let long_key = hasher.as_mut().map(|h| {
+                h.update(&text.as_bytes()[hashed_to..long_end]);
                 h.digest128()
             });
-            hashed_to = end;
-            if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
-                let hit = cache
-                    .get(key)
-                    .filter(|w| w.start == start && w.end == end && w.last == last);
-                if let Some(w) = hit {
-                    // Its words were checked against this same previous window when stored.
-                    ids.extend_from_slice(&w.ids);
-                    cached_bytes += w.commit_at - start;
-                    if last {
-                        break;
+            hashed_to = long_end;
+            let cached = |key: Option<u128>, end: usize| {
+                let cache = self.prefix_cache.as_ref()?;
+                cache
+                    .get(key?)
+                    .filter(|w| w.start == start && w.end == end && w.last == (end == text.len()))
+            };
+            let long_hit = cached(long_key, long_end);
+            let short_hit = match (&long_hit, short_end) {
+                (None, Some(end)) => cached(short_key.as_ref().map(|k| k.0), end),
+                _ => None,
+            };
+            let (end, key) = match short_end {
+                Some(end) if long_hit.is_none() => {
+                    // The short window, found or to tokenize: the hash goes on from its end.
+                    let (key, state) = short_key.map_or((None, None), |(k, h)| (Some(k), Some(h)));
+                    if state.is_some() {
+                        hasher = state;
                     }
-                    check.clone_from(&w.check);
-                    start = w.commit_at;
-                    window = ENCODE_CELL_BYTES;
-                    continue;
+                    hashed_to = end;
+                    (end, key)
                 }
+                _ => (long_end, long_key),
+            };
+            let last = end == text.len();
+            if let Some(w) = long_hit.or(short_hit) {
+                // Its words were checked against this same previous window when stored.
+                ids.extend_from_slice(&w.ids);
+                cached_bytes += w.commit_at - start;
+                if last {
+                    break;
+                }
+                check.clone_from(&w.check);
+                start = w.commit_at;
+                window = ENCODE_CELL_BYTES;
+                short_next = true;
+                continue;
             }
             if start > 0 && asked_at != ids.len() {
                 asked_at = ids.len();
@@ -778,10 +852,14 @@ impl ModelTokenizer {
                         untokenized_bytes: text.len() - start,
                         cached_bytes,
                         text_bytes: text.len(),
+                        words_from_cache,
+                        words_from_model,
                     });
                 }
             }
             let words = self.window_ids(text, start, end, last)?;
+            words_from_cache += words.from_cache;
+            words_from_model += words.from_model;
             if !words.starts_with(&check) {
                 tracing::debug!(
                     at = start,
@@ -804,7 +882,10 @@ impl ModelTokenizer {
                 if committed == 0 || checked == 0 || words.end(committed - 1) <= start {
                     // A word longer than the margins: a wider window.
                     // The same start again, checked against the same words.
-                    window = window.saturating_mul(2);
+                    if !short_next {
+                        window = window.saturating_mul(2);
+                    }
+                    short_next = false;
                     continue;
                 }
                 let next_check = words.owned(committed..committed + checked);
@@ -839,6 +920,7 @@ impl ModelTokenizer {
             check = next_check;
             start = commit_at;
             window = ENCODE_CELL_BYTES;
+            short_next = false;
         }
         ids.extend_from_slice(suffix);
         ids.shrink_to_fit();
@@ -847,6 +929,8 @@ impl ModelTokenizer {
             untokenized_bytes: 0,
             cached_bytes,
             text_bytes: text.len(),
+            words_from_cache,
+            words_from_model,
         })
     }
 
@@ -878,7 +962,7 @@ impl ModelTokenizer {
         // stored once the window is done.
         let mut fresh = Vec::new();
         {
-            let cached = self.word_cache.as_ref().map(|c| (c, c.inner.read()));
+            let mut cached = self.word_cache.as_ref().map(|c| (c, c.inner.read()));
             for (piece, (from, to), tokens) in
                 pretokenized.get_splits(OffsetReferential::Original, OffsetType::None)
             {
@@ -893,13 +977,24 @@ impl ModelTokenizer {
                         let hit = key.and_then(|k| {
                             let inner = &cached.as_ref()?.1;
                             let &(at, n) = inner.words.get(&k)?;
-                            inner.ids.get(at as usize..(at + n) as usize)
+                            inner.ids.get(at as usize..at as usize + n as usize)
                         });
                         match hit {
-                            Some(ids) => words.ids.extend_from_slice(ids),
+                            Some(ids) => {
+                                words.ids.extend_from_slice(ids);
+                                words.from_cache += 1;
+                            }
                             None => {
+                                words.from_model += 1;
                                 let at = words.ids.len();
-                                let tokens = t.get_model().tokenize(piece)?;
+                                // Outside the lock: a long split may take the model a while.
+                                let model = || t.get_model().tokenize(piece);
+                                let tokens = match cached.as_mut() {
+                                    Some((_, guard)) => {
+                                        parking_lot::RwLockReadGuard::unlocked(guard, model)
+                                    }
+                                    None => model(),
+                                }?;
                                 words.ids.extend(tokens.iter().map(|t| t.id));
                                 if let Some(key) = key {
                                     fresh.push((key, at..words.ids.len()));

@@ -638,6 +638,52 @@ fn the_prefix_cache_keeps_to_its_budget_and_stays_exact() {
 }
 
 #[test]
+fn the_first_window_tokenized_is_short_at_the_start_and_past_the_cache() {
+    use kvbm_router::tokenize::{ENCODE_CELL_BYTES, ENCODE_SHORT_BYTES};
+    let tok = load("llama3").with_prefix_cache(64 << 20);
+    let text = mixed_text(20_000, 11);
+    let stop = &mut |_: &[u32], _: usize| false;
+    // A probe that stops at once: only the short first window was tokenized.
+    let e = tok.encode_prompt_until(&text, false, stop).unwrap();
+    let tokenized = text.len() - e.untokenized_bytes - e.cached_bytes;
+    assert!(
+        tokenized > 0 && tokenized < ENCODE_SHORT_BYTES,
+        "{tokenized} bytes tokenized"
+    );
+    // A text sharing 10,000 bytes with one seen whole, then new: the cached windows, then one
+    // short window before the probe is asked again.
+    tok.encode_prompt_until(&text, false, &mut |_, _| true)
+        .unwrap();
+    let other = format!("{}{}", cut(&text, 10_000), mixed_text(8_000, 99));
+    let mut asked = 0;
+    let e = tok
+        .encode_prompt_until(&other, false, &mut |_, _| {
+            asked += 1;
+            asked == 1
+        })
+        .unwrap();
+    assert_eq!(asked, 2);
+    let tokenized = other.len() - e.untokenized_bytes - e.cached_bytes;
+    assert!(
+        e.cached_bytes + 2 * ENCODE_CELL_BYTES >= 10_000,
+        "{} bytes from the cache",
+        e.cached_bytes
+    );
+    assert!(
+        tokenized > 0 && tokenized < 2 * ENCODE_SHORT_BYTES,
+        "{tokenized} bytes tokenized"
+    );
+    let whole = tok.encode_whole(&other, false).unwrap();
+    assert!(whole.starts_with(&e.ids));
+    // The same text again takes the short window from the cache and goes on past it.
+    let again = tok
+        .encode_prompt_until(&other, false, &mut |_, _| true)
+        .unwrap();
+    assert!(again.ids == whole);
+    assert!(again.cached_bytes >= e.cached_bytes + tokenized);
+}
+
+#[test]
 fn a_stopped_encode_gives_a_prefix_of_the_ids_and_estimates_the_rest() {
     let tok = load("chatml");
     let text = mixed_text(20_000, 7);
@@ -745,31 +791,118 @@ fn edited_model(model: &str, edit: impl FnOnce(&mut Value)) -> (tempfile::TempDi
     (dir, tok)
 }
 
-#[test]
-fn the_word_cache_gives_the_models_ids_and_starts_over_when_full() {
-    // Every other windowed test runs with the default word cache; here its own paths: words
-    // served from it (a second pass, other texts sharing words), a cache far smaller than the
-    // texts' vocabulary (emptied again and again while a window is stored), and none at all.
-    for (model, add) in [("llama3", false), ("chatml", true), ("parts", true)] {
-        for words in [0, 7, 1 << 16] {
-            let tok = load(model).with_word_cache(words);
-            for seed in [0, 1, 2, 0] {
-                let text = mixed_text(9_000, seed * 3);
-                let e = tok
-                    .encode_prompt_until(&text, add, &mut |_, _| true)
-                    .unwrap();
-                assert!(
-                    e.ids == tok.encode_whole(&text, add).unwrap(),
-                    "{model}, {words} words, seed {seed}: the ids differ"
-                );
-                let (held, ids) = tok.word_cache_usage();
-                assert!(held <= words && ids <= 4 * words, "{held} words, {ids} ids");
-                if words > 0 {
-                    assert!(held > 0, "{model}: nothing cached");
-                }
+/// Checks `tok`'s windowed encode of a few texts against its whole encode: with every cache
+/// size (none, one emptied again and again while a window is stored, the default), read twice
+/// (the second time every word from the cache, none from the model), and stopped after three
+/// windows (a prefix of the whole encode, not the fallback to it).
+fn check_word_cache(name: &str, dir: &Path, add: bool) {
+    use kvbm_router::tokenize::WORD_CACHE_WORDS_DEFAULT;
+    for words in [0, 7, WORD_CACHE_WORDS_DEFAULT] {
+        let tok = ModelTokenizer::from_dir(dir)
+            .unwrap()
+            .with_word_cache(words);
+        for seed in [0, 1, 2, 0] {
+            let text = mixed_text(9_000, seed * 3);
+            let whole = tok.encode_whole(&text, add).unwrap();
+            let e = tok
+                .encode_prompt_until(&text, add, &mut |_, _| true)
+                .unwrap();
+            assert!(
+                e.ids == whole,
+                "{name}, {words} words, seed {seed}: the ids differ"
+            );
+            let (held, ids) = tok.word_cache_usage();
+            assert!(held <= words && ids <= 4 * words, "{held} words, {ids} ids");
+            assert!(
+                e.words_from_model > 0 || e.words_from_cache > 0,
+                "{name}: no words"
+            );
+            if words == 0 {
+                assert_eq!(e.words_from_cache, 0);
             }
+            let again = tok
+                .encode_prompt_until(&text, add, &mut |_, _| true)
+                .unwrap();
+            assert!(
+                again.ids == whole,
+                "{name}, {words} words: the second pass differs"
+            );
+            if words == WORD_CACHE_WORDS_DEFAULT {
+                assert!(held > 0, "{name}: nothing cached");
+                assert_eq!(again.words_from_model, 0, "{name}: words missed the cache");
+            }
+            let mut asked = 0;
+            let stopped = tok
+                .encode_prompt_until(&text, add, &mut |_, _| {
+                    asked += 1;
+                    asked < 3
+                })
+                .unwrap();
+            assert_eq!(asked, 3, "{name}: the windows did not join");
+            assert!(stopped.untokenized_bytes > 0 && whole.starts_with(&stopped.ids));
         }
     }
+}
+
+#[test]
+fn the_word_cache_gives_the_models_ids_and_starts_over_when_full() {
+    // The fixtures (byte-level BPE), and one model of each other kind the crate loads: a
+    // WordPiece (BERT's normalizer and pre-tokenizer), a Unigram (SentencePiece's Metaspace) and
+    // a WordLevel (the replay's), their vocabularies made here from the test text's characters.
+    for (model, add) in [("llama3", false), ("chatml", true), ("parts", true)] {
+        check_word_cache(model, &data_dir().join(model), add);
+    }
+    let text: String = (0..8).map(|seed| mixed_text(9_000, seed * 3)).collect();
+    let mut chars: Vec<char> = text
+        .to_lowercase()
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect();
+    chars.sort_unstable();
+    chars.dedup();
+    let words = [
+        "the", "router", "index", "holds", "blocks", "fast", "and", "so", "on", "indented",
+    ];
+    let mut vocab = serde_json::Map::new();
+    for t in ["[UNK]"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(chars.iter().flat_map(|c| [c.to_string(), format!("##{c}")]))
+        .chain(words.iter().flat_map(|w| [w.to_string(), format!("##{w}")]))
+    {
+        let id = vocab.len();
+        vocab.entry(t).or_insert(json!(id));
+    }
+    let d = model_dir(json!({
+        "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
+                       "strip_accents": null, "lowercase": true},
+        "pre_tokenizer": {"type": "BertPreTokenizer"},
+        "model": {"type": "WordPiece", "unk_token": "[UNK]", "continuing_subword_prefix": "##",
+                  "max_input_chars_per_word": 100, "vocab": vocab},
+    }));
+    check_word_cache("wordpiece", d.path(), true);
+    let mut pieces = vec![json!(["<unk>", 0.0]), json!(["\u{2581}", -2.0])];
+    pieces.extend(chars.iter().map(|c| json!([c.to_string(), -5.0])));
+    pieces.extend(words.iter().map(|w| json!([format!("\u{2581}{w}"), -3.0])));
+    pieces.extend(words.iter().map(|w| json!([w.to_string(), -4.0])));
+    let d = model_dir(json!({
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Metaspace", "replacement": "\u{2581}", "prepend_scheme": "never",
+                          "split": true},
+        "model": {"type": "Unigram", "unk_id": 0, "vocab": pieces, "byte_fallback": false},
+    }));
+    check_word_cache("unigram", d.path(), true);
+    let mut vocab = serde_json::Map::new();
+    for (id, w) in text.split_whitespace().enumerate() {
+        vocab.entry(w.to_owned()).or_insert(json!(id));
+    }
+    vocab.insert("[UNK]".into(), json!(vocab.len()));
+    let d = model_dir(json!({
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+    }));
+    check_word_cache("wordlevel", d.path(), true);
     // Splits longer than 64 bytes are not kept (llama3's pre-tokenizer makes one split of a
     // space and a word of letters).
     let tok = load("llama3");
@@ -779,6 +912,20 @@ fn the_word_cache_gives_the_models_ids_and_starts_over_when_full() {
         .unwrap();
     assert!(e.ids == tok.encode_whole(&text, false).unwrap());
     assert_eq!(tok.word_cache_usage(), (0, 0));
+    assert!(e.words_from_model > 0 && e.words_from_cache == 0);
+}
+
+/// A model directory with a `tokenizer.json` of `parts` (normalizer, pre-tokenizer, model) and
+/// nothing else to it.
+fn model_dir(parts: Value) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut json = json!({"version": "1.0", "truncation": null, "padding": null,
+                          "added_tokens": [], "post_processor": null, "decoder": null});
+    for (k, v) in parts.as_object().unwrap() {
+        json[k] = v.clone();
+    }
+    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+    dir
 }
 
 #[test]
@@ -793,8 +940,8 @@ fn a_model_with_bpe_dropout_gets_no_word_cache() {
     tok.encode_prompt_until(&text, false, &mut |_, _| true)
         .unwrap();
     assert_eq!(tok.word_cache_usage(), (0, 0));
-    // Without it, the same model keeps words.
-    let (_dir, tok) = edited_model("llama3", |json| json["model"]["dropout"] = Value::Null);
+    // With a dropout of 0, the same model keeps words.
+    let (_dir, tok) = edited_model("llama3", |json| json["model"]["dropout"] = json!(0.0));
     tok.encode_prompt_until(&text, false, &mut |_, _| true)
         .unwrap();
     assert!(tok.word_cache_usage().0 > 0);
