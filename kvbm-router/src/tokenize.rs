@@ -79,11 +79,6 @@ pub const ENCODE_CELL_BYTES: usize = 2 << 10;
 /// Bytes at a window's end whose words are not trusted (its cut may change them); the words of
 /// the next such stretch are tokenized again by the next window and must come out the same.
 const ENCODE_WINDOW_MARGIN: usize = 128;
-/// The grid of a short window: the first window the walk tokenizes at the text's start or after
-/// windows from the prefix cache ends on a multiple of this (at least this far past its start),
-/// so that where a prompt parts from everything seen before, the probe can stop after a quarter
-/// of a window's tokenizing. The windows after it are of [`ENCODE_CELL_BYTES`].
-pub const ENCODE_SHORT_BYTES: usize = 512;
 
 /// Words the word cache holds by default before it starts over (see [`WordCache`]): seven eighths
 /// of 64K, the most a table of 65,536 slots takes (32 bytes a slot: 2 MiB), with up to 4 ids a
@@ -768,78 +763,37 @@ impl ModelTokenizer {
             .map(|c| xxhash_rust::xxh3::Xxh3::with_seed(c.seed));
         let mut hashed_to = 0usize;
         let mut asked_at = usize::MAX;
-        // Whether the next window tokenized is a short one (see [`ENCODE_SHORT_BYTES`]).
-        let mut short_next = true;
-        let grid_end = |want: usize, grid: usize| {
-            let mut end = want.div_ceil(grid).saturating_mul(grid).min(text.len());
+        loop {
+            let want = start.saturating_add(window).max(hashed_to + 1);
+            let mut end = want
+                .div_ceil(ENCODE_CELL_BYTES)
+                .saturating_mul(ENCODE_CELL_BYTES)
+                .min(text.len());
             while !text.is_char_boundary(end) {
                 end += 1;
             }
-            end
-        };
-        loop {
-            let long_end = grid_end(
-                start.saturating_add(window).max(hashed_to + 1),
-                ENCODE_CELL_BYTES,
-            );
-            let short_end = short_next
-                .then(|| {
-                    grid_end(
-                        (start + ENCODE_SHORT_BYTES).max(hashed_to + 1),
-                        ENCODE_SHORT_BYTES,
-                    )
-                })
-                .filter(|&end| end < long_end);
-            // Both ends' keys, the hash state at the short end kept: the walk goes on from the
-            // window it takes, found in the cache (the long one first) or tokenized (the short
-            // one where there is one).
-            let short_key = short_end.and_then(|end| {
-                let h = hasher.as_mut()?;
+            let last = end == text.len();
+            let key = hasher.as_mut().map(|h| {
                 h.update(&text.as_bytes()[hashed_to..end]);
-                hashed_to = end;
-                Some((h.digest128(), h.clone()))
-            });
-            let long_key = hasher.as_mut().map(|h| {
-                h.update(&text.as_bytes()[hashed_to..long_end]);
                 h.digest128()
             });
-            hashed_to = long_end;
-            let cached = |key: Option<u128>, end: usize| {
-                let cache = self.prefix_cache.as_ref()?;
-                cache
-                    .get(key?)
-                    .filter(|w| w.start == start && w.end == end && w.last == (end == text.len()))
-            };
-            let long_hit = cached(long_key, long_end);
-            let short_hit = match (&long_hit, short_end) {
-                (None, Some(end)) => cached(short_key.as_ref().map(|k| k.0), end),
-                _ => None,
-            };
-            let (end, key) = match short_end {
-                Some(end) if long_hit.is_none() => {
-                    // The short window, found or to tokenize: the hash goes on from its end.
-                    let (key, state) = short_key.map_or((None, None), |(k, h)| (Some(k), Some(h)));
-                    if state.is_some() {
-                        hasher = state;
+            hashed_to = end;
+            if let (Some(key), Some(cache)) = (key, &self.prefix_cache) {
+                let hit = cache
+                    .get(key)
+                    .filter(|w| w.start == start && w.end == end && w.last == last);
+                if let Some(w) = hit {
+                    // Its words were checked against this same previous window when stored.
+                    ids.extend_from_slice(&w.ids);
+                    cached_bytes += w.commit_at - start;
+                    if last {
+                        break;
                     }
-                    hashed_to = end;
-                    (end, key)
+                    check.clone_from(&w.check);
+                    start = w.commit_at;
+                    window = ENCODE_CELL_BYTES;
+                    continue;
                 }
-                _ => (long_end, long_key),
-            };
-            let last = end == text.len();
-            if let Some(w) = long_hit.or(short_hit) {
-                // Its words were checked against this same previous window when stored.
-                ids.extend_from_slice(&w.ids);
-                cached_bytes += w.commit_at - start;
-                if last {
-                    break;
-                }
-                check.clone_from(&w.check);
-                start = w.commit_at;
-                window = ENCODE_CELL_BYTES;
-                short_next = true;
-                continue;
             }
             if start > 0 && asked_at != ids.len() {
                 asked_at = ids.len();
@@ -882,10 +836,7 @@ impl ModelTokenizer {
                 if committed == 0 || checked == 0 || words.end(committed - 1) <= start {
                     // A word longer than the margins: a wider window.
                     // The same start again, checked against the same words.
-                    if !short_next {
-                        window = window.saturating_mul(2);
-                    }
-                    short_next = false;
+                    window = window.saturating_mul(2);
                     continue;
                 }
                 let next_check = words.owned(committed..committed + checked);
@@ -920,7 +871,6 @@ impl ModelTokenizer {
             check = next_check;
             start = commit_at;
             window = ENCODE_CELL_BYTES;
-            short_next = false;
         }
         ids.extend_from_slice(suffix);
         ids.shrink_to_fit();

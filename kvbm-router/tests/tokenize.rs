@@ -638,52 +638,6 @@ fn the_prefix_cache_keeps_to_its_budget_and_stays_exact() {
 }
 
 #[test]
-fn the_first_window_tokenized_is_short_at_the_start_and_past_the_cache() {
-    use kvbm_router::tokenize::{ENCODE_CELL_BYTES, ENCODE_SHORT_BYTES};
-    let tok = load("llama3").with_prefix_cache(64 << 20);
-    let text = mixed_text(20_000, 11);
-    let stop = &mut |_: &[u32], _: usize| false;
-    // A probe that stops at once: only the short first window was tokenized.
-    let e = tok.encode_prompt_until(&text, false, stop).unwrap();
-    let tokenized = text.len() - e.untokenized_bytes - e.cached_bytes;
-    assert!(
-        tokenized > 0 && tokenized < ENCODE_SHORT_BYTES,
-        "{tokenized} bytes tokenized"
-    );
-    // A text sharing 10,000 bytes with one seen whole, then new: the cached windows, then one
-    // short window before the probe is asked again.
-    tok.encode_prompt_until(&text, false, &mut |_, _| true)
-        .unwrap();
-    let other = format!("{}{}", cut(&text, 10_000), mixed_text(8_000, 99));
-    let mut asked = 0;
-    let e = tok
-        .encode_prompt_until(&other, false, &mut |_, _| {
-            asked += 1;
-            asked == 1
-        })
-        .unwrap();
-    assert_eq!(asked, 2);
-    let tokenized = other.len() - e.untokenized_bytes - e.cached_bytes;
-    assert!(
-        e.cached_bytes + 2 * ENCODE_CELL_BYTES >= 10_000,
-        "{} bytes from the cache",
-        e.cached_bytes
-    );
-    assert!(
-        tokenized > 0 && tokenized < 2 * ENCODE_SHORT_BYTES,
-        "{tokenized} bytes tokenized"
-    );
-    let whole = tok.encode_whole(&other, false).unwrap();
-    assert!(whole.starts_with(&e.ids));
-    // The same text again takes the short window from the cache and goes on past it.
-    let again = tok
-        .encode_prompt_until(&other, false, &mut |_, _| true)
-        .unwrap();
-    assert!(again.ids == whole);
-    assert!(again.cached_bytes >= e.cached_bytes + tokenized);
-}
-
-#[test]
 fn a_stopped_encode_gives_a_prefix_of_the_ids_and_estimates_the_rest() {
     let tok = load("chatml");
     let text = mixed_text(20_000, 7);
