@@ -195,11 +195,10 @@ struct WordIds {
 }
 
 /// The model's ids for one split of the pre-tokenizer, by its text: `Model::tokenize` is a
-/// function of that text alone (for every model but BPE with dropout, which gets no cache), and
-/// words repeat (Zipf), so most words of a prompt skip the model, its per-token `String`s and its
-/// vocabulary's cold hash map. That holds for the models as `tokenizer.json` loads them: BPE
-/// with dropout, and a Unigram model set to sample (`alpha`, which the file cannot set today),
-/// get no cache. Keyed by XXH3-128 of the split under a seed drawn at start (as the prefix cache
+/// function of that text alone, and words repeat (Zipf), so most words of a prompt skip the
+/// model, its per-token `String`s and its vocabulary's cold hash map. Models for which it is not
+/// (BPE with dropout, a Unigram model set to sample: `alpha`, which `tokenizer.json` cannot set
+/// today) get no cache. Keyed by XXH3-128 of the split under a seed drawn at start (as the prefix cache
 /// is: a client that cannot see the seed cannot aim a collision at a word; the table's own hash
 /// is the key's low half), held to a number of words and 4 ids a word, then emptied and filled
 /// again (the words of the current traffic come back first). The model runs outside the lock,
@@ -338,9 +337,10 @@ pub struct ModelTokenizer {
     /// Windows already tokenized, by the prefix that ends them (see [`Self::with_prefix_cache`]).
     prefix_cache: Option<PrefixCache>,
     /// The model's ids by split ([`WordCache`]); None for a model whose `tokenize` is not a
-    /// function of the split (BPE with dropout).
+    /// function of the split.
     word_cache: Option<WordCache>,
-    /// Whether the model's `tokenize` is a function of the split (all but BPE with dropout).
+    /// Whether the model's `tokenize` is a function of the split (all but BPE with dropout and a
+    /// sampling Unigram model).
     deterministic_model: bool,
     /// Tokens a byte of text gives at most ([`Self::rest_tokens_max`]): a token covers at least
     /// one byte of the normalized text (one character where the model works on characters),
@@ -552,9 +552,7 @@ impl ModelTokenizer {
                 compile_error: compile_error.map(|e| e.to_string()),
             });
         }
-        let pipeline = serde_json::from_slice::<Json>(&bytes).ok();
-        let tokens_per_byte_max = pipeline
-            .as_ref()
+        let tokens_per_byte_max = serde_json::from_slice::<Json>(&bytes)
             .map_or(NORMALIZED_BYTES_PER_BYTE_UNKNOWN, |j| {
                 j.get("normalizer").map_or(1, normalized_bytes_per_byte)
             });
@@ -597,7 +595,7 @@ impl ModelTokenizer {
     }
 
     /// With a cache of the model's ids for up to `words` distinct words (none if 0, or if the
-    /// model's `tokenize` is random: BPE with dropout); [`Self::from_dir`] gives one of
+    /// model's `tokenize` is random); [`Self::from_dir`] gives one of
     /// [`WORD_CACHE_WORDS_DEFAULT`]. See [`WordCache`].
     pub fn with_word_cache(mut self, words: usize) -> Self {
         self.word_cache = (words > 0 && self.deterministic_model).then(|| WordCache::new(words));

@@ -509,26 +509,16 @@ fn long_prompts_get_the_ids_of_a_whole_encode() {
 fn a_pipeline_whose_windows_do_not_join_falls_back_to_a_whole_encode() {
     // A byte-level pre-tokenizer that adds a space before the text: each window's first word
     // would get it, so the windows' check fails and the text is encoded whole.
-    let dir = tempfile::tempdir().unwrap();
-    let src = data_dir().join("chatml");
-    let mut json: Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+    let (_dir, tok) = edited_model("chatml", |json| {
+        let pres = json["pre_tokenizer"]["pretokenizers"]
+            .as_array_mut()
             .unwrap();
-    let pres = json["pre_tokenizer"]["pretokenizers"]
-        .as_array_mut()
-        .unwrap();
-    for p in pres.iter_mut() {
-        if p["type"] == "ByteLevel" {
-            p["add_prefix_space"] = json!(true);
+        for p in pres.iter_mut() {
+            if p["type"] == "ByteLevel" {
+                p["add_prefix_space"] = json!(true);
+            }
         }
-    }
-    std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
-    std::fs::copy(
-        src.join("tokenizer_config.json"),
-        dir.path().join("tokenizer_config.json"),
-    )
-    .unwrap();
-    let tok = ModelTokenizer::from_dir(dir.path()).unwrap();
+    });
     let text = long_text(&["<|im_start|>"]);
     assert!(tok.encode_prompt(&text, true).unwrap() == tok.encode_whole(&text, true).unwrap());
 }
